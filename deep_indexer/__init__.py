@@ -1,0 +1,1 @@
+"""deep_indexer: SM90 kernels for the DeepSeek Sparse Attention lightning indexer."""

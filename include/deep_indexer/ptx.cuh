@@ -1,0 +1,190 @@
+// Thin wrappers over the SM90 PTX that every deep_indexer kernel uses: mbarriers, TMA, WGMMA
+// fences and descriptors, register reconfiguration, named barriers, pipeline state.
+#pragma once
+#include <cstdint>
+#include <cuda.h>
+
+#include <deep_indexer/wgmma_fp8.cuh>
+
+#define DI_DEVICE __device__ __forceinline__
+
+namespace deep_indexer::ptx {
+
+DI_DEVICE uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+DI_DEVICE uint32_t lane_idx() { return threadIdx.x & 31u; }
+
+// Warp-uniform warp index (keeps the compiler from treating role branches as divergent).
+DI_DEVICE uint32_t warp_idx() { return __shfl_sync(0xffffffffu, threadIdx.x / 32u, 0); }
+
+DI_DEVICE bool elect_one() {
+  uint32_t pred = 0;
+  asm volatile(
+      "{\n.reg .b32 r;\n.reg .pred p;\n"
+      "elect.sync r|p, 0xffffffff;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(pred));
+  return pred != 0;
+}
+
+// ---------------------------------------------------------------- mbarrier
+DI_DEVICE void mbar_init(uint64_t* bar, uint32_t arrive_count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrive_count));
+}
+
+DI_DEVICE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+DI_DEVICE void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+DI_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+DI_DEVICE bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(phase)
+      : "memory");
+  return done != 0;
+}
+
+DI_DEVICE void mbar_wait(uint64_t* bar, uint32_t phase) {
+  while (!mbar_try_wait(bar, phase)) {
+  }
+}
+
+// ---------------------------------------------------------------- TMA
+DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// L2 eviction-priority hints (createpolicy.fractional results, valid on SM90).
+constexpr uint64_t kCacheEvictFirst = 0x12F0000000000000ull;
+constexpr uint64_t kCacheEvictNormal = 0x1000000000000000ull;
+constexpr uint64_t kCacheEvictLast = 0x14F0000000000000ull;
+
+DI_DEVICE void tma_load_1d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0,
+                           uint64_t hint = kCacheEvictNormal) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3}], [%2], %4;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "l"(hint)
+      : "memory");
+}
+
+DI_DEVICE void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0, int32_t c1,
+                           uint64_t hint = kCacheEvictNormal) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "l"(hint)
+      : "memory");
+}
+
+DI_DEVICE void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0, int32_t c1,
+                           int32_t c2, uint64_t hint = kCacheEvictNormal) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(hint)
+      : "memory");
+}
+
+// Plain bulk copy (no tensor map): `bytes` and both addresses must be multiples of 16.
+DI_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+DI_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// ---------------------------------------------------------------- WGMMA
+DI_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+DI_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int kPending>
+DI_DEVICE void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across wgmma fences and waits.
+template <int kNum>
+DI_DEVICE void fence_accum(float* acc) {
+#pragma unroll
+  for (int i = 0; i < kNum; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// Swizzle mode of a K-major tile whose rows are `kRowBytes` long (32, 64 or 128 bytes).
+template <int kRowBytes>
+struct SwizzleMode {
+  static_assert(kRowBytes == 32 || kRowBytes == 64 || kRowBytes == 128, "rows must be 32, 64 or 128 bytes");
+  // Descriptor layout-type field: 1 = 128B, 2 = 64B, 3 = 32B swizzle.
+  static constexpr uint64_t kDescLayout = kRowBytes == 128 ? 1 : (kRowBytes == 64 ? 2 : 3);
+  // Byte stride between consecutive 8-row core-matrix groups.
+  static constexpr uint32_t kGroupStride = 8 * kRowBytes;
+  // Required alignment of the tile base (one full swizzle atom).
+  static constexpr uint32_t kAlign = 8 * kRowBytes < 1024 ? 8 * kRowBytes : 1024;
+};
+
+// Shared-memory matrix descriptor for a K-major swizzled tile with `kRowBytes`-byte rows, started
+// at `ptr` (which may be offset by a multiple of 32 bytes inside a row to step along K).
+template <int kRowBytes>
+DI_DEVICE uint64_t make_kmajor_desc(const void* ptr) {
+  using S = SwizzleMode<kRowBytes>;
+  const uint64_t addr = smem_addr(ptr);
+  uint64_t desc = 0;
+  desc |= (addr & 0x3FFFFull) >> 4;                          // start address
+  desc |= uint64_t(1) << 16;                                  // leading byte offset (unused when swizzled)
+  desc |= uint64_t((S::kGroupStride & 0x3FFFFu) >> 4) << 32;  // stride byte offset
+  desc |= S::kDescLayout << 62;
+  return desc;
+}
+
+// ---------------------------------------------------------------- warpgroup registers
+template <uint32_t kRegs>
+DI_DEVICE void reg_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+DI_DEVICE void reg_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// ---------------------------------------------------------------- named barriers
+// NOTES: id 0 is __syncthreads(); kernels number their own barriers from 1.
+DI_DEVICE void named_barrier_sync(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
+// ---------------------------------------------------------------- pipeline state
+// Stage index + parity of a ring of kNumStages buffers guarded by full/empty mbarriers.
+template <uint32_t kNumStages>
+struct PipelineState {
+  uint32_t index = 0;
+  uint32_t phase = 0;
+  DI_DEVICE void advance() {
+    if (++index == kNumStages) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// ---------------------------------------------------------------- stores
+DI_DEVICE void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+}  // namespace deep_indexer::ptx
