@@ -1,0 +1,38 @@
+// Tensor-map (TMA descriptor) construction on the host.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "driver.hpp"
+
+namespace deep_indexer::jit {
+
+inline CUtensorMapSwizzle swizzle_for_row_bytes(int row_bytes) {
+  switch (row_bytes) {
+    case 128: return CU_TENSOR_MAP_SWIZZLE_128B;
+    case 64: return CU_TENSOR_MAP_SWIZZLE_64B;
+    case 32: return CU_TENSOR_MAP_SWIZZLE_32B;
+    default: return CU_TENSOR_MAP_SWIZZLE_NONE;
+  }
+}
+
+// A rank-`Rank` tiled map. dims/box innermost first; strides_bytes[i] is the stride of dim i+1.
+template <int Rank>
+CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype, const uint64_t (&dims)[Rank],
+                            const uint64_t (&strides_bytes)[Rank > 1 ? Rank - 1 : 1], const uint32_t (&box)[Rank],
+                            CUtensorMapSwizzle swizzle, const char* what) {
+  DI_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "deep_indexer: {} is not 16-byte aligned", what);
+  for (int i = 0; i + 1 < Rank; ++i)
+    DI_CHECK(strides_bytes[i] % 16 == 0, "deep_indexer: {} has a stride of {} bytes, not a multiple of 16", what,
+             strides_bytes[i]);
+  CUtensorMap map;
+  uint32_t elem_strides[Rank];
+  for (int i = 0; i < Rank; ++i) elem_strides[i] = 1;
+  DI_CU_CHECK(driver::api().cuTensorMapEncodeTiled(
+      &map, dtype, Rank, const_cast<void*>(base), dims, strides_bytes, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+  return map;
+}
+
+}  // namespace deep_indexer::jit

@@ -1,0 +1,105 @@
+// pybind11 module deep_indexer._C: the ops, the JIT configuration and compile-only entry points.
+#include <torch/extension.h>
+
+#include "apis/clean_logits.hpp"
+#include "jit/compiler.hpp"
+#include "jit/runtime.hpp"
+#include "utils/exception.hpp"
+
+namespace py = pybind11;
+using namespace deep_indexer;
+
+namespace {
+
+py::dict usage_dict(const jit::VariantReport& r) {
+  py::dict d;
+  d["kernel"] = r.kernel;
+  d["params"] = r.params;
+  d["registers"] = r.usage.registers;
+  d["spill_stores"] = r.usage.spill_stores;
+  d["spill_loads"] = r.usage.spill_loads;
+  d["stack_frame"] = r.usage.stack_frame;
+  d["smem_bytes"] = r.smem_bytes;
+  d["seconds"] = r.seconds;
+  d["from_cache"] = r.from_cache;
+  d["warnings"] = r.usage.warnings;
+  return d;
+}
+
+int param(const py::dict& p, const char* key) {
+  DI_CHECK_ARG(p.contains(key), "precompile: missing parameter '{}'", key);
+  return p[key].cast<int>();
+}
+
+// Compiles one variant of `op` (no GPU needed). `params` holds the op's compile-time options.
+py::dict precompile_variant(const std::string& op, const py::dict& params, const std::string& arch) {
+  jit::VariantReport r;
+  {
+    if (op == "clean_logits") {
+      CleanLogitsRuntime::Params p{param(params, "elem_bytes")};
+      DI_CHECK_ARG(p.elem_bytes == 4 || p.elem_bytes == 2, "precompile: clean_logits elem_bytes must be 4 or 2");
+      py::gil_scoped_release release;
+      r = CleanLogitsRuntime::precompile(p, arch);
+    } else {
+      throw DIValueError(fmt::format(
+          "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata)",
+          op));
+    }
+  }
+  return usage_dict(r);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "deep_indexer C++/CUDA extension (JIT-compiled SM90 kernels)";
+  py::register_exception<DIError>(m, "DIError", PyExc_RuntimeError);
+  py::register_exception<DIValueError>(m, "DIValueError", PyExc_ValueError);
+
+  m.def("configure_jit", [](const std::string& include_dir, const std::string& cutlass_include_dir) {
+    jit::Compiler::instance().configure({include_dir, cutlass_include_dir});
+  });
+  m.def("cache_dir", [] { return jit::Compiler::instance().cache_dir().string(); });
+  m.def("nvcc_path", [] { return jit::Compiler::instance().nvcc_path(); });
+  m.def("nvcc_version", [] { return jit::Compiler::instance().nvcc_version(); });
+  m.def("cache_key", [](const std::string& source, const std::string& arch) {
+    return jit::Compiler::instance().cache_key(source, arch);
+  }, py::arg("source"), py::arg("arch") = "sm_90a");
+  m.def("compile_source", [](const std::string& name, const std::string& source, const std::string& arch) {
+    std::shared_ptr<const jit::CompiledKernel> k;
+    {
+      py::gil_scoped_release release;
+      k = jit::Compiler::instance().build(name, source, arch);
+    }
+    py::dict d;
+    d["dir"] = k->dir.string();
+    d["symbol"] = k->symbol;
+    d["from_cache"] = k->from_cache;
+    d["seconds"] = k->seconds;
+    d["registers"] = k->usage.registers;
+    return d;
+  }, py::arg("name"), py::arg("source"), py::arg("arch") = "sm_90a");
+  m.def("parse_ptxas_log", [](const std::string& log) {
+    const jit::ResourceUsage u = jit::parse_ptxas_log(log);
+    return py::make_tuple(u.registers, u.stack_frame, u.spill_stores, u.spill_loads, u.static_smem);
+  });
+  m.def("precompile_variant", &precompile_variant, py::arg("op"), py::arg("params"), py::arg("arch") = "sm_90a");
+  m.def("driver_available", [] {
+    std::string why;
+    const bool ok = driver::available(&why);
+    return py::make_tuple(ok, why);
+  });
+  m.def("device_info", [](int device) {
+    const jit::DeviceInfo& d = jit::device_info(device);
+    py::dict r;
+    r["num_sms"] = d.num_sms;
+    r["cc"] = py::make_tuple(d.cc_major, d.cc_minor);
+    r["max_smem_per_block_optin"] = d.max_smem_per_block_optin;
+    r["l2_bytes"] = d.l2_bytes;
+    return r;
+  });
+  m.def("num_loaded_kernels", &jit::num_loaded_kernels);
+
+  m.def("clean_logits", &clean_logits, py::arg("logits"), py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"),
+        py::arg("next_n") = 1);
+}

@@ -1,0 +1,45 @@
+"""Builds deep_indexer._C: a pybind11 extension compiled with the host compiler only.
+
+No CUDA compilation happens at install time (kernels are JIT-compiled on first use) and no
+CUDA library is linked (libcuda is loaded at run time), so this builds against a CPU-only torch.
+"""
+import os
+import pathlib
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = pathlib.Path(__file__).resolve().parent
+
+
+def cuda_include_dirs():
+    """cuda.h (types and enums only; nothing is linked)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for c in candidates:
+        if c and (pathlib.Path(c) / "include" / "cuda.h").exists():
+            return [str(pathlib.Path(c) / "include")]
+    raise RuntimeError("deep_indexer: cuda.h not found; install the CUDA toolkit or set CUDA_HOME")
+
+
+sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
+
+setup(
+    name="deep_indexer",
+    version="0.1.0",
+    description="SM90 kernels for the DeepSeek Sparse Attention lightning indexer",
+    packages=find_packages(include=["deep_indexer", "deep_indexer.*"]),
+    package_data={"deep_indexer": ["include/deep_indexer/*"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy", "nvidia-cutlass"],
+    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
+    ext_modules=[
+        CppExtension(
+            name="deep_indexer._C",
+            sources=sources,
+            include_dirs=[str(ROOT / "csrc")] + cuda_include_dirs(),
+            define_macros=[("FMT_HEADER_ONLY", None)],
+            extra_compile_args=["-O2", "-std=c++17", "-Wno-unused-function"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
