@@ -1,1 +1,26 @@
-"""deep_indexer: SM90 kernels for the DeepSeek Sparse Attention lightning indexer."""
+"""deep_indexer: SM90 kernels for the DeepSeek Sparse Attention lightning indexer.
+
+Ops (SPEC 2): fp8_mqa_logits (prefill), get_paged_mqa_logits_metadata + fp8_paged_mqa_logits
+(decode over a paged fp8 KV cache), clean_logits. Kernels are compiled on first use by a C++
+JIT (nvcc, sm_90a) and cached on disk; see `python -m deep_indexer --help`.
+"""
+import torch  # noqa: F401  (loads libtorch/libc10 before the extension)
+
+from . import _C
+from ._paths import cutlass_include_dir as _cutlass_include_dir, include_dir as _include_dir
+
+_C.configure_jit(str(_include_dir()), _cutlass_include_dir())
+
+from . import quant, reference  # noqa: E402
+from .jit import cache_clear, cache_info, precompile  # noqa: E402
+from .ops import clean_logits  # noqa: E402
+
+__all__ = [
+    "clean_logits",
+    "precompile",
+    "cache_info",
+    "cache_clear",
+    "quant",
+    "reference",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,81 @@
+"""Command line: `python -m deep_indexer {precompile,cache,bench}`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _precompile(args) -> int:
+    from . import jit
+
+    def progress(done: int, total: int, r: dict) -> None:
+        status = "FAILED" if "error" in r else ("hit" if r.get("from_cache") else f"{r['seconds']:.1f}s")
+        print(f"[{done}/{total}] {r['params']} {status}", file=sys.stderr, flush=True)
+
+    try:
+        results = jit.precompile(ops=args.ops, heads=args.heads, head_dims=args.head_dims, next_n=args.next_n,
+                                 block_kv=args.block_kv, logits_dtypes=args.logits_dtypes, arch=args.arch,
+                                 jobs=args.jobs, progress=None if args.quiet else progress)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    jit.print_table(results)
+    failed = [r for r in results if "error" in r]
+    spilled = [r for r in results if "error" not in r and (r["spill_stores"] or r["spill_loads"])]
+    for r in failed:
+        print(f"\nFAILED {r['params']}:\n{r['error']}", file=sys.stderr)
+    hits = sum(1 for r in results if r.get("from_cache"))
+    compiled = len(results) - len(failed)
+    print(f"compiled {compiled} kernels ({hits} from cache), {len(spilled)} spilled")
+    return 1 if failed or spilled else 0
+
+
+def _cache(args) -> int:
+    from . import jit
+
+    if args.action == "info":
+        info = jit.cache_info()
+        print(f"path: {info['path']}\nentries: {info['entries']}\nsize: {info['bytes'] / 2**20:.1f} MiB")
+    else:
+        print(f"removed {jit.cache_clear()} entries")
+    return 0
+
+
+def _bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deep_indexer", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pc = sub.add_parser("precompile", help="compile kernel variants into the disk cache (no GPU needed with --arch)")
+    pc.add_argument("--arch", default=None, help="target architecture (sm_90a); default: the current GPU's")
+    pc.add_argument("--ops", nargs="+", default=None, help="clean_logits mqa_logits paged_mqa_logits paged_mqa_logits_metadata")
+    pc.add_argument("--heads", nargs="+", type=int, default=None)
+    pc.add_argument("--head-dims", nargs="+", type=int, default=None)
+    pc.add_argument("--next-n", nargs="+", type=int, default=None)
+    pc.add_argument("--block-kv", nargs="+", type=int, default=None)
+    pc.add_argument("--logits-dtypes", nargs="+", default=None, help="float32 bfloat16")
+    pc.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
+    pc.add_argument("--quiet", action="store_true", help="no per-variant progress lines")
+    pc.set_defaults(func=_precompile)
+
+    cc = sub.add_parser("cache", help="inspect or clear the on-disk kernel cache")
+    cc.add_argument("action", choices=["info", "clear"])
+    cc.set_defaults(func=_cache)
+
+    bp = sub.add_parser("bench", help="benchmark the SPEC 5 shapes against the device's measured ceilings")
+    from .bench import add_arguments
+
+    add_arguments(bp)
+    bp.set_defaults(func=_bench)
+
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

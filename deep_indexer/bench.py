@@ -1,0 +1,279 @@
+"""`python -m deep_indexer bench`: the SPEC 5 shapes, timed against ceilings measured in the same run.
+
+Method: inputs are drawn once per shape; before every timed call the L2 is flushed by writing a
+buffer twice its size; each call is timed with CUDA events; the median of `--iters` calls is
+reported. Ceilings: device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through
+torch._scaled_mm. Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
+over q + weights + (D + 4) B per key token + 4 B per block-table entry + 4 B per valid logit.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+PREFILL_SHAPES = {  # id: (S, SKV, pattern)
+    "P1": (2048, 8192, "causal"),
+    "P2": (4096, 32768, "causal"),
+    "P3": (4096, 65536, "causal"),
+    "P4": (4096, 16384, "cp"),
+    "P5": (8192, 131072, "causal"),
+}
+DECODE_SHAPES = {  # id: (B, next_n, avg context)
+    "D1": (1, 1, 32768),
+    "D2": (64, 1, 8192),
+    "D3": (64, 2, 32768),
+    "D4": (128, 1, 32768),
+    "D5": (256, 1, 8192),
+    "D6": (64, 3, 32768),
+    "D7": (64, 4, 32768),
+}
+# The anchor (SPEC 5): DeepGEMM on H200 / H100, microseconds.
+ANCHOR_US = {
+    "P1": (232, 233), "P2": (1840, 1820), "P3": (4195, 4030), "P4": (578, 606), "P5": (17098, 16127),
+    "D1": (7.1, 7.8), "D2": (26.6, 34.8), "D3": (87.1, 116), "D4": (153, 216), "D5": (82.1, 114),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, D1..D7, C1) or 'prefill'/'decode'/'clean'")
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--block-kv", type=int, default=64)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", default="bench.json", help="where to write the results")
+    p.add_argument("--png", default="bench.png", help="chart of the fraction of ceiling per shape ('' to skip)")
+    p.add_argument("--compare", default=None, help="an importable module with the same API, run side by side")
+    p.add_argument("--no-ceilings", action="store_true", help="skip measuring the ceilings")
+
+
+class Timer:
+    """Cold-L2 median timing with CUDA events."""
+
+    def __init__(self, device: torch.device):
+        props = torch.cuda.get_device_properties(device)
+        self.flush_buf = torch.empty(2 * props.L2_cache_size // 4 + 1024, dtype=torch.float32, device=device)
+
+    def __call__(self, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            self.flush_buf.fill_(1.0)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)  # us
+        return statistics.median(times)
+
+
+def measure_ceilings(timer: Timer, device: torch.device) -> dict:
+    n = 1 << 30  # 1 GiB each way
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_us = timer(lambda: dst.copy_(src), iters=20)
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device=device)
+    gemm_us = timer(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters=20)
+    return {"copy_GBps": 2 * n / copy_us / 1e3, "fp8_gemm_TFLOPS": 2 * m**3 / gemm_us / 1e6}
+
+
+def prefill_inputs(S: int, SKV: int, pattern: str, H: int, D: int, device) -> dict:
+    from .quant import per_token_cast_to_fp8
+
+    q = torch.randn(S, H, D, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    k, k_scale = per_token_cast_to_fp8(torch.randn(SKV, D, device=device, dtype=torch.bfloat16))
+    w = torch.randn(S, H, device=device, dtype=torch.float32)
+    i = torch.arange(S, device=device, dtype=torch.int64)
+    if pattern == "causal":
+        ke = SKV - S + i
+    else:  # context-parallel pattern of SPEC 5
+        half, cp = S // 2, SKV // S
+        idx = cp // 3
+        ke = torch.where(i < half, idx * half + i, (2 * cp - 1 - idx) * half + (i - half))
+    ks = torch.zeros(S, dtype=torch.int32, device=device)
+    ke = ke.clamp(0, SKV).to(torch.int32)
+    pairs = int((ke.to(torch.int64) - ks.to(torch.int64)).clamp(min=0).sum())
+    return {"q": q, "kv": (k, k_scale), "weights": w, "ks": ks, "ke": ke, "pairs": pairs}
+
+
+def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, device, seed: int = 0) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens = (torch.rand(B, generator=g) * 0.6 + 0.7).mul(avg).to(torch.int32).clamp(min=next_n)
+    blocks = (lens + block_kv - 1) // block_kv
+    max_blocks = int(blocks.max())
+    num_blocks = int(blocks.sum())
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    off = 0
+    for b in range(B):
+        n = int(blocks[b])
+        table[b, :n] = perm[off:off + n]
+        off += n
+    cache = torch.randint(0, 255, (num_blocks, block_kv, 1, D + 4), dtype=torch.uint8, device=device)
+    # valid fp32 scales in each block's tail
+    scales = torch.rand(num_blocks, block_kv, device=device) * 0.02 + 0.001
+    cache.view(num_blocks, -1)[:, block_kv * D:] = scales.view(torch.uint8).view(num_blocks, -1)
+    fp8 = cache.view(num_blocks, -1)[:, : block_kv * D]
+    fp8.copy_(torch.randn(num_blocks, block_kv * D, device=device).to(torch.float8_e4m3fn).view(torch.uint8))
+    q = torch.randn(B, next_n, H, D, device=device).to(torch.float8_e4m3fn)
+    w = torch.randn(B * next_n, H, device=device)
+    ctx = lens.to(device)
+    valid = int(sum(max(0, int(l) - next_n + i + 1) for l in lens for i in range(next_n)))
+    nbytes = q.numel() + w.numel() * 4 + int(lens.sum()) * (D + 4) + num_blocks * 4 + valid * 4
+    return {"q": q, "kv_cache": cache, "weights": w, "context_lens": ctx, "block_table": table.to(device),
+            "max_context_len": int(lens.max()), "bytes": nbytes}
+
+
+def _row(sid, kind, desc, us, metric, unit, frac, extra=None) -> dict:
+    r = {"id": sid, "kind": kind, "shape": desc, "us": us, metric: None, "fraction_of_ceiling": frac}
+    r[metric] = unit
+    if extra:
+        r.update(extra)
+    return r
+
+
+def run(args) -> dict:
+    import deep_indexer as di
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench: no CUDA GPU is visible; the benchmark needs an SM90 (Hopper) GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    cc = torch.cuda.get_device_capability(device)
+    if cc != (9, 0):
+        raise SystemExit(f"bench: {torch.cuda.get_device_name(device)} is sm_{cc[0]}{cc[1]}; the kernels need SM90 (Hopper)")
+    name = torch.cuda.get_device_name(device)
+    anchor_col = 0 if "H200" in name else 1
+    other = importlib.import_module(args.compare) if args.compare else None
+    timer = Timer(device)
+    wanted = args.shapes or ["prefill", "decode", "clean"]
+    ids = []
+    for s in wanted:
+        ids += {"prefill": list(PREFILL_SHAPES), "decode": list(DECODE_SHAPES), "clean": ["C1"]}.get(s, [s])
+    print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
+    ceil = {} if args.no_ceilings else measure_ceilings(timer, device)
+    if ceil:
+        print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, fp8 GEMM {ceil['fp8_gemm_TFLOPS']:.0f} TFLOPS", flush=True)
+    H, D = args.heads, args.head_dim
+    out_dtype = getattr(torch, args.logits_dtype)
+    rows = []
+    for n, sid in enumerate(ids):
+        print(f"[{n + 1}/{len(ids)}] {sid} ...", file=sys.stderr, flush=True)
+        torch.manual_seed(n)
+        if sid in PREFILL_SHAPES:
+            S, SKV, pat = PREFILL_SHAPES[sid]
+            x = prefill_inputs(S, SKV, pat, H, D, device)
+            call = lambda m: m.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True, logits_dtype=out_dtype) \
+                if out_dtype != torch.float32 else m.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
+            us = timer(lambda: call(di), args.iters)
+            tflops = 2 * x["pairs"] * H * D / us / 1e6
+            frac = tflops / ceil["fp8_gemm_TFLOPS"] if ceil else None
+            r = {"id": sid, "kind": "prefill", "shape": f"S={S} SKV={SKV} {pat} H={H} D={D} {args.logits_dtype}",
+                 "us": us, "TFLOPS": tflops, "fraction_of_ceiling": frac}
+            if other is not None:
+                r["compare_us"] = timer(lambda: call(other), args.iters)
+            del x
+        elif sid in DECODE_SHAPES:
+            B, nn, avg = DECODE_SHAPES[sid]
+            x = decode_inputs(B, nn, avg, H, D, args.block_kv, device, seed=n)
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
+            call = lambda m, meta=meta: m.fp8_paged_mqa_logits(
+                x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"], meta, x["max_context_len"], False)
+            us = timer(lambda: call(di), args.iters)
+            meta_us = timer(lambda: di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms), args.iters)
+            gbps = x["bytes"] / us / 1e3
+            frac = gbps / ceil["copy_GBps"] if ceil else None
+            r = {"id": sid, "kind": "decode", "shape": f"B={B} next_n={nn} avg={avg} H={H} D={D} block={args.block_kv}",
+                 "us": us, "GBps": gbps, "fraction_of_ceiling": frac, "metadata_us": meta_us}
+            if other is not None:
+                ometa = other.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
+                r["compare_us"] = timer(lambda: call(other, ometa), args.iters)
+            del x
+        elif sid == "C1":
+            M, N = 4096, 131072
+            logits = torch.randn(M, N, device=device)
+            ks = torch.randint(0, N // 2, (M,), device=device, dtype=torch.int32)
+            ke = (ks + torch.randint(0, N // 2, (M,), device=device, dtype=torch.int32)).to(torch.int32)
+            written = int((N - (ke - ks).clamp(min=0)).sum()) * 4
+            us = timer(lambda: di.clean_logits(logits, ks, ke), args.iters)
+            gbps = written / us / 1e3
+            r = {"id": "C1", "kind": "clean_logits", "shape": f"[{M}, {N}] float32, random ranges",
+                 "us": us, "GBps": gbps, "fraction_of_ceiling": gbps / ceil["copy_GBps"] if ceil else None}
+            del logits
+        else:
+            raise SystemExit(f"bench: unknown shape id '{sid}'")
+        if sid in ANCHOR_US:
+            r["anchor_us"] = ANCHOR_US[sid][anchor_col]
+            r["speedup_vs_anchor"] = r["anchor_us"] / r["us"]
+        rows.append(r)
+        torch.cuda.empty_cache()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"device": name, "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
+            "host": platform.node(), "ceilings": ceil, "results": rows}
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{'id':<4} {'shape':<52} {'time us':>10} {'rate':>14} {'of ceil':>8} {'anchor':>9} {'speedup':>8}")
+    for r in res["results"]:
+        rate = f"{r['TFLOPS']:.0f} TFLOPS" if "TFLOPS" in r else f"{r['GBps']:.0f} GB/s"
+        frac = f"{r['fraction_of_ceiling']:.2f}" if r.get("fraction_of_ceiling") is not None else "-"
+        anc = f"{r['anchor_us']:.1f}" if "anchor_us" in r else "-"
+        sp = f"{r['speedup_vs_anchor']:.2f}x" if "speedup_vs_anchor" in r else "-"
+        extra = f"  (metadata {r['metadata_us']:.1f} us)" if "metadata_us" in r else ""
+        cmp = f"  (compare: {r['compare_us']:.1f} us, ratio {r['compare_us'] / r['us']:.2f})" if "compare_us" in r else ""
+        print(f"{r['id']:<4} {r['shape']:<52} {r['us']:>10.1f} {rate:>14} {frac:>8} {anc:>9} {sp:>8}{extra}{cmp}")
+
+
+def draw(res: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib not installed; no chart", file=sys.stderr)
+        return
+    rs = [r for r in res["results"] if r.get("fraction_of_ceiling") is not None]
+    fig, ax = plt.subplots(figsize=(max(6, len(rs) * 0.8), 4))
+    ax.bar([r["id"] for r in rs], [r["fraction_of_ceiling"] for r in rs],
+           color=["tab:blue" if r["kind"] == "prefill" else "tab:orange" for r in rs])
+    ax.set_ylabel("fraction of measured ceiling")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"deep_indexer on {res['device']} ({res['commit']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    res = run(args)
+    print_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png:
+        draw(res, args.png)
+    return 0

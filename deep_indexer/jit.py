@@ -1,0 +1,180 @@
+"""Ahead-of-time compilation and the on-disk kernel cache.
+
+`precompile()` compiles every requested kernel variant in parallel (no GPU needed when `arch` is
+given) so that serving never compiles; `cache_info()` / `cache_clear()` inspect the cache.
+The first call of each op in a process still loads its cubin from the cache (milliseconds): warm
+up before capturing CUDA graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import pathlib
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Callable, Iterable, Optional, Sequence
+
+from . import _C
+
+# Supported compile-time values per op (the C++ side validates them again).
+HEADS = (16, 32, 64, 128)
+MQA_HEAD_DIMS = (32, 64, 128)
+PAGED_HEAD_DIMS = (64, 128)
+NEXT_N = (1, 2, 3, 4)
+BLOCK_KV = (32, 64)
+LOGITS_DTYPES = ("float32", "bfloat16")
+OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata")
+_ELEM_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    op: str
+    params: tuple  # sorted (key, value) pairs passed to _C.precompile_variant
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.params)
+
+
+def _check_choice(name: str, values: Iterable, allowed: Sequence) -> list:
+    values = list(values)
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(f"precompile: unsupported {name} {bad}; supported: {list(allowed)}")
+    return values
+
+
+def variants(
+    ops: Optional[Sequence[str]] = None,
+    heads: Optional[Sequence[int]] = None,
+    head_dims: Optional[Sequence[int]] = None,
+    next_n: Optional[Sequence[int]] = None,
+    block_kv: Optional[Sequence[int]] = None,
+    logits_dtypes: Optional[Sequence[str]] = None,
+) -> list[Variant]:
+    """Every kernel variant of the chosen ops over the chosen options (None = all supported)."""
+    ops = _check_choice("op", ops or OPS, OPS)
+    dtypes = _check_choice("logits dtype", logits_dtypes or LOGITS_DTYPES, LOGITS_DTYPES)
+    hs = _check_choice("head count", heads or HEADS, HEADS)
+    nn = _check_choice("next_n", next_n or NEXT_N, NEXT_N)
+    bk = _check_choice("block_kv", block_kv or BLOCK_KV, BLOCK_KV)
+    if head_dims:
+        _check_choice("head dim", head_dims, sorted(set(MQA_HEAD_DIMS) | set(PAGED_HEAD_DIMS)))
+    out: list[Variant] = []
+
+    def add(op: str, **params):
+        out.append(Variant(op, tuple(sorted(params.items()))))
+
+    for op in ops:
+        if op == "clean_logits":
+            for dt in dtypes:
+                add(op, elem_bytes=_ELEM_BYTES[dt])
+        elif op == "mqa_logits":
+            dims = [d for d in (head_dims or MQA_HEAD_DIMS) if d in MQA_HEAD_DIMS]
+            for h, d, dt in itertools.product(hs, dims, dtypes):
+                add(op, num_heads=h, head_dim=d, elem_bytes=_ELEM_BYTES[dt])
+        elif op == "paged_mqa_logits":
+            dims = [d for d in (head_dims or PAGED_HEAD_DIMS) if d in PAGED_HEAD_DIMS]
+            for n, h, d, b, dt, two_d in itertools.product(nn, hs, dims, bk, dtypes, (0, 1)):
+                add(op, next_n=n, num_heads=h, head_dim=d, block_kv=b, elem_bytes=_ELEM_BYTES[dt], context_lens_2d=two_d)
+        elif op == "paged_mqa_logits_metadata":
+            for n in nn:
+                add(op, next_n=n)
+    return out
+
+
+def resolve_arch(arch: Optional[str]) -> str:
+    """`arch` if given (only sm_90a), else the current GPU's, with a clear error without one."""
+    if arch:
+        if arch != "sm_90a":
+            raise ValueError(f"precompile: unsupported arch '{arch}'; the kernels target sm_90a (Hopper)")
+        return arch
+    ok, why = _C.driver_available()
+    if not ok:
+        raise RuntimeError(f"precompile: no GPU to detect the architecture from ({why}); pass --arch sm_90a")
+    cc = _C.device_info(0)["cc"]
+    if tuple(cc) != (9, 0):
+        raise RuntimeError(f"precompile: cuda:0 has compute capability {cc[0]}.{cc[1]}; kernels need SM90 (pass --arch sm_90a to compile anyway)")
+    return "sm_90a"
+
+
+def precompile(
+    ops: Optional[Sequence[str]] = None,
+    heads: Optional[Sequence[int]] = None,
+    head_dims: Optional[Sequence[int]] = None,
+    next_n: Optional[Sequence[int]] = None,
+    block_kv: Optional[Sequence[int]] = None,
+    logits_dtypes: Optional[Sequence[str]] = None,
+    arch: Optional[str] = None,
+    jobs: Optional[int] = None,
+    progress: Optional[Callable[[int, int, dict], None]] = None,
+) -> list[dict]:
+    """Compiles the chosen kernel variants into the disk cache, `jobs` nvcc processes at a time.
+
+    Returns one dict per variant (kernel, params, registers, spill bytes, smem bytes, seconds,
+    from_cache, or `error`). Never raises for a failed variant: check each dict's "error".
+    """
+    arch = resolve_arch(arch)
+    todo = variants(ops, heads, head_dims, next_n, block_kv, logits_dtypes)
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    results: list[Optional[dict]] = [None] * len(todo)
+    lock = threading.Lock()
+    done = 0
+
+    def one(i: int, v: Variant) -> None:
+        nonlocal done
+        t0 = time.perf_counter()
+        try:
+            r = _C.precompile_variant(v.op, dict(v.params), arch)
+        except Exception as e:  # noqa: BLE001 - reported per variant
+            r = {"kernel": v.op, "params": v.describe(), "error": str(e), "seconds": time.perf_counter() - t0}
+        r["op"] = v.op
+        results[i] = r
+        with lock:
+            done += 1
+            if progress:
+                progress(done, len(todo), r)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for f in as_completed([pool.submit(one, i, v) for i, v in enumerate(todo)]):
+            f.result()
+    return [r for r in results if r is not None]
+
+
+def _entries(root: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def cache_info() -> dict:
+    """Location, number of entries and total size of the on-disk kernel cache."""
+    root = pathlib.Path(_C.cache_dir())
+    entries = _entries(root)
+    size = sum(f.stat().st_size for e in entries for f in e.iterdir() if f.is_file())
+    return {"path": str(root), "entries": len(entries), "bytes": size}
+
+
+def cache_clear() -> int:
+    """Removes every cache entry (safe while other processes run: they recompile). Returns the count."""
+    root = pathlib.Path(_C.cache_dir())
+    entries = _entries(root)
+    for e in entries:
+        shutil.rmtree(e, ignore_errors=True)
+    shutil.rmtree(root.parent / "tmp", ignore_errors=True)
+    return len(entries)
+
+
+def print_table(results: list[dict], file=sys.stdout) -> None:
+    head = f"{'kernel':<26} {'parameters':<56} {'regs':>5} {'spills':>7} {'smem':>8} {'secs':>6} {'cache':>5}"
+    print(head, file=file)
+    print("-" * len(head), file=file)
+    for r in results:
+        if "error" in r:
+            print(f"{r['kernel']:<26} {r['params']:<56} FAILED: {r['error'].splitlines()[0][:200]}", file=file)
+            continue
+        spills = r["spill_stores"] + r["spill_loads"]
+        print(f"{r['kernel']:<26} {r['params']:<56} {r['registers']:>5} {spills:>7} {r['smem_bytes']:>8} "
+              f"{r['seconds']:>6.2f} {'hit' if r['from_cache'] else 'miss':>5}", file=file)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One iteration on the GPU machine (run from the repo root through the device tool):
+# install carried wheels, build the extension, precompile, run the GPU tests, the benchmark and
+# the host-overhead / cache-reuse probes. Logs and JSON go to $OUT (default ./.out).
+#   tools/gpu_check.sh [all|tests|bench] [PYTEST_K] [BENCH_SHAPES...]
+set -uo pipefail
+MODE=${1:-all}
+KEXPR=${2:-}
+shift 2 2>/dev/null || shift $#
+OUT=${OUT:-$PWD/.out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 DI_JIT_CACHE_DIR=${DI_JIT_CACHE_DIR:-/tmp/di_cache}
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/gpu.log"; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv >>"$OUT/gpu.log" 2>&1
+log "build"
+CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -e . --no-build-isolation --no-deps >"$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+log "precompile"
+python3 -m deep_indexer precompile --quiet --jobs 16 >"$OUT/precompile.log" 2>&1
+tail -1 "$OUT/precompile.log" | tee -a "$OUT/gpu.log"
+if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
+  log "tests"
+  python3 -m pytest tests -x -q -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} 2>&1 | tail -40 | tee -a "$OUT/gpu.log"
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
+  log "bench"
+  python3 -m deep_indexer bench ${1:+--shapes "$@"} --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee -a "$OUT/gpu.log"
+  log "host overhead + cache reuse"
+  python3 tools/host_overhead.py --json "$OUT/overhead.json" 2>&1 | tee -a "$OUT/gpu.log"
+fi
+log "done"
