@@ -36,7 +36,7 @@ setup(
         CppExtension(
             name="deep_indexer._C",
             sources=sources,
-            include_dirs=[str(ROOT / "csrc")] + cuda_include_dirs(),
+            include_dirs=[str(ROOT / "csrc"), str(ROOT / "include")] + cuda_include_dirs(),
             define_macros=[("FMT_HEADER_ONLY", None)],
             extra_compile_args=["-O2", "-std=c++17", "-Wno-unused-function"],
         )

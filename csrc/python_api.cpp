@@ -2,6 +2,8 @@
 #include <torch/extension.h>
 
 #include "apis/clean_logits.hpp"
+#include "apis/mqa_logits.hpp"
+#include "apis/paged_mqa_logits.hpp"
 #include "jit/compiler.hpp"
 #include "jit/runtime.hpp"
 #include "utils/exception.hpp"
@@ -40,6 +42,23 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       DI_CHECK_ARG(p.elem_bytes == 4 || p.elem_bytes == 2, "precompile: clean_logits elem_bytes must be 4 or 2");
       py::gil_scoped_release release;
       r = CleanLogitsRuntime::precompile(p, arch);
+    } else if (op == "mqa_logits") {
+      MqaLogitsRuntime::Params p{param(params, "num_heads"), param(params, "head_dim"), param(params, "elem_bytes")};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = MqaLogitsRuntime::precompile(p, arch);
+    } else if (op == "paged_mqa_logits") {
+      PagedMqaLogitsRuntime::Params p{param(params, "next_n"),   param(params, "num_heads"),
+                                      param(params, "head_dim"), param(params, "block_kv"),
+                                      param(params, "elem_bytes"), param(params, "context_lens_2d") != 0};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = PagedMqaLogitsRuntime::precompile(p, arch);
+    } else if (op == "paged_mqa_logits_metadata") {
+      PagedMqaMetadataRuntime::Params p{param(params, "next_n")};
+      DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= 4, "precompile: next_n must be in 1..4");
+      py::gil_scoped_release release;
+      r = PagedMqaMetadataRuntime::precompile(p, arch);
     } else {
       throw DIValueError(fmt::format(
           "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata)",
@@ -102,4 +121,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("clean_logits", &clean_logits, py::arg("logits"), py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"),
         py::arg("next_n") = 1);
+  m.def("fp8_mqa_logits", &fp8_mqa_logits, py::arg("q"), py::arg("k"), py::arg("k_scale"), py::arg("weights"),
+        py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"), py::arg("clean_logits"), py::arg("elem_bytes"),
+        py::arg("out"));
+  m.def("get_paged_mqa_logits_metadata", &get_paged_mqa_logits_metadata, py::arg("context_lens"), py::arg("block_kv"),
+        py::arg("num_sms"), py::arg("out"));
+  m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, py::arg("q"), py::arg("kv_cache"), py::arg("weights"),
+        py::arg("context_lens"), py::arg("block_table"), py::arg("schedule_meta"), py::arg("max_context_len"),
+        py::arg("clean_logits"), py::arg("elem_bytes"), py::arg("out"));
 }

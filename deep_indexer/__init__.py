@@ -13,9 +13,12 @@ _C.configure_jit(str(_include_dir()), _cutlass_include_dir())
 
 from . import quant, reference  # noqa: E402
 from .jit import cache_clear, cache_info, precompile  # noqa: E402
-from .ops import clean_logits  # noqa: E402
+from .ops import clean_logits, fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_logits_metadata  # noqa: E402
 
 __all__ = [
+    "fp8_mqa_logits",
+    "get_paged_mqa_logits_metadata",
+    "fp8_paged_mqa_logits",
     "clean_logits",
     "precompile",
     "cache_info",

@@ -22,3 +22,72 @@ def clean_logits(
     columns max(ks[g], 0) <= j < min(ke[g] - next_n + i + 1, N).
     """
     return _C.clean_logits(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n)
+
+
+_ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def _elem_bytes(logits_dtype: torch.dtype, op: str) -> int:
+    try:
+        return _ELEM_BYTES[logits_dtype]
+    except KeyError:
+        raise ValueError(f"deep_indexer.{op}: logits_dtype must be torch.float32 or torch.bfloat16, got {logits_dtype}") from None
+
+
+def fp8_mqa_logits(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    *,
+    logits_dtype: torch.dtype = torch.float32,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Prefill indexer logits (SPEC 2.1): [S, SKV], logits[i, j] = k_scale[j] * sum_h w[i, h] *
+    relu(q[i, h] . k[j]) for max(ks[i], 0) <= j < min(ke[i], SKV); -inf elsewhere when clean_logits.
+
+    q [S, H, D] fp8 e4m3 (H in 16/32/64/128, D in 32/64/128); kv = (k [SKV, D] fp8, k_scale [SKV]
+    float32); weights [S, H] float32 (rows may be padded). Returns a view whose row stride may be
+    padded, or `out` ([S, SKV], logits_dtype, stride(1) == 1) when given.
+    """
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise ValueError("deep_indexer.fp8_mqa_logits: kv must be a tuple (k [SKV, D] fp8, k_scale [SKV] float32)")
+    return _C.fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, bool(clean_logits),
+                             _elem_bytes(logits_dtype, "fp8_mqa_logits"), out)
+
+
+def get_paged_mqa_logits_metadata(
+    context_lens: torch.Tensor, block_kv: int, num_sms: Optional[int] = None, *, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Decode work split (SPEC 2.2), computed on the GPU without a host sync: int32 [num_sms + 1, 2]
+    (sequence, segment) start pairs over segments of 256 tokens; see reference.paged_mqa_logits_metadata.
+    context_lens: int32 [B] or [B, next_n]. num_sms defaults to the device's SM count."""
+    return _C.get_paged_mqa_logits_metadata(context_lens, int(block_kv), num_sms, out)
+
+
+def fp8_paged_mqa_logits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    *,
+    logits_dtype: torch.dtype = torch.float32,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode indexer logits over a paged fp8 KV cache (SPEC 2.3): [B * next_n, max_context_len].
+
+    q [B, next_n, H, D] fp8 (next_n 1..4, H 16/32/64/128, D 64/128); kv_cache uint8
+    [num_blocks, block_kv (32/64), 1, D + 4] (fp8 keys then fp32 scales per block); weights
+    [B * next_n, H] float32; context_lens int32 [B] (row (b, i) sees j <= ctx[b] - next_n + i) or
+    [B, next_n] (row (b, i) sees j < ctx[b, i]); block_table int32 [B, max_blocks]; schedule_meta from
+    get_paged_mqa_logits_metadata with the same block_kv. max_context_len must be >= every context length.
+    """
+    return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                   int(max_context_len), bool(clean_logits),
+                                   _elem_bytes(logits_dtype, "fp8_paged_mqa_logits"), out)

@@ -1,0 +1,71 @@
+// API entry of fp8_mqa_logits (SPEC 2.1).
+#pragma once
+#include <ATen/ops/empty.h>
+
+#include <climits>
+#include <optional>
+
+#include "../impls/clean_logits.hpp"
+#include "../impls/mqa_logits.hpp"
+#include "../utils/checks.hpp"
+#include "device.hpp"
+
+namespace deep_indexer {
+
+inline at::ScalarType logits_scalar_type(int elem_bytes) { return elem_bytes == 4 ? at::kFloat : at::kBFloat16; }
+
+// `out` if given (checked), else a fresh [rows, cols] tensor with a padded row stride.
+inline at::Tensor logits_output(const char* op, const std::optional<at::Tensor>& out, int64_t rows, int64_t cols,
+                                int elem_bytes, const at::Tensor& like) {
+  const at::ScalarType dtype = logits_scalar_type(elem_bytes);
+  if (out.has_value()) {
+    TensorCheck(op, *out, "out").dtype(dtype).shape({rows, cols}).row_major_2d().on(like.device());
+    return *out;
+  }
+  const int64_t stride = sm90::padded_row_stride(cols, elem_bytes);
+  at::Tensor buf = at::empty({rows, stride}, like.options().dtype(dtype));
+  return buf.narrow(1, 0, cols);
+}
+
+inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,
+                                 const at::Tensor& weights, const at::Tensor& ks, const at::Tensor& ke,
+                                 bool clean_logits, int64_t elem_bytes, const std::optional<at::Tensor>& out) {
+  constexpr const char* op = "deep_indexer.fp8_mqa_logits";
+  TensorCheck(op, q, "q").dtype(at::kFloat8_e4m3fn).ndim(3).contiguous();
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  DI_CHECK_ARG(MqaLogitsLayout::supported_shape(static_cast<int>(H), static_cast<int>(D)),
+               "{}: q has {} heads of dim {}; supported: heads 16/32/64/128, dims 32/64/128", op, H, D);
+  TensorCheck(op, k, "kv[0] (k)").dtype(at::kFloat8_e4m3fn).shape({TensorCheck::kAny, D}).contiguous();
+  const int64_t SKV = k.size(0);
+  DI_CHECK_ARG(SKV >= 1 && SKV < INT_MAX, "{}: kv[0] (k) must have 1 <= SKV < 2^31 rows, got {}", op, SKV);
+  DI_CHECK_ARG(S < INT_MAX / 128, "{}: q has {} tokens; at most {} are supported", op, S, INT_MAX / 128 - 1);
+  TensorCheck(op, k_scale, "kv[1] (k_scale)").dtype(at::kFloat).shape({SKV}).contiguous();
+  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({S, H}).row_major_2d();
+  TensorCheck(op, ks, "cu_seq_len_k_start").dtype(at::kInt).shape({S}).contiguous();
+  TensorCheck(op, ke, "cu_seq_len_k_end").dtype(at::kInt).shape({S}).contiguous();
+  DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "{}: logits_dtype must be float32 or bfloat16", op);
+  TensorCheck(op, q, "q").cuda();
+  for (auto [t, name] : {std::pair{&k, "kv[0] (k)"}, {&k_scale, "kv[1] (k_scale)"}, {&weights, "weights"},
+                         {&ks, "cu_seq_len_k_start"}, {&ke, "cu_seq_len_k_end"}})
+    TensorCheck(op, *t, name).on(q.device());
+  if (S > 0) {
+    TensorCheck(op, q, "q").aligned(16);
+    TensorCheck(op, k, "kv[0] (k)").aligned(16);
+  }
+  at::Tensor logits = logits_output(op, out, S, SKV, static_cast<int>(elem_bytes), q);
+  if (S == 0) return logits;
+
+  const OpDevice dev = op_device(q);
+  MqaLogitsRuntime::launch({{static_cast<int>(H), static_cast<int>(D), static_cast<int>(elem_bytes)},
+                            q.data_ptr(), k.data_ptr(), k_scale.data_ptr<float>(), weights.data_ptr<float>(),
+                            weights.stride(0), ks.data_ptr<int>(), ke.data_ptr<int>(), logits.data_ptr(),
+                            logits.stride(0), static_cast<int>(S), static_cast<int>(SKV)},
+                           dev.device, dev.info->num_sms, dev.stream);
+  if (clean_logits)
+    CleanLogitsRuntime::launch({logits.data_ptr(), static_cast<int>(elem_bytes), logits.stride(0), S,
+                                static_cast<int>(SKV), 1, ks.data_ptr<int>(), ke.data_ptr<int>()},
+                               dev.device, dev.stream);
+  return logits;
+}
+
+}  // namespace deep_indexer

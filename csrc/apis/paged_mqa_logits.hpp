@@ -1,0 +1,115 @@
+// API entries of get_paged_mqa_logits_metadata and fp8_paged_mqa_logits (SPEC 2.2, 2.3).
+#pragma once
+#include <ATen/ops/empty.h>
+
+#include <climits>
+#include <optional>
+
+#include "../impls/paged_mqa_logits.hpp"
+#include "mqa_logits.hpp"
+
+namespace deep_indexer {
+
+// Shared checks of context_lens: int32 [B] or [B, next_n] (next_n <= 4), contiguous. Returns next_n
+// of the 2-D form (1 for 1-D).
+inline int check_context_lens(const char* op, const at::Tensor& context_lens, int64_t batch) {
+  TensorCheck(op, context_lens, "context_lens").dtype(at::kInt).contiguous();
+  DI_CHECK_ARG(context_lens.dim() == 1 || context_lens.dim() == 2,
+               "{}: context_lens must be [B] or [B, next_n], got shape {}", op, shape_str(context_lens.sizes()));
+  if (batch >= 0)
+    DI_CHECK_ARG(context_lens.size(0) == batch, "{}: context_lens must have {} rows (the batch of q), got {}", op,
+                 batch, context_lens.size(0));
+  const int64_t width = context_lens.dim() == 2 ? context_lens.size(1) : 1;
+  DI_CHECK_ARG(width >= 1 && width <= 4, "{}: context_lens [B, next_n] needs 1 <= next_n <= 4, got {}", op, width);
+  return static_cast<int>(width);
+}
+
+inline at::Tensor get_paged_mqa_logits_metadata(const at::Tensor& context_lens, int64_t block_kv,
+                                                std::optional<int64_t> num_sms,
+                                                const std::optional<at::Tensor>& out) {
+  constexpr const char* op = "deep_indexer.get_paged_mqa_logits_metadata";
+  const int width = check_context_lens(op, context_lens, -1);
+  DI_CHECK_ARG(block_kv == 32 || block_kv == 64, "{}: block_kv must be 32 or 64, got {}", op, block_kv);
+  const int64_t batch = context_lens.size(0);
+  DI_CHECK_ARG(batch < INT_MAX, "{}: batch too large ({})", op, batch);
+  TensorCheck(op, context_lens, "context_lens").cuda();
+  const OpDevice dev = op_device(context_lens);
+  const int64_t sms = num_sms.value_or(dev.info->num_sms);
+  DI_CHECK_ARG(sms >= 1 && sms <= 65536, "{}: num_sms must be in [1, 65536], got {}", op, sms);
+  at::Tensor schedule;
+  if (out.has_value()) {
+    TensorCheck(op, *out, "out").dtype(at::kInt).shape({sms + 1, 2}).contiguous().on(context_lens.device());
+    schedule = *out;
+  } else {
+    schedule = at::empty({sms + 1, 2}, context_lens.options());
+  }
+  PagedMqaMetadataRuntime::launch({width}, context_lens.data_ptr<int>(), static_cast<int>(batch),
+                                  static_cast<int>(sms), schedule.data_ptr<int>(), dev.device, dev.stream);
+  return schedule;
+}
+
+inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& weights,
+                                       const at::Tensor& context_lens, const at::Tensor& block_table,
+                                       const at::Tensor& schedule, int64_t max_context_len, bool clean_logits,
+                                       int64_t elem_bytes, const std::optional<at::Tensor>& out) {
+  constexpr const char* op = "deep_indexer.fp8_paged_mqa_logits";
+  TensorCheck(op, q, "q").dtype(at::kFloat8_e4m3fn).ndim(4).contiguous();
+  const int64_t B = q.size(0), next_n = q.size(1), H = q.size(2), D = q.size(3);
+  DI_CHECK_ARG(next_n >= 1 && next_n <= 4, "{}: q must be [B, next_n, H, D] with 1 <= next_n <= 4, got next_n = {}", op,
+               next_n);
+  DI_CHECK_ARG((H == 16 || H == 32 || H == 64 || H == 128) && (D == 64 || D == 128),
+               "{}: q has {} heads of dim {}; supported: heads 16/32/64/128, dims 64/128", op, H, D);
+  TensorCheck(op, kv_cache, "kv_cache").dtype(at::kByte).shape({TensorCheck::kAny, TensorCheck::kAny, 1, D + 4});
+  const int64_t num_blocks = kv_cache.size(0), block_kv = kv_cache.size(1);
+  DI_CHECK_ARG(block_kv == 32 || block_kv == 64, "{}: kv_cache blocks must hold 32 or 64 tokens, got {}", op, block_kv);
+  DI_CHECK_ARG(kv_cache.stride(3) == 1 && kv_cache.stride(1) == D + 4 && kv_cache.stride(0) >= block_kv * (D + 4) &&
+                   kv_cache.stride(0) % 16 == 0,
+               "{}: kv_cache must be contiguous inside each block with a block stride >= {} bytes and a multiple of "
+               "16, got strides {}",
+               op, block_kv * (D + 4), shape_str(kv_cache.strides()));
+  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({B * next_n, H}).row_major_2d();
+  const int width = check_context_lens(op, context_lens, B);
+  DI_CHECK_ARG(context_lens.dim() == 1 || width == next_n,
+               "{}: context_lens [B, next_n] must have next_n = {} (from q), got {}", op, next_n, width);
+  TensorCheck(op, block_table, "block_table").dtype(at::kInt).ndim(2).row_major_2d();
+  DI_CHECK_ARG(block_table.size(0) == B, "{}: block_table must have {} rows (the batch of q), got {}", op, B,
+               block_table.size(0));
+  TensorCheck(op, schedule, "schedule_meta").dtype(at::kInt).ndim(2).contiguous();
+  DI_CHECK_ARG(schedule.size(1) == 2 && schedule.size(0) >= 2,
+               "{}: schedule_meta must be [num_sms + 1, 2] (from get_paged_mqa_logits_metadata), got {}", op,
+               shape_str(schedule.sizes()));
+  DI_CHECK_ARG(max_context_len >= 0 && max_context_len < INT_MAX, "{}: max_context_len must be in [0, 2^31), got {}",
+               op, max_context_len);
+  DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "{}: logits_dtype must be float32 or bfloat16", op);
+  TensorCheck(op, q, "q").cuda();
+  for (auto [t, name] : {std::pair{&kv_cache, "kv_cache"}, {&weights, "weights"}, {&context_lens, "context_lens"},
+                         {&block_table, "block_table"}, {&schedule, "schedule_meta"}})
+    TensorCheck(op, *t, name).on(q.device());
+  at::Tensor logits = logits_output(op, out, B * next_n, max_context_len, static_cast<int>(elem_bytes), q);
+  if (B == 0 || max_context_len == 0) return logits;
+  TensorCheck(op, q, "q").aligned(16);
+  TensorCheck(op, kv_cache, "kv_cache").aligned(16);
+
+  const OpDevice dev = op_device(q);
+  const PagedMqaLogitsRuntime::Params params{static_cast<int>(next_n), static_cast<int>(H), static_cast<int>(D),
+                                             static_cast<int>(block_kv), static_cast<int>(elem_bytes),
+                                             context_lens.dim() == 2};
+  PagedMqaLogitsRuntime::launch(
+      {params, q.data_ptr(), kv_cache.data_ptr<uint8_t>(), num_blocks, kv_cache.stride(0), weights.data_ptr<float>(),
+       weights.stride(0), context_lens.data_ptr<int>(), block_table.data_ptr<int>(), block_table.stride(0),
+       schedule.data_ptr<int>(), static_cast<int>(schedule.size(0) - 1), logits.data_ptr(), logits.stride(0),
+       static_cast<int>(B), static_cast<int>(max_context_len)},
+      dev.device, dev.stream);
+  if (clean_logits) {
+    // [B] lengths: row (b, i) keeps j < ctx[b] - next_n + i + 1 (clean_logits' next_n grouping);
+    // [B, next_n] lengths: row r keeps j < ctx.flatten()[r] (grouping of 1).
+    const bool two_d = context_lens.dim() == 2;
+    CleanLogitsRuntime::launch({logits.data_ptr(), static_cast<int>(elem_bytes), logits.stride(0), B * next_n,
+                                static_cast<int>(max_context_len), two_d ? 1 : static_cast<int>(next_n), nullptr,
+                                context_lens.data_ptr<int>()},
+                               dev.device, dev.stream);
+  }
+  return logits;
+}
+
+}  // namespace deep_indexer

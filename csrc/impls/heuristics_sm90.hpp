@@ -1,0 +1,59 @@
+// Every SM90 launch heuristic in one place. DI_JIT_DEBUG=1 prints each choice once per shape.
+#pragma once
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include <deep_indexer/mqa_logits_layout.hpp>
+#include <deep_indexer/paged_mqa_logits_layout.hpp>
+
+#include "../utils/env.hpp"
+#include "../utils/exception.hpp"
+
+namespace deep_indexer::sm90 {
+
+inline void print_choice(const std::string& line) {
+  if (!env::get_int(env::kDebug)) return;
+  static std::mutex m;
+  static std::set<std::string> printed;
+  std::lock_guard<std::mutex> lock(m);
+  if (printed.insert(line).second) std::fprintf(stderr, "deep_indexer: heuristic %s\n", line.c_str());
+}
+
+// Prefill: the deepest KV ring that fits (one CTA per SM, so shared memory has no other use).
+inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes) {
+  const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes), 16);
+  const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes};
+  DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,
+               head_dim, out_bytes);
+  print_choice(fmt::format("mqa_logits H={} D={} out={}B: kv_stages={} threads={} smem={} tokens/CTA={}", num_heads,
+                           head_dim, out_bytes, l.num_kv_stages, l.num_threads(), l.smem_bytes(), l.tokens_per_cta()));
+  return l;
+}
+
+// Persistent prefill grid: one CTA per SM, never more CTAs than q blocks.
+inline unsigned mqa_logits_grid(const MqaLogitsLayout& l, long long seq_len, int num_sms) {
+  const long long blocks = l.num_q_blocks(seq_len);
+  return static_cast<unsigned>(std::max<long long>(1, std::min<long long>(blocks, num_sms)));
+}
+
+// Decode: the deepest KV ring that fits.
+inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
+                                                    int out_bytes) {
+  const PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes);
+  DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={}", next_n,
+               num_heads, head_dim, block_kv);
+  print_choice(fmt::format("paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: kv_stages={} threads={} smem={}",
+                           next_n, num_heads, head_dim, block_kv, out_bytes, l.num_kv_stages, l.num_threads(),
+                           l.smem_bytes()));
+  return l;
+}
+
+// Padded row stride of the logits the ops allocate: rows start 256-byte aligned (vector stores).
+inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
+  const int64_t align = 256 / elem_bytes;
+  return (cols + align - 1) / align * align;
+}
+
+}  // namespace deep_indexer::sm90

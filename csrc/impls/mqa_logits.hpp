@@ -1,0 +1,65 @@
+// Host side of the prefill kernel (include/deep_indexer/mqa_logits.cuh).
+#pragma once
+#include "../jit/kernel_runtime.hpp"
+#include "../jit/tma.hpp"
+#include "heuristics_sm90.hpp"
+
+namespace deep_indexer {
+
+inline const char* out_type_name(int elem_bytes) { return elem_bytes == 4 ? "float" : "__nv_bfloat16"; }
+
+struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
+  struct Params {
+    int num_heads, head_dim, elem_bytes;
+    MqaLogitsLayout layout() const { return sm90::mqa_logits_layout(num_heads, head_dim, elem_bytes); }
+  };
+
+  static const char* kernel_name() { return "mqa_logits"; }
+  static const char* header() { return "deep_indexer/mqa_logits.cuh"; }
+  static std::string name(const Params& p) {
+    return fmt::format("mqa_logits<H={},D={},stages={},{}>", p.num_heads, p.head_dim, p.layout().num_kv_stages,
+                       p.elem_bytes == 4 ? "float32" : "bfloat16");
+  }
+  static std::string instantiation(const Params& p) {
+    return fmt::format("&deep_indexer::mqa_logits_kernel<{}, {}, {}, {}>", p.num_heads, p.head_dim,
+                       p.layout().num_kv_stages, out_type_name(p.elem_bytes));
+  }
+  static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
+
+  struct Args {
+    Params params;
+    const void* q;  // [S*H, D] fp8
+    const void* k;  // [SKV, D] fp8
+    const float* k_scale;
+    const float* weights;
+    int64_t weights_stride;
+    const int *ks, *ke;
+    void* logits;
+    int64_t logits_stride;
+    int seq_len, seq_len_kv;
+  };
+
+  static void launch(const Args& a, int device, int num_sms, CUstream stream) {
+    if (a.seq_len == 0) return;
+    const Params& p = a.params;
+    const MqaLogitsLayout l = p.layout();
+    const CUfunction f = function(p, device, stream);
+    const auto swz = jit::swizzle_for_row_bytes(l.swizzle_bytes());
+    const auto fp8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    const uint64_t d = static_cast<uint64_t>(p.head_dim);
+    const CUtensorMap tmap_q = jit::make_tensor_map<2>(
+        a.q, fp8, {d, static_cast<uint64_t>(a.seq_len) * p.num_heads}, {d},
+        {static_cast<uint32_t>(d), static_cast<uint32_t>(l.q_box_rows())}, swz, "q");
+    const CUtensorMap tmap_k = jit::make_tensor_map<2>(a.k, fp8, {d, static_cast<uint64_t>(a.seq_len_kv)}, {d},
+                                                       {static_cast<uint32_t>(d), static_cast<uint32_t>(l.k_box_rows())},
+                                                       swz, "k");
+    jit::LaunchConfig cfg;
+    cfg.grid = sm90::mqa_logits_grid(l, a.seq_len, num_sms);
+    cfg.block = l.num_threads();
+    cfg.smem = l.smem_bytes();
+    jit::launch(f, cfg, stream, tmap_q, tmap_k, a.k_scale, a.weights, a.weights_stride, a.ks, a.ke, a.logits,
+                a.logits_stride, a.seq_len, a.seq_len_kv);
+  }
+};
+
+}  // namespace deep_indexer

@@ -1,0 +1,98 @@
+// Host side of the decode kernels: the schedule (include/deep_indexer/paged_mqa_metadata.cuh) and
+// the paged logits (include/deep_indexer/paged_mqa_logits.cuh).
+#pragma once
+#include "../jit/kernel_runtime.hpp"
+#include "../jit/tma.hpp"
+#include "heuristics_sm90.hpp"
+#include "mqa_logits.hpp"
+
+namespace deep_indexer {
+
+struct PagedMqaMetadataRuntime : jit::KernelRuntime<PagedMqaMetadataRuntime> {
+  struct Params {
+    int next_n;  // row width of a 2-D context_lens (1 for [B])
+  };
+  static const char* kernel_name() { return "paged_mqa_logits_metadata"; }
+  static const char* header() { return "deep_indexer/paged_mqa_metadata.cuh"; }
+  static std::string name(const Params& p) { return fmt::format("paged_mqa_metadata<next_n={}>", p.next_n); }
+  static std::string instantiation(const Params& p) {
+    return fmt::format("&deep_indexer::paged_mqa_metadata_kernel<{}, {}>", p.next_n, kPagedMqaMetadataThreads);
+  }
+  static unsigned smem_bytes(const Params&) { return 0; }
+
+  static void launch(const Params& p, const int* context_lens, int batch_size, int num_sms, int* schedule, int device,
+                     CUstream stream) {
+    const CUfunction f = function(p, device, stream);
+    jit::LaunchConfig cfg;
+    cfg.grid = 1;
+    cfg.block = kPagedMqaMetadataThreads;
+    jit::launch(f, cfg, stream, context_lens, batch_size, num_sms, schedule);
+  }
+};
+
+struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
+  struct Params {
+    int next_n, num_heads, head_dim, block_kv, elem_bytes;
+    bool context_lens_2d;
+    PagedMqaLogitsLayout layout() const {
+      return sm90::paged_mqa_logits_layout(next_n, num_heads, head_dim, block_kv, elem_bytes);
+    }
+  };
+
+  static const char* kernel_name() { return "paged_mqa_logits"; }
+  static const char* header() { return "deep_indexer/paged_mqa_logits.cuh"; }
+  static std::string name(const Params& p) {
+    return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},ctx{}d,{}>", p.next_n, p.num_heads,
+                       p.head_dim, p.block_kv, p.layout().num_kv_stages, p.context_lens_2d ? 2 : 1,
+                       p.elem_bytes == 4 ? "float32" : "bfloat16");
+  }
+  static std::string instantiation(const Params& p) {
+    return fmt::format("&deep_indexer::paged_mqa_logits_kernel<{}, {}, {}, {}, {}, {}, {}>", p.next_n, p.num_heads,
+                       p.head_dim, p.block_kv, p.layout().num_kv_stages, p.context_lens_2d ? "true" : "false",
+                       out_type_name(p.elem_bytes));
+  }
+  static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
+
+  struct Args {
+    Params params;
+    const void* q;  // [B*next_n*H, D] fp8
+    const uint8_t* kv_cache;
+    int64_t num_blocks, block_stride_bytes;
+    const float* weights;
+    int64_t weights_stride;
+    const int* context_lens;
+    const int* block_table;
+    int64_t block_table_stride;
+    const int* schedule;
+    int num_sms;
+    void* logits;
+    int64_t logits_stride;
+    int batch_size, max_context_len;
+  };
+
+  static void launch(const Args& a, int device, CUstream stream) {
+    if (a.batch_size == 0 || a.max_context_len == 0) return;
+    const Params& p = a.params;
+    const PagedMqaLogitsLayout l = p.layout();
+    const CUfunction f = function(p, device, stream);
+    const auto swz = jit::swizzle_for_row_bytes(l.swizzle_bytes());
+    const auto u8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    const uint64_t d = static_cast<uint64_t>(p.head_dim);
+    const CUtensorMap tmap_q = jit::make_tensor_map<2>(
+        a.q, u8, {d, static_cast<uint64_t>(a.batch_size) * p.next_n * p.num_heads}, {d},
+        {static_cast<uint32_t>(d), static_cast<uint32_t>(l.q_box_rows())}, swz, "q");
+    const CUtensorMap tmap_kv = jit::make_tensor_map<3>(
+        a.kv_cache, u8, {d, static_cast<uint64_t>(p.block_kv), static_cast<uint64_t>(a.num_blocks)},
+        {d, static_cast<uint64_t>(a.block_stride_bytes)},
+        {static_cast<uint32_t>(d), static_cast<uint32_t>(p.block_kv), 1u}, swz, "kv_cache");
+    jit::LaunchConfig cfg;
+    cfg.grid = static_cast<unsigned>(a.num_sms);
+    cfg.block = l.num_threads();
+    cfg.smem = l.smem_bytes();
+    jit::launch(f, cfg, stream, tmap_q, tmap_kv, a.kv_cache, a.block_stride_bytes, a.weights, a.weights_stride,
+                a.context_lens, a.block_table, a.block_table_stride, a.schedule, a.logits, a.logits_stride,
+                a.batch_size, a.max_context_len);
+  }
+};
+
+}  // namespace deep_indexer
