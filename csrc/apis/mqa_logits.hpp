@@ -14,12 +14,18 @@ namespace deep_indexer {
 
 inline at::ScalarType logits_scalar_type(int elem_bytes) { return elem_bytes == 4 ? at::kFloat : at::kBFloat16; }
 
-// `out` if given (checked), else a fresh [rows, cols] tensor with a padded row stride.
+inline void check_out(const char* op, const std::optional<at::Tensor>& out, int64_t rows, int64_t cols,
+                      int elem_bytes) {
+  if (out.has_value())
+    TensorCheck(op, *out, "out").dtype(logits_scalar_type(elem_bytes)).shape({rows, cols}).row_major_2d();
+}
+
+// `out` if given (checked by check_out before), else a fresh [rows, cols] tensor with a padded row stride.
 inline at::Tensor logits_output(const char* op, const std::optional<at::Tensor>& out, int64_t rows, int64_t cols,
                                 int elem_bytes, const at::Tensor& like) {
   const at::ScalarType dtype = logits_scalar_type(elem_bytes);
   if (out.has_value()) {
-    TensorCheck(op, *out, "out").dtype(dtype).shape({rows, cols}).row_major_2d().on(like.device());
+    TensorCheck(op, *out, "out").on(like.device());
     return *out;
   }
   const int64_t stride = sm90::padded_row_stride(cols, elem_bytes);
@@ -44,6 +50,7 @@ inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const
   TensorCheck(op, ks, "cu_seq_len_k_start").dtype(at::kInt).shape({S}).contiguous();
   TensorCheck(op, ke, "cu_seq_len_k_end").dtype(at::kInt).shape({S}).contiguous();
   DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "{}: logits_dtype must be float32 or bfloat16", op);
+  check_out(op, out, S, SKV, static_cast<int>(elem_bytes));
   TensorCheck(op, q, "q").cuda();
   for (auto [t, name] : {std::pair{&k, "kv[0] (k)"}, {&k_scale, "kv[1] (k_scale)"}, {&weights, "weights"},
                          {&ks, "cu_seq_len_k_start"}, {&ke, "cu_seq_len_k_end"}})

@@ -81,6 +81,7 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
   DI_CHECK_ARG(max_context_len >= 0 && max_context_len < INT_MAX, "{}: max_context_len must be in [0, 2^31), got {}",
                op, max_context_len);
   DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "{}: logits_dtype must be float32 or bfloat16", op);
+  check_out(op, out, B * next_n, max_context_len, static_cast<int>(elem_bytes));
   TensorCheck(op, q, "q").cuda();
   for (auto [t, name] : {std::pair{&kv_cache, "kv_cache"}, {&weights, "weights"}, {&context_lens, "context_lens"},
                          {&block_table, "block_table"}, {&schedule, "schedule_meta"}})

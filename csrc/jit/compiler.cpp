@@ -336,8 +336,9 @@ std::shared_ptr<const CompiledKernel> Compiler::build_uncached(const std::string
   try {
     fs::write_file(tmp / "kernel.cu", source);
     const CompilerConfig cfg = config();
-    std::string cmd = fs::shell_quote(nvcc_path()) + " " + fs::shell_quote((tmp / "kernel.cu").string()) + " -o " +
-                      fs::shell_quote((tmp / kCubinFile).string());
+    // Relative names from inside the folder keep the temp path out of the cubin's line info.
+    std::string cmd = "cd " + fs::shell_quote(tmp.string()) + " && " + fs::shell_quote(nvcc_path()) +
+                      " kernel.cu -o " + kCubinFile;
     for (const std::string& f : flags(arch)) cmd += " " + fs::shell_quote(f);
     cmd += " -I" + fs::shell_quote(cfg.include_dir.string());
     if (!cfg.cutlass_include_dir.empty()) cmd += " -I" + fs::shell_quote(cfg.cutlass_include_dir.string());

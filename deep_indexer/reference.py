@@ -1,0 +1,257 @@
+"""Plain PyTorch reference implementations of the lightning indexer ops (CPU or CUDA).
+
+All ops compute on the dequantized inputs,
+
+    logits[r, j] = sum_h w[r, h] * relu(q[r, h, :] . k[j, :]) * k_scale[j],
+
+in `accum_dtype` (float32 by default, float64 optional), cast to `logits_dtype` at the end, and
+write exactly -inf outside every row's valid key range (regardless of `clean_logits`). Work is
+chunked over query rows (and key columns when a single row is too wide) so that a chunk's
+temporaries stay under `_CHUNK_BYTES`. The fp8 products are exact even under TF32 matmuls;
+the head weights are applied elementwise, so results do not depend on TF32 settings.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quant import FP8, _check, _check_int, _kv_cache_views
+
+__all__ = ["mqa_logits", "paged_mqa_logits", "clean_logits", "paged_mqa_logits_metadata"]
+
+_CHUNK_BYTES = 256 << 20  # budget for one chunk's temporaries
+_LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+_ACCUM_DTYPES = (torch.float32, torch.float64)
+_NEG_INF = float("-inf")
+
+
+def _check_options(clean: object, logits_dtype: object, accum_dtype: object, chunk: object) -> None:
+    if not isinstance(clean, bool):
+        raise TypeError(f"clean_logits: expected a bool, got {type(clean).__name__}")
+    if logits_dtype not in _LOGITS_DTYPES:
+        raise TypeError(f"logits_dtype: expected torch.float32 or torch.bfloat16, got {logits_dtype}")
+    if accum_dtype not in _ACCUM_DTYPES:
+        raise TypeError(f"accum_dtype: expected torch.float32 or torch.float64, got {accum_dtype}")
+    if chunk is not None:
+        _check_int("chunk", chunk, min_value=1)
+
+
+def _weighted_relu_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    w: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    accum: torch.dtype,
+    chunk: int | None,
+) -> None:
+    """out[r, j] = logits(r, j) for start[r] <= j < end[r]; -inf elsewhere in columns [lo, hi) of a chunk.
+
+    q [R, H, D] fp8, k [N, D] fp8, k_scale [N], w [R, H], out [R, >= N] prefilled with -inf;
+    start/end: CPU int64 [R], already clipped into [0, N].
+    """
+    rows, heads = q.shape[0], q.shape[1]
+    esize = torch.finfo(accum).bits // 8
+    rc = chunk or max(1, _CHUNK_BYTES // (heads * max(1, out.shape[1]) * esize))
+    dev = out.device
+    for r0 in range(0, rows, rc):
+        r1 = min(rows, r0 + rc)
+        s, e = start[r0:r1], end[r0:r1]
+        live = s < e
+        if not bool(live.any()):
+            continue
+        lo, hi = int(s[live].min()), int(e[live].max())
+        cc = max(1, _CHUNK_BYTES // ((r1 - r0) * heads * esize))
+        qf = q[r0:r1].to(accum)
+        wf = w[r0:r1].to(accum).unsqueeze(-1)
+        sd, ed = s.to(dev).unsqueeze(1), e.to(dev).unsqueeze(1)
+        for c0 in range(lo, hi, cc):
+            c1 = min(hi, c0 + cc)
+            prod = torch.matmul(qf, k[c0:c1].to(accum).t())  # [rows, H, cols]
+            blk = prod.relu_().mul_(wf).sum(dim=1).mul_(k_scale[c0:c1].to(accum))
+            cols = torch.arange(c0, c1, device=dev).unsqueeze(0)
+            blk.masked_fill_((cols < sd) | (cols >= ed), _NEG_INF)
+            out[r0:r1, c0:c1] = blk
+
+
+def mqa_logits(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    *,
+    logits_dtype: torch.dtype = torch.float32,
+    accum_dtype: torch.dtype = torch.float32,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Prefill logits (SPEC 2.1): [S, SKV] in logits_dtype.
+
+    q [S, H, D] fp8, kv = (k [SKV, D] fp8, k_scale [SKV] fp32), weights [S, H] fp32,
+    ks/ke [S] int32. Row i is valid for max(ks[i], 0) <= j < min(ke[i], SKV); -inf elsewhere
+    (always, clean_logits only validated). chunk = query rows per chunk (None: auto).
+    """
+    _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
+    q = _check("q", q, dtypes=(FP8,), ndim=3)
+    s_len, heads, d = q.shape
+    if heads < 1 or d < 1:
+        raise ValueError(f"q: expected shape [S, H >= 1, D >= 1], got {list(q.shape)}")
+    dev = q.device
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError(f"kv: expected a tuple (k, k_scale), got {type(kv).__name__}"
+                        + (f" of length {len(kv)}" if isinstance(kv, (tuple, list)) else ""))
+    k = _check("kv[0] (k)", kv[0], dtypes=(FP8,), shape=(None, d), device=dev)
+    skv = k.shape[0]
+    k_scale = _check("kv[1] (k_scale)", kv[1], dtypes=(torch.float32,), shape=(skv,), device=dev)
+    w = _check("weights", weights, dtypes=(torch.float32,), shape=(s_len, heads), device=dev)
+    ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(s_len,), device=dev)
+    ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(s_len,), device=dev)
+
+    out = torch.full((s_len, skv), _NEG_INF, dtype=logits_dtype, device=dev)
+    start = ks.cpu().long().clamp_min(0)
+    end = ke.cpu().long().clamp(0, skv)
+    _weighted_relu_into(out, q, k, k_scale, w, start, end, accum_dtype, chunk)
+    return out
+
+
+def paged_mqa_logits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    *,
+    logits_dtype: torch.dtype = torch.float32,
+    accum_dtype: torch.dtype = torch.float32,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Decode logits over a fused paged cache (SPEC 2.3): [B * next_n, max_context_len].
+
+    q [B, next_n, H, D] fp8; kv_cache uint8 [num_blocks, block_kv, 1, D + 4]; weights
+    [B * next_n, H] fp32; block_table [B, max_blocks] int32. context_lens int32 [B]: row (b, i)
+    sees j < ctx[b] - next_n + i + 1; or [B, next_n]: row (b, i) sees j < ctx[b, i]. Ranges are
+    clipped to [0, max_context_len); -inf elsewhere. Only the first ceil(len_b / block_kv)
+    block_table entries of a row are read (len_b = the row group's largest clipped end).
+    """
+    _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
+    q = _check("q", q, dtypes=(FP8,), ndim=4)
+    b_sz, next_n, heads, d = q.shape
+    if next_n < 1 or heads < 1 or d < 1:
+        raise ValueError(f"q: expected shape [B, next_n >= 1, H >= 1, D >= 1], got {list(q.shape)}")
+    dev = q.device
+    k_bytes, s_bytes = _kv_cache_views(kv_cache)
+    nb, bkv, d_kv = k_bytes.shape
+    if d_kv != d or kv_cache.device != dev:
+        raise ValueError(f"kv_cache: expected shape [*, *, 1, {d + 4}] on {dev}, "
+                         f"got {list(kv_cache.shape)} on {kv_cache.device}")
+    w = _check("weights", weights, dtypes=(torch.float32,), shape=(b_sz * next_n, heads), device=dev)
+    ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=dev)
+    if tuple(ctx.shape) not in ((b_sz,), (b_sz, next_n)):
+        raise ValueError(f"context_lens: expected shape [{b_sz}] or [{b_sz}, {next_n}], got {list(ctx.shape)}")
+    bt = _check("block_table", block_table, dtypes=(torch.int32,), shape=(b_sz, None), device=dev)
+    mcl = _check_int("max_context_len", max_context_len, min_value=0)
+
+    ctx_c = ctx.cpu().long()
+    if ctx_c.dim() == 1:
+        ends = ctx_c.unsqueeze(1) - next_n + 1 + torch.arange(next_n)
+    else:
+        ends = ctx_c
+    ends = ends.clamp(0, mcl)  # [B, next_n]
+    bt_c = bt.cpu()
+    out = torch.full((b_sz * next_n, mcl), _NEG_INF, dtype=logits_dtype, device=dev)
+    zero = torch.zeros(next_n, dtype=torch.long)
+    for b in range(b_sz):
+        n_tok = int(ends[b].max())
+        if n_tok == 0:
+            continue
+        n_blk = math.ceil(n_tok / bkv)
+        if n_blk > bt.shape[1]:
+            raise ValueError(f"block_table: sequence {b} needs {n_blk} blocks, "
+                             f"got only {bt.shape[1]} columns")
+        ids = bt_c[b, :n_blk]
+        if bool(((ids < 0) | (ids >= nb)).any()):
+            raise ValueError(f"block_table: row {b} expected entries in [0, {nb}) for its first "
+                             f"{n_blk} blocks, got {ids.tolist()}")
+        ids = ids.long().to(dev)
+        k = k_bytes.index_select(0, ids).view(n_blk * bkv, d)[:n_tok].view(FP8)
+        scale = s_bytes.index_select(0, ids).view(n_blk * bkv, 4)[:n_tok].contiguous().view(torch.float32)
+        rows = slice(b * next_n, (b + 1) * next_n)
+        _weighted_relu_into(out[rows], q[b], k, scale.view(-1), w[rows], zero, ends[b],
+                            accum_dtype, chunk)
+    return out
+
+
+def clean_logits(
+    logits: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor | None,
+    cu_seq_len_k_end: torch.Tensor,
+    next_n: int = 1,
+) -> torch.Tensor:
+    """In place (SPEC 2.4): write -inf outside each row's valid range, leave the inside untouched.
+
+    logits [M, N] (float32/bfloat16, stride(1) == 1, row stride free); ks/ke int32 [M // next_n]
+    (ks None = 0). Row r, group g = r // next_n, i = r % next_n, is valid for
+    max(ks[g], 0) <= j < min(ke[g] - next_n + i + 1, N). Returns logits.
+    """
+    lg = _check("logits", logits, dtypes=_LOGITS_DTYPES, ndim=2)
+    m, n = lg.shape
+    if n > 1 and m > 0 and lg.stride(1) != 1:
+        raise ValueError(f"logits: expected stride(1) == 1, got strides {list(lg.stride())}")
+    _check_int("next_n", next_n, min_value=1)
+    if m % next_n:
+        raise ValueError(f"logits: expected a row count divisible by next_n = {next_n}, got {m}")
+    g = m // next_n
+    dev = lg.device
+    ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(g,), device=dev)
+    if cu_seq_len_k_start is None:
+        start = torch.zeros(m, dtype=torch.long, device=dev)
+    else:
+        ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(g,), device=dev)
+        start = ks.long().clamp_min(0).repeat_interleave(next_n)
+    i = torch.arange(next_n, device=dev).repeat(g)
+    end = (ke.long().repeat_interleave(next_n) - next_n + 1 + i).clamp_max(n)
+    rc = max(1, _CHUNK_BYTES // max(1, 8 * n))
+    cols = torch.arange(n, device=dev).unsqueeze(0)
+    for r0 in range(0, m, rc):
+        r1 = min(m, r0 + rc)
+        mask = (cols < start[r0:r1, None]) | (cols >= end[r0:r1, None])
+        lg[r0:r1].masked_fill_(mask, _NEG_INF)
+    return logits
+
+
+def paged_mqa_logits_metadata(
+    context_lens: torch.Tensor, block_kv: int, num_sms: int, split_kv: int = 256
+) -> torch.Tensor:
+    """Decode work split (the contract the GPU metadata kernel reproduces bit for bit).
+
+    len_b = context_lens[b] (or max over next_n for [B, next_n]), clamped >= 0;
+    segs_b = ceil(len_b / split_kv); P = exclusive prefix sums of segs, T = P[B].
+    Entry i in 0..num_sms: s_i = i * (T // num_sms) + min(i, T % num_sms); (B, 0) if s_i == T,
+    else (b, s_i - P[b]) for the b with P[b] <= s_i < P[b + 1]. SM i owns segments [s_i, s_{i+1}).
+    Returns int32 [num_sms + 1, 2] on the CPU.
+    """
+    ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2))
+    if ctx.dim() == 2 and ctx.shape[1] < 1:
+        raise ValueError(f"context_lens: expected shape [B] or [B, next_n >= 1], got {list(ctx.shape)}")
+    _check_int("block_kv", block_kv, min_value=1)
+    _check_int("num_sms", num_sms, min_value=1)
+    _check_int("split_kv", split_kv, min_value=1)
+    if split_kv % block_kv:
+        raise ValueError(f"split_kv: expected a positive multiple of block_kv = {block_kv}, got {split_kv}")
+    lens = ctx.cpu().long()
+    if lens.dim() == 2:
+        lens = lens.amax(dim=1)
+    segs = (lens.clamp_min(0) + split_kv - 1) // split_kv
+    ends = torch.cumsum(segs, 0)  # P[1:]
+    total = int(ends[-1]) if ends.numel() else 0
+    i = torch.arange(num_sms + 1, dtype=torch.long)
+    starts = i * (total // num_sms) + torch.clamp(i, max=total % num_sms)
+    b = torch.searchsorted(ends, starts, right=True)
+    prefix = torch.cat([torch.zeros(1, dtype=torch.long), ends])
+    return torch.stack([b, starts - prefix[b]], dim=1).to(torch.int32)

@@ -1,0 +1,203 @@
+"""CPU tests of the C++ JIT: code generation, the disk cache (hits, concurrency, corruption),
+resource parsing, error messages, and the compile-only CLI. No GPU needed (--arch sm_90a)."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import deep_indexer as di
+from deep_indexer import _C, jit
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CLEAN_F32 = {"elem_bytes": 4}
+
+
+def _entries(cache: pathlib.Path):
+    k = cache / "kernels"
+    return sorted(p for p in k.iterdir() if p.is_dir()) if k.is_dir() else []
+
+
+def test_codegen_instantiates_the_template(isolated_cache):
+    r = _C.precompile_variant("clean_logits", CLEAN_F32, "sm_90a")
+    assert r["params"] == "clean_logits<float32>" and r["from_cache"] is False
+    (entry,) = _entries(isolated_cache)
+    src = (entry / "kernel.cu").read_text()
+    assert "#include <deep_indexer/clean_logits.cuh>" in src
+    assert "&deep_indexer::clean_logits_kernel<4, 512>" in src
+    meta = (entry / "meta.txt").read_text()
+    assert "symbol=_ZN12deep_indexer19clean_logits_kernelILi4ELi512EEEvPvlliiPKiS3_" in meta
+    assert (entry / "kernel.cubin").read_bytes()[:4] == b"\x7fELF"
+
+
+def test_second_use_hits_the_cache(isolated_cache):
+    first = _C.precompile_variant("clean_logits", CLEAN_F32, "sm_90a")
+    second = _C.precompile_variant("clean_logits", CLEAN_F32, "sm_90a")
+    assert not first["from_cache"] and second["from_cache"]
+    assert second["seconds"] < first["seconds"]
+    assert len(_entries(isolated_cache)) == 1
+
+
+def test_corrupt_entry_is_rebuilt(isolated_cache):
+    _C.precompile_variant("clean_logits", CLEAN_F32, "sm_90a")
+    (entry,) = _entries(isolated_cache)
+    cubin = entry / "kernel.cubin"
+    good = cubin.read_bytes()
+    cubin.write_bytes(good[: len(good) // 2])  # truncated, as after a crash mid-write elsewhere
+    r = _C.precompile_variant("clean_logits", CLEAN_F32, "sm_90a")
+    assert r["from_cache"] is False
+    (entry2,) = _entries(isolated_cache)
+    rebuilt = cubin.read_bytes()
+    assert entry2 == entry and rebuilt[:4] == b"\x7fELF" and len(rebuilt) == len(good)
+    import hashlib
+
+    assert f"cubin_sha256={hashlib.sha256(rebuilt).hexdigest()}" in (entry / "meta.txt").read_text()
+    assert _C.precompile_variant("clean_logits", CLEAN_F32, "sm_90a")["from_cache"]
+
+
+def test_two_processes_compile_the_same_kernel(isolated_cache):
+    code = textwrap.dedent("""
+        import deep_indexer, sys
+        from deep_indexer import _C
+        r = _C.precompile_variant("mqa_logits", {"num_heads": 32, "head_dim": 64, "elem_bytes": 2}, "sm_90a")
+        print("OK", r["from_cache"])
+    """)
+    env = dict(os.environ, DI_JIT_CACHE_DIR=str(isolated_cache))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.startswith("OK")
+    (entry,) = _entries(isolated_cache)  # exactly one published entry
+    assert (entry / "kernel.cubin").read_bytes()[:4] == b"\x7fELF"
+    tmp = isolated_cache / "tmp"
+    assert not tmp.exists() or not any(tmp.iterdir())  # no leftovers
+    assert _C.precompile_variant("mqa_logits", {"num_heads": 32, "head_dim": 64, "elem_bytes": 2}, "sm_90a")["from_cache"]
+
+
+def test_key_covers_included_headers(tmp_path):
+    """Editing any header the kernel includes (recursively) changes the key; others do not."""
+    inc = tmp_path / "include"
+    import shutil
+
+    shutil.copytree(ROOT / "include", inc)
+    src = "#include <deep_indexer/clean_logits.cuh>\n"
+    src_ptx = "#include <deep_indexer/ptx.cuh>\n"
+    old = _C.nvcc_path()  # noqa: F841  (resolve before switching folders)
+    from deep_indexer._paths import cutlass_include_dir, include_dir
+
+    try:
+        _C.configure_jit(str(inc), "")
+        k1, kp1 = _C.cache_key(src), _C.cache_key(src_ptx)
+        (inc / "deep_indexer" / "wgmma_fp8.cuh").write_text((inc / "deep_indexer" / "wgmma_fp8.cuh").read_text() + "\n// x\n")
+        k2, kp2 = _C.cache_key(src), _C.cache_key(src_ptx)
+        assert k1 == k2  # clean_logits.cuh does not include wgmma_fp8.cuh
+        assert kp1 != kp2  # ptx.cuh includes it
+        assert _C.cache_key(src + " ") != k2  # the generated code itself
+    finally:
+        _C.configure_jit(str(include_dir()), cutlass_include_dir())
+
+
+def test_parse_ptxas_log():
+    log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _Z1kv\n"
+           "    24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 1 barriers, 1040 bytes smem\n")
+    assert _C.parse_ptxas_log(log) == (168, 24, 8, 12, 1040)
+
+
+def _run(code: str, **env):
+    e = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
+
+
+def test_missing_nvcc_is_a_clear_error(tmp_path):
+    r = _run("import deep_indexer; from deep_indexer import _C; _C.precompile_variant('clean_logits', {'elem_bytes': 4}, 'sm_90a')",
+             DI_NVCC=str(tmp_path / "no-nvcc"), DI_JIT_CACHE_DIR=str(tmp_path / "c"))
+    assert r.returncode != 0
+    assert "DI_NVCC" in r.stderr and "not an executable nvcc" in r.stderr
+
+
+def test_compile_error_shows_compiler_output(isolated_cache):
+    with pytest.raises(RuntimeError, match=r"nvcc failed to compile broken(.|\n)*undefined_symbol_xyz"):
+        _C.compile_source("broken", "__global__ void k() { undefined_symbol_xyz(); }\n", "sm_90a")
+
+
+def test_unwritable_cache_falls_back_with_warning(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # running as root: use a path that cannot be created instead
+        target = "/proc/deep_indexer_cache"
+    else:
+        target = str(ro / "cache")
+    r = _run("import deep_indexer; from deep_indexer import _C; print(_C.precompile_variant('clean_logits', {'elem_bytes': 2}, 'sm_90a')['registers'])",
+             DI_JIT_CACHE_DIR=target)
+    assert r.returncode == 0, r.stderr
+    assert "cannot be written" in r.stderr and "DI_JIT_CACHE_DIR" in r.stderr
+
+
+def test_unsupported_arch_and_op():
+    with pytest.raises(ValueError, match="sm_90a"):
+        _C.precompile_variant("clean_logits", CLEAN_F32, "sm_80")
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        _C.precompile_variant("nope", {}, "sm_90a")
+    with pytest.raises(ValueError, match="unsupported head count"):
+        jit.variants(ops=["mqa_logits"], heads=[48])
+
+
+def test_no_gpu_is_a_clear_error():
+    ok, why = _C.driver_available()
+    if ok:
+        pytest.skip("a CUDA driver is present")
+    assert "driver" in why
+    with pytest.raises(RuntimeError, match="no NVIDIA driver"):
+        _C.device_info(0)
+
+
+def test_variant_enumeration():
+    assert len(jit.variants(ops=["clean_logits"])) == 2
+    assert len(jit.variants(ops=["mqa_logits"])) == 4 * 3 * 2
+    assert len(jit.variants(ops=["paged_mqa_logits"])) == 4 * 4 * 2 * 2 * 2 * 2
+    assert len(jit.variants(ops=["paged_mqa_logits"], head_dims=[32, 64])) == 4 * 4 * 1 * 2 * 2 * 2
+    assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 4
+
+
+def test_cli_precompile_and_cache(isolated_cache):
+    env = dict(os.environ, DI_JIT_CACHE_DIR=str(isolated_cache))
+    cmd = [sys.executable, "-m", "deep_indexer", "precompile", "--arch", "sm_90a", "--ops", "clean_logits", "--jobs", "2"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "compiled 2 kernels (0 from cache), 0 spilled"
+    assert "[2/2]" in r.stderr  # progress
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip().splitlines()[-1] == "compiled 2 kernels (2 from cache), 0 spilled"
+    info = subprocess.run([sys.executable, "-m", "deep_indexer", "cache", "info"], env=env, capture_output=True, text=True)
+    assert "entries: 2" in info.stdout and str(isolated_cache) in info.stdout
+    clear = subprocess.run([sys.executable, "-m", "deep_indexer", "cache", "clear"], env=env, capture_output=True, text=True)
+    assert "removed 2 entries" in clear.stdout
+    bad = subprocess.run([sys.executable, "-m", "deep_indexer", "precompile", "--arch", "sm_90a", "--ops", "bogus"],
+                         env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unsupported op ['bogus']" in bad.stderr
+
+
+def test_python_precompile_api(isolated_cache):
+    res = di.precompile(ops=["paged_mqa_logits_metadata"], next_n=[1, 2], arch="sm_90a", jobs=2)
+    assert [r["params"] for r in res] == ["paged_mqa_metadata<next_n=1>", "paged_mqa_metadata<next_n=2>"]
+    assert all("error" not in r and r["spill_stores"] == 0 for r in res)
+    assert di.cache_info()["entries"] == 2
+
+
+@pytest.mark.skipif(os.environ.get("DI_TEST_ALL_VARIANTS", "1") == "0", reason="DI_TEST_ALL_VARIANTS=0")
+def test_every_variant_compiles_without_spills():
+    """Every registered variant, in the default cache (CI fills it first with the precompile CLI)."""
+    res = di.precompile(arch="sm_90a")
+    failed = [(r["params"], r["error"][:500]) for r in res if "error" in r]
+    assert not failed
+    spilled = [r["params"] for r in res if r["spill_stores"] or r["spill_loads"] or r["stack_frame"]]
+    assert not spilled
+    serialized = [r["params"] for r in res if any("serializ" in w for w in r["warnings"])]
+    assert not serialized

@@ -1,0 +1,122 @@
+"""Input validation of every op, on CPU tensors (shape/dtype/stride checks run before the device
+check): each bad input raises ValueError naming the argument and the expected vs actual value."""
+import pytest
+import torch
+
+import deep_indexer as di
+
+FP8 = torch.float8_e4m3fn
+
+
+def prefill_args(S=4, H=64, D=128, SKV=16):
+    q = torch.randn(S, H, D).to(FP8)
+    k = torch.randn(SKV, D).to(FP8)
+    return dict(q=q, kv=(k, torch.rand(SKV)), weights=torch.randn(S, H),
+                cu_seq_len_k_start=torch.zeros(S, dtype=torch.int32), cu_seq_len_k_end=torch.full((S,), SKV, dtype=torch.int32))
+
+
+def paged_args(B=2, next_n=1, H=64, D=128, block=64, blocks=4):
+    return dict(q=torch.randn(B, next_n, H, D).to(FP8),
+                kv_cache=torch.randint(0, 255, (blocks, block, 1, D + 4), dtype=torch.uint8),
+                weights=torch.randn(B * next_n, H), context_lens=torch.full((B,), 100, dtype=torch.int32),
+                block_table=torch.zeros(B, 2, dtype=torch.int32), schedule_meta=torch.zeros(5, 2, dtype=torch.int32),
+                max_context_len=128)
+
+
+def call_prefill(**over):
+    a = prefill_args()
+    a.update(over)
+    return di.fp8_mqa_logits(a["q"], a["kv"], a["weights"], a["cu_seq_len_k_start"], a["cu_seq_len_k_end"],
+                             **{k: v for k, v in over.items() if k in ("logits_dtype", "out")})
+
+
+def call_paged(**over):
+    a = paged_args()
+    a.update(over)
+    extra = {k: a.pop(k) for k in ("logits_dtype", "out") if k in a}
+    return di.fp8_paged_mqa_logits(a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_table"],
+                                   a["schedule_meta"], a["max_context_len"], **extra)
+
+
+@pytest.mark.parametrize("over,pattern", [
+    (dict(q=torch.randn(4, 64, 128)), r"q must have dtype Float8_e4m3fn, got Float"),
+    (dict(q=torch.randn(4, 64, 128, 1).to(FP8)), r"q must be 3-D, got shape \[4, 64, 128, 1\]"),
+    (dict(q=torch.randn(4, 48, 128).to(FP8)), r"48 heads of dim 128; supported"),
+    (dict(q=torch.randn(4, 64, 96).to(FP8)), r"64 heads of dim 96"),
+    (dict(q=torch.randn(4, 128, 64).to(FP8).transpose(1, 2)), r"q must be contiguous"),
+    (dict(kv=(torch.randn(16, 64).to(FP8), torch.rand(16))), r"kv\[0\] \(k\) must have shape \[\*, 128\], got \[16, 64\]"),
+    (dict(kv=(torch.randn(16, 128).to(FP8), torch.rand(15))), r"kv\[1\] \(k_scale\) must have shape \[16\], got \[15\]"),
+    (dict(kv=(torch.randn(16, 128).to(FP8), torch.rand(16).double())), r"k_scale\) must have dtype Float, got Double"),
+    (dict(kv=(torch.randn(0, 128).to(FP8), torch.rand(0))), r"1 <= SKV"),
+    (dict(kv=torch.randn(16, 128).to(FP8)), r"kv must be a tuple"),
+    (dict(weights=torch.randn(4, 32)), r"weights must have shape \[4, 64\], got \[4, 32\]"),
+    (dict(weights=torch.randn(64, 4).t()), r"weights must have stride 1 in its last dimension"),
+    (dict(weights=torch.randn(4, 64).half()), r"weights must have dtype Float, got Half"),
+    (dict(cu_seq_len_k_start=torch.zeros(4, dtype=torch.int64)), r"cu_seq_len_k_start must have dtype Int, got Long"),
+    (dict(cu_seq_len_k_end=torch.zeros(5, dtype=torch.int32)), r"cu_seq_len_k_end must have shape \[4\], got \[5\]"),
+    (dict(logits_dtype=torch.float16), r"logits_dtype must be torch.float32 or torch.bfloat16"),
+    (dict(), r"q must be on a CUDA device, got cpu"),
+])
+def test_prefill_validation(over, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call_prefill(**over)
+
+
+def test_prefill_out_validation():
+    with pytest.raises(ValueError, match=r"out must have shape \[4, 16\], got \[4, 15\]"):
+        call_prefill(out=torch.empty(4, 15))
+    with pytest.raises(ValueError, match=r"out must have dtype BFloat16, got Float"):
+        call_prefill(out=torch.empty(4, 16), logits_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("over,pattern", [
+    (dict(q=torch.randn(2, 1, 64, 128)), r"q must have dtype Float8_e4m3fn"),
+    (dict(q=torch.randn(2, 5, 64, 128).to(FP8), weights=torch.randn(10, 64)), r"1 <= next_n <= 4, got next_n = 5"),
+    (dict(q=torch.randn(2, 1, 64, 32).to(FP8)), r"64 heads of dim 32; supported: heads 16/32/64/128, dims 64/128"),
+    (dict(kv_cache=torch.zeros(4, 64, 1, 128, dtype=torch.uint8)), r"kv_cache must have shape \[\*, \*, 1, 132\]"),
+    (dict(kv_cache=torch.zeros(4, 16, 1, 132, dtype=torch.uint8)), r"blocks must hold 32 or 64 tokens, got 16"),
+    (dict(kv_cache=torch.zeros(4, 64, 1, 132, dtype=torch.int8)), r"kv_cache must have dtype Byte, got Char"),
+    (dict(kv_cache=torch.zeros(4, 64, 1, 140, dtype=torch.uint8)[..., :132]), r"contiguous inside each block"),
+    (dict(weights=torch.randn(3, 64)), r"weights must have shape \[2, 64\], got \[3, 64\]"),
+    (dict(context_lens=torch.zeros(3, dtype=torch.int32)), r"context_lens must have 2 rows \(the batch of q\), got 3"),
+    (dict(context_lens=torch.zeros(2, 2, dtype=torch.int32)), r"context_lens \[B, next_n\] must have next_n = 1 \(from q\), got 2"),
+    (dict(context_lens=torch.zeros(2, dtype=torch.int64)), r"context_lens must have dtype Int, got Long"),
+    (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)), r"block_table must have 2 rows"),
+    (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), r"block_table must have dtype Int"),
+    (dict(schedule_meta=torch.zeros(5, 3, dtype=torch.int32)), r"schedule_meta must be \[num_sms \+ 1, 2\]"),
+    (dict(max_context_len=-1), r"max_context_len must be in \[0, 2\^31\), got -1"),
+    (dict(), r"q must be on a CUDA device, got cpu"),
+])
+def test_paged_validation(over, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call_paged(**over)
+
+
+@pytest.mark.parametrize("args,pattern", [
+    ((torch.zeros(3, 5, dtype=torch.float32), 64), r"context_lens must have dtype Int, got Float"),
+    ((torch.zeros(3, 5, dtype=torch.int32), 64), r"1 <= next_n <= 4, got 5"),
+    ((torch.zeros(3, dtype=torch.int32), 48), r"block_kv must be 32 or 64, got 48"),
+    ((torch.zeros(3, dtype=torch.int32), 64), r"context_lens must be on a CUDA device"),
+])
+def test_metadata_validation(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        di.get_paged_mqa_logits_metadata(*args)
+
+
+@pytest.mark.parametrize("args,pattern", [
+    ((torch.zeros(4, 8, dtype=torch.float16), None, torch.zeros(4, dtype=torch.int32)), r"logits must have dtype Float or BFloat16, got Half"),
+    ((torch.zeros(4, 8), None, torch.zeros(3, dtype=torch.int32)), r"cu_seq_len_k_end must have shape \[4\], got \[3\]"),
+    ((torch.zeros(4, 8), torch.zeros(4), torch.zeros(4, dtype=torch.int32)), r"cu_seq_len_k_start must have dtype Int"),
+    ((torch.zeros(8, 4).t(), None, torch.zeros(4, dtype=torch.int32)), r"logits must have stride 1"),
+    ((torch.zeros(4, 8), None, torch.zeros(4, dtype=torch.int32), 3), r"4 rows, not a multiple of next_n = 3"),
+    ((torch.zeros(4, 8), None, torch.zeros(4, dtype=torch.int32), 0), r"next_n must be >= 1"),
+    ((torch.zeros(4, 8), None, torch.zeros(4, dtype=torch.int32)), r"logits must be on a CUDA device"),
+])
+def test_clean_logits_validation(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        di.clean_logits(*args)
+
+
+def test_paged_out_validation():
+    with pytest.raises(ValueError, match=r"out must have shape \[2, 128\], got \[2, 127\]"):
+        call_paged(out=torch.empty(2, 127))
