@@ -64,3 +64,265 @@ def test_clean_logits_rejects_bad_inputs():
         di.clean_logits(x, None, ke.cpu())
     with pytest.raises(ValueError, match="next_n"):
         di.clean_logits(x, None, ke, 3)
+
+
+# ------------------------------------------------------------------------------------ shared checks
+from conftest import calc_diff  # noqa: E402
+
+from deep_indexer import quant  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
+
+
+def assert_logits_match(out: torch.Tensor, ref: torch.Tensor, clean: bool, dtype: torch.dtype, what: str = ""):
+    """Valid entries (finite in the reference) within TOL; with clean, -inf exactly where the reference has it."""
+    assert out.shape == ref.shape and out.dtype == dtype, (out.shape, ref.shape, out.dtype)
+    out, ref = out.float(), ref.float().to(out.device)
+    valid = torch.isfinite(ref)
+    got = out[valid]
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} valid entries unwritten or non-finite"
+    diff = calc_diff(got, ref[valid])
+    assert diff < TOL[dtype], f"{what}: relative diff {diff:.3g}"
+    if clean:
+        neg = out == float("-inf")
+        mism = neg != ~valid
+        assert not mism.any(), f"{what}: -inf mask differs at {int(mism.sum())} entries, first {mism.nonzero()[:4].tolist()}"
+
+
+def poisoned(shape, dtype, pad=0):
+    buf = torch.full((shape[0], shape[1] + pad), float("nan"), dtype=dtype, device=DEV)
+    return buf[:, : shape[1]]
+
+
+# ------------------------------------------------------------------------------------ prefill
+def make_prefill(S, SKV, H, D, pattern="random", seed=0, weights_pad=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = (torch.randn(S, H, D, device=DEV, generator=g) * 2).to(torch.float8_e4m3fn)
+    k, k_scale = quant.per_token_cast_to_fp8(torch.randn(SKV, D, device=DEV, generator=g))
+    w = torch.randn(S, H + weights_pad, device=DEV, generator=g)[:, :H]
+    i = torch.arange(S, device=DEV)
+    if pattern == "causal":
+        ks, ke = torch.zeros_like(i), SKV - S + i + 1
+    elif pattern == "cp":
+        half, cp = max(S // 2, 1), max(SKV // max(S, 1), 1)
+        idx = cp // 3
+        ks = torch.zeros_like(i)
+        ke = torch.where(i < half, idx * half + i, (2 * cp - 1 - idx) * half + (i - half)) + 1
+    elif pattern == "packed":  # several sequences packed: each row sees its own sequence's prefix
+        seq = torch.div(i, max(S // 3, 1), rounding_mode="floor")
+        start = seq * (SKV // 3)
+        ks, ke = start, start + (i - seq * max(S // 3, 1)) * max(SKV // max(S, 1), 1) + 1
+    else:  # random, with empty rows, ks > ke, negative ks, ke > SKV
+        ks = torch.randint(-SKV // 4, SKV, (S,), device=DEV, generator=g)
+        ke = ks + torch.randint(-SKV // 8, SKV, (S,), device=DEV, generator=g)
+    return q, (k, k_scale), w, ks.to(torch.int32), ke.to(torch.int32)
+
+
+MQA_CONFIGS = [(h, d) for h in (16, 32, 64, 128) for d in (32, 64, 128)]
+
+
+@pytest.mark.parametrize("H,D", MQA_CONFIGS)
+@pytest.mark.parametrize("dtype,clean", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True),
+                                         (torch.bfloat16, False)])
+def test_mqa_logits_all_configs(H, D, dtype, clean):
+    S, SKV = 77, 1299
+    for pattern in ("random", "causal"):
+        q, kv, w, ks, ke = make_prefill(S, SKV, H, D, pattern, seed=H * D + clean)
+        out = poisoned((S, SKV), dtype, pad=3)
+        got = di.fp8_mqa_logits(q, kv, w, ks, ke, clean, logits_dtype=dtype, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        ref = reference.mqa_logits(q, kv, w, ks, ke)
+        assert_logits_match(got, ref, clean, dtype, f"H={H} D={D} {pattern}")
+
+
+@pytest.mark.parametrize("S,SKV,pattern", [(1, 1, "causal"), (1, 300, "random"), (3, 64, "causal"), (5, 65, "random"),
+                                           (129, 4097, "causal"), (256, 2048, "cp"), (300, 3000, "packed"),
+                                           (1000, 777, "random"), (2048, 8192, "causal")])
+def test_mqa_logits_shapes(S, SKV, pattern):
+    q, kv, w, ks, ke = make_prefill(S, SKV, 64, 128, pattern, seed=S + SKV, weights_pad=5)
+    got = di.fp8_mqa_logits(q, kv, w, ks, ke, True)  # padded weights rows; allocated output
+    assert got.stride(1) == 1 and got.stride(0) >= SKV
+    ref = reference.mqa_logits(q, kv, w, ks, ke)
+    assert_logits_match(got, ref, True, torch.float32, f"S={S} SKV={SKV}")
+
+
+def test_mqa_logits_empty_and_edge_ranges():
+    q, kv, w, ks, ke = make_prefill(0, 100, 64, 128)
+    assert di.fp8_mqa_logits(q, kv, w, ks, ke).shape == (0, 100)
+    q, kv, w, ks, ke = make_prefill(40, 500, 32, 64, seed=3)
+    ks[:10], ke[:10] = 50, 40      # ks > ke: empty
+    ks[10:20], ke[10:20] = -30, 10  # negative ks
+    ks[20:30], ke[20:30] = 450, 10_000  # ke > SKV
+    ks[30:], ke[30:] = 0, 0
+    out = poisoned((40, 500), torch.float32)
+    di.fp8_mqa_logits(q, kv, w, ks, ke, True, out=out)
+    assert_logits_match(out, reference.mqa_logits(q, kv, w, ks, ke), True, torch.float32)
+    assert (out[:10] == float("-inf")).all() and (out[30:] == float("-inf")).all()
+
+
+def test_mqa_logits_deterministic():
+    q, kv, w, ks, ke = make_prefill(512, 4096, 64, 128, "causal", seed=11)
+    a = di.fp8_mqa_logits(q, kv, w, ks, ke)
+    for _ in range(3):
+        b = di.fp8_mqa_logits(q, kv, w, ks, ke)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_mqa_logits_int64_offsets():
+    """An output of more than 2^31 elements: rows whose offsets pass 2^31 are checked."""
+    S, SKV = 8200, 262_000  # 2.15e9 elements
+    q, kv, w, _, _ = make_prefill(S, SKV, 64, 128, seed=5)
+    i = torch.arange(S, device=DEV, dtype=torch.int32)
+    ks = (SKV - 300 - (S - 1 - i) // 64).to(torch.int32)
+    ke = (ks + 200).to(torch.int32)
+    out = di.fp8_mqa_logits(q, kv, w, ks, ke, True)
+    rows = torch.tensor([0, S // 2, S - 2, S - 1], device=DEV)
+    assert int(rows[-1]) * out.stride(0) > 2**31
+    ref = reference.mqa_logits(q[rows], kv, w[rows], ks[rows], ke[rows])
+    assert_logits_match(out[rows], ref, True, torch.float32, "int64")
+    del out
+
+
+# ------------------------------------------------------------------------------------ decode
+def make_paged(B, next_n, H, D, block_kv, max_len=1500, seed=0, two_d=False, zero_some=True, stride_pad=0,
+               num_blocks=None):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, max_len, (B,), generator=g)
+    if zero_some and B > 2:
+        lens[1] = 0
+        lens[2] = min(next_n - 1, max_len)  # shorter than the speculative window
+    keys = [torch.randn(int(n), D, generator=g).to(DEV) for n in lens]
+    row = block_kv * (D + 4)
+    cache, table, ctx = quant.pack_paged_kv_cache(keys, block_kv, block_stride=row + stride_pad, generator=g,
+                                                  num_blocks=num_blocks or int(sum((lens + block_kv - 1) // block_kv)) + 3)
+    q = (torch.randn(B, next_n, H, D, generator=g) * 2).to(DEV).to(torch.float8_e4m3fn)
+    w = torch.randn(B * next_n, H, generator=g).to(DEV)
+    if two_d:  # per-row lengths, each row seeing a different (random) prefix
+        ctx = (ctx[:, None] - torch.randint(0, 3, (B, next_n), generator=g).to(DEV)).clamp(min=0).to(torch.int32)
+    max_ctx = int(lens.max()) + 5 if B else 1
+    return q, cache, w, ctx.contiguous(), table, max_ctx
+
+
+def run_paged(q, cache, w, ctx, table, max_ctx, clean, dtype, num_sms=None, pad=0):
+    block_kv = cache.shape[1]
+    meta = di.get_paged_mqa_logits_metadata(ctx, block_kv, num_sms)
+    out = poisoned((q.shape[0] * q.shape[1], max_ctx), dtype, pad=pad)
+    got = di.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx, clean, logits_dtype=dtype, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    return got
+
+
+PAGED_CONFIGS = [(n, h, d, b) for n in (1, 2, 3, 4) for h in (16, 32, 64, 128) for d in (64, 128) for b in (32, 64)]
+
+
+@pytest.mark.parametrize("next_n,H,D,block_kv", PAGED_CONFIGS)
+@pytest.mark.parametrize("two_d", [False, True])
+def test_paged_mqa_logits_all_configs(next_n, H, D, block_kv, two_d):
+    seed = next_n * 1000 + H * 10 + D + block_kv + two_d
+    q, cache, w, ctx, table, max_ctx = make_paged(7, next_n, H, D, block_kv, seed=seed, two_d=two_d,
+                                                  stride_pad=16 * (seed % 3))
+    ref = reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx)
+    for dtype, clean in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, True)):
+        got = run_paged(q, cache, w, ctx, table, max_ctx, clean, dtype, pad=clean)
+        assert_logits_match(got, ref, clean, dtype, f"next_n={next_n} H={H} D={D} block={block_kv} 2d={two_d}")
+
+
+@pytest.mark.parametrize("B,max_len,num_sms", [(1, 40000, None), (64, 9000, None), (3, 5, 7), (33, 3000, 1),
+                                               (100, 2000, 300), (4096, 300, None)])
+def test_paged_mqa_logits_batches(B, max_len, num_sms):
+    q, cache, w, ctx, table, max_ctx = make_paged(B, 2, 64, 128, 64, max_len=max_len, seed=B)
+    got = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32, num_sms=num_sms)
+    assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)
+
+
+def test_paged_all_zero_lengths_and_allocation():
+    q, cache, w, ctx, table, max_ctx = make_paged(5, 1, 64, 128, 64, seed=9)
+    ctx.zero_()
+    got = di.fp8_paged_mqa_logits(q, cache, w, ctx, table, di.get_paged_mqa_logits_metadata(ctx, 64), 77, True)
+    assert got.shape == (5, 77) and got.stride(1) == 1 and (got == float("-inf")).all()
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("block_kv", [32, 64])
+@pytest.mark.parametrize("B,num_sms", [(1, 132), (7, 132), (64, 132), (300, 7), (4096, 132), (5, 1), (1, 1000)])
+def test_paged_metadata_matches_cpu_reference(B, num_sms, block_kv, two_d):
+    g = torch.Generator().manual_seed(B * num_sms + block_kv)
+    lens = torch.randint(0, 70000, (B, 3) if two_d else (B,), generator=g, dtype=torch.int32)
+    lens[torch.rand(lens.shape, generator=g) < 0.1] = 0
+    got = di.get_paged_mqa_logits_metadata(lens.to(DEV), block_kv, num_sms)
+    want = reference.paged_mqa_logits_metadata(lens, block_kv, num_sms)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_paged_deterministic():
+    q, cache, w, ctx, table, max_ctx = make_paged(64, 2, 64, 128, 64, max_len=8000, seed=4)
+    a = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32)
+    b = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_paged_cuda_graph_replay_with_new_inputs():
+    """metadata + logits captured once, replayed with new lengths, block tables, q, weights and cache."""
+    B, next_n, H, D, block_kv, max_ctx, nb = 16, 2, 64, 128, 64, 4096, 1100
+    mk = lambda seed: make_paged(B, next_n, H, D, block_kv, max_len=max_ctx - 10, seed=seed, num_blocks=nb)
+    q, cache, w, ctx, table, _ = mk(1)
+    table_buf = torch.zeros(B, max_ctx // block_kv, dtype=torch.int32, device=DEV)
+    table_buf[:, : table.shape[1]] = table
+    out = torch.empty(B * next_n, max_ctx, device=DEV)
+    meta = torch.empty(torch.cuda.get_device_properties(0).multi_processor_count + 1, 2, dtype=torch.int32, device=DEV)
+
+    def step():
+        di.get_paged_mqa_logits_metadata(ctx, block_kv, out=meta)
+        di.fp8_paged_mqa_logits(q, cache, w, ctx, table_buf, meta, max_ctx, True, out=out)
+
+    step()  # warm-up (loads the kernels)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        q2, cache2, w2, ctx2, table2, _ = mk(100 + seed)
+        q.copy_(q2), cache.copy_(cache2), w.copy_(w2), ctx.copy_(ctx2)
+        table_buf.zero_()
+        table_buf[:, : table2.shape[1]] = table2
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = reference.paged_mqa_logits(q, cache, w, ctx, table2, max_ctx)
+        assert_logits_match(out, ref, True, torch.float32, f"replay {seed}")
+
+
+def test_prefill_cuda_graph_replay_with_new_inputs():
+    S, SKV, H, D = 256, 4096, 64, 128
+    q, kv, w, ks, ke = make_prefill(S, SKV, H, D, "causal", seed=2)
+    out = torch.empty(S, SKV, device=DEV)
+    di.fp8_mqa_logits(q, kv, w, ks, ke, True, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        di.fp8_mqa_logits(q, kv, w, ks, ke, True, out=out)
+    for seed in range(2):
+        q2, kv2, w2, ks2, ke2 = make_prefill(S, SKV, H, D, "random", seed=50 + seed)
+        q.copy_(q2), kv[0].copy_(kv2[0]), kv[1].copy_(kv2[1]), w.copy_(w2), ks.copy_(ks2), ke.copy_(ke2)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_logits_match(out, reference.mqa_logits(q, kv, w, ks, ke), True, torch.float32, f"replay {seed}")
+
+
+def test_capture_of_an_unloaded_kernel_is_a_clear_error():
+    """In a fresh process nothing is loaded: capturing a first call raises, telling to warm up."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, deep_indexer as di\n"
+        "lens = torch.full((3, 4), 5, dtype=torch.int32, device='cuda')\n"
+        "g = torch.cuda.CUDAGraph()\n"
+        "try:\n"
+        "    with torch.cuda.graph(g):\n"
+        "        di.get_paged_mqa_logits_metadata(lens, 32, 3)\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+        "di.get_paged_mqa_logits_metadata(lens, 32, 3); torch.cuda.synchronize(); print('USABLE')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "RAISED" in r.stdout and "warm-up" in r.stdout, r.stdout + r.stderr
+    assert "USABLE" in r.stdout, r.stdout + r.stderr
