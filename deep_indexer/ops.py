@@ -8,6 +8,16 @@ import torch
 
 from . import _C
 
+# Under torch.compile the public functions go through torch.ops.deep_indexer.* (traceable, with
+# fake implementations); in eager mode they call the extension directly (lowest host overhead).
+_compiling = torch.compiler.is_compiling
+
+
+def _ops():
+    from . import torch_ops  # noqa: F401  (registers torch.ops.deep_indexer.*)
+
+    return torch.ops.deep_indexer
+
 
 def clean_logits(
     logits: torch.Tensor,
@@ -21,6 +31,9 @@ def clean_logits(
     [M // next_n]; ks may be None (0). Row r (group g = r // next_n, i = r % next_n) keeps
     columns max(ks[g], 0) <= j < min(ke[g] - next_n + i + 1, N).
     """
+    if _compiling():
+        _ops().clean_logits(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n)
+        return logits
     return _C.clean_logits(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n)
 
 
@@ -54,6 +67,12 @@ def fp8_mqa_logits(
     """
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise ValueError("deep_indexer.fp8_mqa_logits: kv must be a tuple (k [SKV, D] fp8, k_scale [SKV] float32)")
+    if _compiling():
+        if out is None:
+            return _ops().fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
+                                         logits_dtype)
+        _ops().fp8_mqa_logits_out(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, out)
+        return out
     return _C.fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, bool(clean_logits),
                              _elem_bytes(logits_dtype, "fp8_mqa_logits"), out)
 
@@ -64,6 +83,11 @@ def get_paged_mqa_logits_metadata(
     """Decode work split (SPEC 2.2), computed on the GPU without a host sync: int32 [num_sms + 1, 2]
     (sequence, segment) start pairs over segments of 256 tokens; see reference.paged_mqa_logits_metadata.
     context_lens: int32 [B] or [B, next_n]. num_sms defaults to the device's SM count."""
+    if _compiling():
+        if out is None:
+            return _ops().get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)
+        _ops().get_paged_mqa_logits_metadata_out(context_lens, block_kv, out)
+        return out
     return _C.get_paged_mqa_logits_metadata(context_lens, int(block_kv), num_sms, out)
 
 
@@ -88,6 +112,13 @@ def fp8_paged_mqa_logits(
     [B, next_n] (row (b, i) sees j < ctx[b, i]); block_table int32 [B, max_blocks]; schedule_meta from
     get_paged_mqa_logits_metadata with the same block_kv. max_context_len must be >= every context length.
     """
+    if _compiling():
+        if out is None:
+            return _ops().fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                               max_context_len, clean_logits, logits_dtype)
+        _ops().fp8_paged_mqa_logits_out(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                        max_context_len, clean_logits, out)
+        return out
     return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
                                    int(max_context_len), bool(clean_logits),
                                    _elem_bytes(logits_dtype, "fp8_paged_mqa_logits"), out)

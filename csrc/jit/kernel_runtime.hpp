@@ -7,7 +7,9 @@
 //   static unsigned smem_bytes(const Params&);       // dynamic shared memory per CTA
 // Code generation takes the kernel's address, which instantiates the template in the cubin.
 #pragma once
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "runtime.hpp"
 
@@ -32,11 +34,25 @@ struct KernelRuntime {
         Derived::name(p), Derived::header(), Derived::instantiation(p));
   }
 
-  // The loaded CUfunction for `p` on `device` (compiling / loading on first use).
+  // The loaded CUfunction for `p` on `device` (compiling / loading on first use). Hot path: the
+  // kernel is found by its short name (which encodes every template argument) in a per-runtime map.
   template <typename Params>
   static CUfunction function(const Params& p, int device, CUstream stream) {
-    const std::string source = generate(p);
-    return get_kernel(Derived::name(p), source, stream)->function(device, stream);
+    static std::mutex mutex;
+    static std::unordered_map<std::string, std::shared_ptr<Kernel>> by_name;
+    const std::string name = Derived::name(p);
+    std::shared_ptr<Kernel> kernel;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = by_name.find(name);
+      if (it != by_name.end()) kernel = it->second;
+    }
+    if (!kernel) {
+      kernel = get_kernel(name, generate(p), stream);
+      std::lock_guard<std::mutex> lock(mutex);
+      by_name.emplace(name, kernel);
+    }
+    return kernel->function(device, stream);
   }
 
   // Compile only (no GPU needed): used by `python -m deep_indexer precompile`.

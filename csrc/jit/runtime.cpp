@@ -22,10 +22,18 @@ std::array<DeviceSlot, kMaxDevices>& device_slots() {
 
 }  // namespace
 
+int device_count() {
+  static const int count = [] {
+    int n = 0;
+    DI_CU_CHECK(driver::api().cuDeviceGetCount(&n));
+    return n;
+  }();
+  return count;
+}
+
 const DeviceInfo& device_info(int device) {
   const auto& api = driver::api();
-  int count = 0;
-  DI_CU_CHECK(api.cuDeviceGetCount(&count));
+  const int count = device_count();
   DI_CHECK_ARG(device >= 0 && device < count && device < kMaxDevices,
                "deep_indexer: CUDA device {} does not exist ({} visible)", device, count);
   DeviceSlot& slot = device_slots()[device];
