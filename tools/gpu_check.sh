@@ -3,6 +3,7 @@
 # install carried wheels, build the extension, precompile, run the GPU tests, the benchmark and
 # the host-overhead / cache-reuse probes. Logs and JSON go to $OUT (default ./.out).
 #   tools/gpu_check.sh [all|tests|bench] [PYTEST_K] [BENCH_SHAPES...]
+# env: PRECOMPILE=0 skips the full precompile, TESTS=files, MAXFAIL=n, TEST_TIMEOUT=s
 set -uo pipefail
 MODE=${1:-all}
 KEXPR=${2:-}
@@ -20,12 +21,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 log "build"
 CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -e . --no-build-isolation --no-deps >"$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
-log "precompile"
-python3 -m deep_indexer precompile --quiet --jobs 16 >"$OUT/precompile.log" 2>&1
-tail -1 "$OUT/precompile.log" | tee -a "$OUT/gpu.log"
+if [ "${PRECOMPILE:-1}" = 1 ]; then
+  log "precompile"
+  python3 -m deep_indexer precompile --quiet --jobs 16 >"$OUT/precompile.log" 2>&1
+  tail -1 "$OUT/precompile.log" | tee -a "$OUT/gpu.log"
+fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   log "tests"
-  python3 -m pytest tests -x -q -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} 2>&1 | tail -40 | tee -a "$OUT/gpu.log"
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider --maxfail=${MAXFAIL:-30} -rf --tb=line \
+    ${KEXPR:+-k "$KEXPR"} >"$OUT/tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -45 | tee -a "$OUT/gpu.log"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   log "bench"
