@@ -1,0 +1,426 @@
+// Prefill lightning-indexer logits (SPEC 2.1):
+//   logits[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])
+// for max(ks[i], 0) <= j < min(ke[i], SKV); nothing else is written (a separate kernel cleans).
+//
+// Structure (sizes and offsets: mqa_logits_layout.hpp):
+//   * persistent grid; a CTA walks q blocks blockIdx.x, blockIdx.x + gridDim.x, ... of
+//     tokens_per_cta() = W * (128 / H) query tokens (W = num_math_wgs(): 2, or 3 for H = 128);
+//     math warpgroup w owns the block's tokens [w * 128/H, (w + 1) * 128/H), i.e. 128 rows of the
+//     [S*H, D] view of q.
+//   * warpgroup 0 = producer: warp 0 loads the block's ks/ke/weights into an "info" area of the
+//     q stage, TMA-loads the W q tiles (2 q stages), then TMA-loads the KV tiles of 64 rows
+//     covering the union of the block's ranges into a ring of kNumKVStages stages that all math
+//     warpgroups read. Warps 1..3 exit after giving their registers back.
+//   * warpgroups 1..W = math: WGMMA m64n128k32 (A = KV tile: 64 KV rows, B = 128 q rows, both
+//     K-major, D-byte swizzle), then on CUDA cores: relu, head weights (registers), in-thread head
+//     sum, quad reduce-scatter (each lane finishes distinct outputs), k scale, streaming stores.
+//     With W = 2 the accumulators are double-buffered: tile t+1's WGMMAs are in flight while the
+//     epilogue of tile t runs. With W = 3 each warpgroup has one accumulator set.
+//
+// Synchronisation (all mbarriers, parities derived from running counters, nothing reset):
+//   q_full[s]   count 32 (every lane of producer warp 0 arrives after writing info) + TMA tx bytes
+//   q_empty[s]  count 4 W (lane 0 of each math warp, after its last use of q stage s and its info)
+//   kv_full[s]  count 1 (producer lane 0 arrive.expect_tx) + TMA tx bytes
+//   kv_empty[s] count 4 W (lane 0 of each math warp after wgmma.wait_group retired the tile)
+// The q stage of the n-th q block of a CTA is n % 2 with parity (n / 2) % 2; the KV ring state
+// (index, parity) runs on across q blocks in both roles, which consume the same tile sequence
+// (the consumers read the block's tile count from info, written by the producer).
+#pragma once
+#include <cstdint>
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <deep_indexer/mqa_logits_layout.hpp>
+#include <deep_indexer/ptx.cuh>
+
+namespace deep_indexer {
+
+namespace mqa_detail {
+
+DI_DEVICE void store_out(float* ptr, float v) {
+  asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(ptr), "f"(v) : "memory");
+}
+DI_DEVICE void store_out(__nv_bfloat16* ptr, float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  const uint16_t bits = *reinterpret_cast<const uint16_t*>(&b);
+  asm volatile("st.global.cs.b16 [%0], %1;" ::"l"(ptr), "h"(bits) : "memory");
+}
+
+// One reduce-scatter step across lane pairs (lane ^ kLaneMask). `in` holds kN partial sums; the
+// pair (i0, i1) differs in index bit kBit. The lane with `upper` set keeps i1 and sends i0, its
+// partner keeps i0 and sends i1. out[k] (k = index with bit kBit removed) is the pair's total.
+template <int kN, int kBit, int kLaneMask>
+DI_DEVICE void reduce_scatter_step(const float (&in)[kN], float (&out)[kN / 2], bool upper) {
+  static_assert(kN >= 2 && (1 << kBit) < kN, "bad reduce-scatter step");
+#pragma unroll
+  for (int k = 0; k < kN / 2; ++k) {
+    constexpr int kLow = (1 << kBit) - 1;
+    const int i0 = ((k & ~kLow) << 1) | (k & kLow);
+    const int i1 = i0 | (1 << kBit);
+    const float keep = upper ? in[i1] : in[i0];
+    const float send = upper ? in[i0] : in[i1];
+    out[k] = keep + __shfl_xor_sync(0xffffffffu, send, kLaneMask);
+  }
+}
+
+}  // namespace mqa_detail
+
+// The kernel body; kMathWGs = 0 picks the layout's default number of math warpgroups.
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs>
+DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k, const float* __restrict__ k_scale,
+                               const float* __restrict__ weights, int64_t weights_stride, const int* __restrict__ ks,
+                               const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S,
+                               int SKV) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs};
+  static_assert(L.valid(), "unsupported mqa_logits configuration");
+  static_assert(sizeof(OutT) == 4 || sizeof(OutT) == 2, "OutT must be float or __nv_bfloat16");
+
+  constexpr int H = kNumHeads;
+  constexpr int D = kHeadDim;
+  constexpr int T = L.block_q();          // tokens per math warpgroup
+  constexpr int T2 = L.tokens_per_cta();  // tokens per q block
+  constexpr int G = H / 8;                // 8-column accumulator groups per token
+  constexpr int kBlockKV = L.block_kv();
+  constexpr int kNumAccum = ptx::WgmmaFp8<128>::kNumAccum;  // 64
+  constexpr int kKSteps = D / 32;
+  constexpr uint32_t kQTileBytes = L.q_tile_bytes();
+  constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
+  constexpr int kNumMathWarps = L.num_math_wgs() * 4;
+  static_assert(kNumAccum == 64 && G >= 1 && T >= 1, "layout assumptions");
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((MqaLogitsLayout::kAlign - (ptx::smem_addr(smem_raw) & (MqaLogitsLayout::kAlign - 1))) &
+                              (MqaLogitsLayout::kAlign - 1));
+  auto q_full = [&](int s) { return reinterpret_cast<uint64_t*>(smem + L.offset_q_full(0)) + s; };
+  auto q_empty = [&](int s) { return reinterpret_cast<uint64_t*>(smem + L.offset_q_empty(0)) + s; };
+  auto kv_full = [&](int s) { return reinterpret_cast<uint64_t*>(smem + L.offset_kv_full(0)) + s; };
+  auto kv_empty = [&](int s) { return reinterpret_cast<uint64_t*>(smem + L.offset_kv_empty(0)) + s; };
+
+  const uint32_t warp = ptx::warp_idx();
+  const uint32_t lane = ptx::lane_idx();
+  const int num_blocks = (S + T2 - 1) / T2;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < L.num_q_stages(); ++s) {
+      ptx::mbar_init(q_full(s), 32);
+      ptx::mbar_init(q_empty(s), kNumMathWarps);
+    }
+#pragma unroll
+    for (int s = 0; s < kNumKVStages; ++s) {
+      ptx::mbar_init(kv_full(s), 1);
+      ptx::mbar_init(kv_empty(s), kNumMathWarps);
+    }
+    ptx::fence_mbar_init();
+  }
+  if (warp == 0 && lane == 0) {
+    ptx::prefetch_tensor_map(&tmap_q);
+    ptx::prefetch_tensor_map(&tmap_k);
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ===================================================================== producer
+    ptx::reg_dealloc<L.producer_regs()>();
+    if (warp != 0) return;
+
+    ptx::PipelineState<kNumKVStages> kv;
+    int it = 0;
+    for (int blk = blockIdx.x; blk < num_blocks; blk += gridDim.x, ++it) {
+      const int qs = it & 1;
+      const uint32_t qph = (it >> 1) & 1;
+      ptx::mbar_wait(q_empty(qs), qph ^ 1);
+
+      uint8_t* info = smem + L.offset_info(qs);
+      const int tok0 = blk * T2;
+      // Per-token clamped ranges and their union.
+      int u_lo = 0x7fffffff, u_hi = -0x7fffffff - 1;
+      if (lane < T2) {
+        const int tg = tok0 + static_cast<int>(lane);
+        int a = 0, b = 0;
+        if (tg < S) {
+          a = max(__ldg(ks + tg), 0);
+          b = min(__ldg(ke + tg), SKV);
+        }
+        reinterpret_cast<int2*>(info + L.info_offset_ranges())[lane] = make_int2(a, b);
+        if (b > a) {
+          u_lo = a;
+          u_hi = b;
+        }
+      }
+      u_lo = __reduce_min_sync(0xffffffffu, u_lo);
+      u_hi = __reduce_max_sync(0xffffffffu, u_hi);
+      const int num_tiles = u_hi > u_lo ? (u_hi - u_lo - 1) / kBlockKV + 1 : 0;
+      if (lane == 0) {
+        reinterpret_cast<int*>(info)[0] = u_lo;
+        reinterpret_cast<int*>(info)[1] = num_tiles;
+      }
+      // The block's weights, token-major; 0 for tokens >= S.
+      float* winfo = reinterpret_cast<float*>(info + L.info_offset_weights());
+#pragma unroll
+      for (int i = lane; i < T2 * H; i += 32) {
+        const int tg = tok0 + i / H;
+        winfo[i] = tg < S ? __ldg(weights + static_cast<int64_t>(tg) * weights_stride + (i % H)) : 0.0f;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        // q tiles only when there is work, and only for warpgroups with a valid token.
+        uint32_t bytes = 0;
+#pragma unroll
+        for (int w = 0; w < L.num_math_wgs(); ++w)
+          if (num_tiles > 0 && tok0 + w * T < S) bytes += kQTileBytes;
+        ptx::mbar_arrive_expect_tx(q_full(qs), bytes);
+#pragma unroll
+        for (int w = 0; w < L.num_math_wgs(); ++w)
+          if (num_tiles > 0 && tok0 + w * T < S)
+            ptx::tma_load_2d(smem + L.offset_q(qs, w), &tmap_q, q_full(qs), 0, (tok0 + w * T) * H,
+                             ptx::kCacheEvictFirst);
+      } else {
+        ptx::mbar_arrive(q_full(qs));
+      }
+
+      for (int t = 0; t < num_tiles; ++t) {
+        ptx::mbar_wait(kv_empty(kv.index), kv.phase ^ 1);
+        if (lane == 0) {
+          ptx::mbar_arrive_expect_tx(kv_full(kv.index), kKVTileBytes);
+          ptx::tma_load_2d(smem + L.offset_kv(kv.index), &tmap_k, kv_full(kv.index), 0, u_lo + t * kBlockKV,
+                           ptx::kCacheEvictNormal);
+        }
+        kv.advance();
+      }
+    }
+  } else {
+    // ===================================================================== math
+    ptx::reg_alloc<L.math_regs()>();
+    const int wg = static_cast<int>(warp / 4) - 1;  // 0 .. num_math_wgs() - 1
+    const int warp_in_wg = static_cast<int>(warp % 4);
+    const int quad = static_cast<int>(lane & 3);
+    const int row_in_tile = warp_in_wg * 16 + static_cast<int>(lane >> 2);  // + 8 * j
+
+    // Ownership after the quad reduce-scatter (partial sums are indexed v = j + 2 * token):
+    //   T >= 4: tokens 4 m + quad (m < T / 4), both rows j;   result index k = j + 2 m
+    //   T == 2: token quad & 1, row j = quad >> 1
+    //   T == 1: token 0, row j = quad & 1, stored by the lanes with quad < 2 only
+    constexpr int kOwnTok = T >= 4 ? T / 4 : 1;
+    constexpr int kOwnJ = T >= 4 ? 2 : 1;
+    constexpr int kNumRes = kOwnTok * kOwnJ;
+    auto own_tok = [&](int m) -> int { return T >= 4 ? 4 * m + quad : (T == 2 ? (quad & 1) : 0); };
+    auto own_j = [&](int jj) -> int { return T >= 4 ? jj : (T == 2 ? (quad >> 1) : (quad & 1)); };
+
+    float acc0[kNumAccum], acc1[kNumAccum];
+#pragma unroll
+    for (int i = 0; i < kNumAccum; ++i) acc0[i] = acc1[i] = 0.0f;
+
+    ptx::PipelineState<kNumKVStages> kv_issue, kv_release;
+    int it = 0;
+    for (int blk = blockIdx.x; blk < num_blocks; blk += gridDim.x, ++it) {
+      const int qs = it & 1;
+      const uint32_t qph = (it >> 1) & 1;
+      ptx::mbar_wait(q_full(qs), qph);
+
+      const uint8_t* info = smem + L.offset_info(qs);
+      const int u_lo = reinterpret_cast<const int*>(info)[0];
+      const int num_tiles = reinterpret_cast<const int*>(info)[1];
+
+      if (num_tiles > 0) {
+        // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c.
+        float wreg[kNumAccum / 2];
+        {
+          const float* winfo = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * 128;
+#pragma unroll
+          for (int g = 0; g < 16; ++g) {
+            const float2 w2 = *reinterpret_cast<const float2*>(winfo + 8 * g + 2 * quad);
+            wreg[2 * g] = w2.x;
+            wreg[2 * g + 1] = w2.y;
+          }
+        }
+        // Ranges and output rows of the owned tokens.
+        int rlo[kOwnTok], rhi[kOwnTok];
+        OutT* obase[kOwnTok];  // &logits[token][u_lo + row_in_tile (+ 8 j when j is per lane)]
+#pragma unroll
+        for (int m = 0; m < kOwnTok; ++m) {
+          const int tb = wg * T + own_tok(m);
+          const int2 rg = reinterpret_cast<const int2*>(info + L.info_offset_ranges())[tb];
+          const int tg = blk * T2 + tb;
+          rlo[m] = rg.x;
+          rhi[m] = (T == 1 && quad >= 2) ? rg.x : rg.y;  // T == 1: half the lanes hold duplicates
+          obase[m] = logits + static_cast<int64_t>(tg < S ? tg : 0) * logits_stride + u_lo + row_in_tile +
+                     (kOwnJ == 1 ? 8 * own_j(0) : 0);
+          // Opaque to the compiler, so that it keeps the pointer instead of rebuilding it per tile.
+          asm volatile("" : "+l"(obase[m]));
+        }
+
+        const uint64_t desc_q = ptx::make_kmajor_desc<D>(smem + L.offset_q(qs, wg));
+        const int scale_max = SKV - 1;
+
+        // Waits for the tile's data, loads its k scales and issues its WGMMAs into `acc`.
+        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+#pragma unroll
+          for (int jj = 0; jj < kOwnJ; ++jj)
+            sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
+          ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
+          const uint64_t desc_k = ptx::make_kmajor_desc<D>(smem + L.offset_kv(kv_issue.index));
+          kv_issue.advance();
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < kKSteps; ++k)
+            ptx::WgmmaFp8<128>::mma(acc, desc_k + 2 * k, desc_q + 2 * k, k > 0);  // +32 B per k step
+        };
+
+        // Retires the KV stage of the tile whose WGMMAs have completed.
+        auto release = [&]() {
+          if (lane == 0) ptx::mbar_arrive(kv_empty(kv_release.index));
+          kv_release.advance();
+        };
+
+        // relu, head weights, head reduction, k scale, store.
+        auto epilogue = [&](const float(&acc)[kNumAccum], const float(&sc)[kOwnJ], int t) {
+          constexpr int V = 2 * T;
+          float part[V];
+#pragma unroll
+          for (int tok = 0; tok < T; ++tok) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              if constexpr (V <= 4) {
+                // Few partial sums: split each chain in two for ILP.
+                float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+                for (int gg = 0; gg < G; ++gg) {
+                  const int g = tok * G + gg;
+                  const float x0 = fmaxf(acc[4 * g + 2 * j], 0.0f);
+                  const float x1 = fmaxf(acc[4 * g + 2 * j + 1], 0.0f);
+                  s0 = gg == 0 ? wreg[2 * g] * x0 : fmaf(wreg[2 * g], x0, s0);
+                  s1 = gg == 0 ? wreg[2 * g + 1] * x1 : fmaf(wreg[2 * g + 1], x1, s1);
+                }
+                part[j + 2 * tok] = s0 + s1;
+              } else {
+                float s = 0.0f;
+#pragma unroll
+                for (int gg = 0; gg < G; ++gg) {
+                  const int g = tok * G + gg;
+#pragma unroll
+                  for (int c = 0; c < 2; ++c) {
+                    const float x = fmaxf(acc[4 * g + 2 * j + c], 0.0f);
+                    s = (gg == 0 && c == 0) ? wreg[2 * g + c] * x : fmaf(wreg[2 * g + c], x, s);
+                  }
+                }
+                part[j + 2 * tok] = s;
+              }
+            }
+          }
+          // Quad reduce-scatter.
+          float res[kNumRes];
+          if constexpr (T >= 4) {
+            float half[V / 2];
+            mqa_detail::reduce_scatter_step<V, 1, 1>(part, half, (quad & 1) != 0);
+            mqa_detail::reduce_scatter_step<V / 2, 1, 2>(half, res, (quad & 2) != 0);
+          } else if constexpr (T == 2) {
+            float half[2];
+            mqa_detail::reduce_scatter_step<4, 1, 1>(part, half, (quad & 1) != 0);
+            mqa_detail::reduce_scatter_step<2, 0, 2>(half, res, (quad & 2) != 0);
+          } else {
+            mqa_detail::reduce_scatter_step<2, 0, 1>(part, res, (quad & 1) != 0);
+            res[0] += __shfl_xor_sync(0xffffffffu, res[0], 2);
+          }
+          const int kv0 = u_lo + t * kBlockKV + row_in_tile;
+#pragma unroll
+          for (int m = 0; m < kOwnTok; ++m) {
+#pragma unroll
+            for (int jj = 0; jj < kOwnJ; ++jj) {
+              const int kv_row = kv0 + 8 * own_j(jj);
+              if (kv_row >= rlo[m] && kv_row < rhi[m])
+                mqa_detail::store_out(obase[m] + (t * kBlockKV + (kOwnJ == 1 ? 0 : 8 * jj)), res[jj + kOwnJ * m] * sc[jj]);
+            }
+          }
+        };
+
+        // Accumulator double buffering: tile t+1's WGMMAs are in flight while tile t's epilogue
+        // runs. Every commit follows its WGMMAs in the same basic block (a commit on a path without
+        // WGMMAs makes ptxas add a dummy group, which turns wait_group<1> into a full wait), and
+        // every epilogue read follows a wait_group whose only possibly pending group writes the
+        // other accumulator set.
+        float sc0[kOwnJ], sc1[kOwnJ];
+        if constexpr (!L.double_buffered()) {
+          // One accumulator set: the other math warpgroups keep the tensor cores busy meanwhile.
+          for (int t = 0; t < num_tiles; ++t) {
+            issue(acc0, sc0, t);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            ptx::fence_accum<kNumAccum>(acc0);
+            release();
+            epilogue(acc0, sc0, t);
+          }
+        } else {
+        issue(acc0, sc0, 0);
+        ptx::wgmma_commit();
+        int t = 0;
+        // Invariant at the loop head: tile t in acc0 is the only pending group.
+        while (t + 2 < num_tiles) {
+          issue(acc1, sc1, t + 1);
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<1>();
+          ptx::fence_accum<kNumAccum>(acc0);
+          release();
+          epilogue(acc0, sc0, t);
+          issue(acc0, sc0, t + 2);
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<1>();
+          ptx::fence_accum<kNumAccum>(acc1);
+          release();
+          epilogue(acc1, sc1, t + 1);
+          t += 2;
+        }
+        if (t + 1 < num_tiles) {
+          issue(acc1, sc1, t + 1);
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<1>();
+          ptx::fence_accum<kNumAccum>(acc0);
+          release();
+          epilogue(acc0, sc0, t);
+          ptx::wgmma_wait<0>();
+          ptx::fence_accum<kNumAccum>(acc1);
+          release();
+          epilogue(acc1, sc1, t + 1);
+        } else {
+          ptx::wgmma_wait<0>();
+          ptx::fence_accum<kNumAccum>(acc0);
+          release();
+          epilogue(acc0, sc0, t);
+        }
+        }
+      }
+      // Done with q stage qs (all WGMMAs retired above) and its info.
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(q_empty(qs));
+    }
+  }
+#else
+  // sm_90a only.
+  asm volatile("trap;");
+#endif
+}
+
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT>
+__global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT))}.num_threads(), 1)
+    mqa_logits_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
+                      const float* __restrict__ k_scale, const float* __restrict__ weights,
+                      int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
+                      OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV) {
+  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 0>(tmap_q, tmap_k, k_scale, weights, weights_stride, ks, ke,
+                                                              logits, logits_stride, S, SKV);
+}
+
+// Same kernel with an explicit number of math warpgroups (2 or 3); the host must then use
+// MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs} for threads, shared memory and q blocks.
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs>
+__global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), kMathWGs}.num_threads(), 1)
+    mqa_logits_kernel_wgs(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
+                          const float* __restrict__ k_scale, const float* __restrict__ weights,
+                          int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
+                          OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV) {
+  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs>(tmap_q, tmap_k, k_scale, weights, weights_stride,
+                                                                     ks, ke, logits, logits_stride, S, SKV);
+}
+
+}  // namespace deep_indexer

@@ -1,0 +1,148 @@
+// Launch geometry and shared-memory layout of the prefill kernel `mqa_logits_kernel`
+// (include/deep_indexer/mqa_logits.cuh). Plain C++17: usable from host code compiled by g++ (no
+// CUDA headers) and from device code (the kernel builds a constexpr instance from its template
+// parameters, so host and device agree on every number below).
+//
+// Quantities (H = num_heads, D = head_dim, all sizes in bytes unless noted):
+//   q_rows_per_tile()  128: rows of q ([S*H, D] view, row = s*H + h) one math warpgroup multiplies
+//                      with every KV tile; also the TMA box height of the q tensor map.
+//   block_q()          128 / H: query tokens owned by one math warpgroup (16 -> 8, 32 -> 4,
+//                      64 -> 2, 128 -> 1).
+//   num_math_wgs()     math warpgroups per CTA: default_math_wgs(H, D) = 2 (accumulators double-
+//                      buffered, setmaxnreg 40/232) or 3 for H = 128 (single-buffered, 24/160).
+//                      The optional 5th field math_wgs overrides it (for mqa_logits_kernel_wgs).
+//   tokens_per_cta()   num_math_wgs() * block_q(): query tokens of one "q block". The persistent
+//                      grid walks q blocks round-robin (block = blockIdx.x + k * gridDim.x);
+//                      number of q blocks = ceil(S / tokens_per_cta()); grid = min(that, #SMs).
+//   block_kv()         64: KV rows per KV tile; also the TMA box height of the k tensor map.
+//   swizzle_bytes()    D: the TMA swizzle mode of both tensor maps (32B, 64B or 128B), the inner
+//                      box dimension is D elements (= D bytes of fp8).
+//   num_threads()      128 * (1 + num_math_wgs()) = 384 (512 for H = 128): warpgroup 0 is the
+//                      TMA producer.
+//   num_kv_stages      depth of the KV ring (template parameter kNumKVStages).
+//   q_tile_bytes()     128 * D, kv_tile_bytes() 64 * D.
+//   info_bytes()       per q stage: block header {lo, num_tiles}, per-token clamped ranges and
+//                      the block's weights, written by the producer.
+//   offset_*()         offsets from the 1024-aligned base of dynamic shared memory:
+//                        q tiles   [kNumQStages = 2][num_math_wgs()] x q_tile_bytes()
+//                        kv tiles  [num_kv_stages] x kv_tile_bytes()
+//                        info      [kNumQStages] x info_bytes()
+//                        barriers  q_full[2], q_empty[2], kv_full[stages], kv_empty[stages] (8 B each)
+//   smem_bytes()       dynamic shared memory to request at launch (includes kAlign bytes of slack
+//                      so the kernel can align its base to 1024 bytes). Set
+//                      CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to this value.
+//   max_kv_stages(H, D, out_bytes)  (static) the largest stage count that fits kMaxSmem (capped
+//                      at kMaxKVStages) for the default number of math warpgroups; valid() requires
+//                      2 <= num_kv_stages <= that. 6-8 stages are plenty (measured: 4, 8 and 12
+//                      stages within 1% for H=64, D=128).
+#pragma once
+
+#ifdef __CUDACC__
+#define DI_LAYOUT_HD __host__ __device__
+#else
+#define DI_LAYOUT_HD
+#endif
+
+namespace deep_indexer {
+
+struct MqaLogitsLayout {
+  int num_heads;      // H: 16, 32, 64 or 128
+  int head_dim;       // D: 32, 64 or 128 (fp8 bytes per row)
+  int num_kv_stages;  // KV ring depth
+  int out_bytes;      // 4 (float32 logits) or 2 (bfloat16 logits); does not change the layout
+  int math_wgs = 0;   // math warpgroups per CTA (2 or 3); 0 = default_math_wgs(H, D). Leave it out.
+
+  static constexpr int kMaxSmem = 232448;  // 227 KB opt-in dynamic shared memory on SM90
+  static constexpr int kQRowsPerTile = 128;
+  static constexpr int kBlockKV = 64;
+  static constexpr int kNumQStages = 2;
+  static constexpr int kThreadsPerWG = 128;
+  static constexpr int kAlign = 1024;        // alignment of every tile (one 128B-swizzle atom)
+  static constexpr int kInfoHeaderBytes = 256;  // {lo, num_tiles} at 0, int2 ranges at 16
+  static constexpr int kMaxKVStages = 32;
+
+  // ---- geometry
+  DI_LAYOUT_HD constexpr int q_rows_per_tile() const { return kQRowsPerTile; }
+  DI_LAYOUT_HD constexpr int q_box_rows() const { return kQRowsPerTile; }
+  DI_LAYOUT_HD constexpr int block_q() const { return kQRowsPerTile / num_heads; }
+  // 2 math warpgroups with double-buffered accumulators, except H = 128 (1 token per warpgroup),
+  // where 3 single-buffered warpgroups measured faster.
+  DI_LAYOUT_HD static constexpr int default_math_wgs(int h, int /*d*/) { return h == 128 ? 3 : 2; }
+  DI_LAYOUT_HD constexpr int num_math_wgs() const {
+    return math_wgs == 0 ? default_math_wgs(num_heads, head_dim) : math_wgs;
+  }
+  DI_LAYOUT_HD constexpr int tokens_per_cta() const { return num_math_wgs() * block_q(); }
+  // setmaxnreg values: 2 math warpgroups double-buffer their accumulators (232 registers), 3 do not.
+  DI_LAYOUT_HD constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
+  DI_LAYOUT_HD constexpr int math_regs() const { return num_math_wgs() == 2 ? 232 : 160; }
+  DI_LAYOUT_HD constexpr bool double_buffered() const { return num_math_wgs() == 2; }
+  DI_LAYOUT_HD constexpr int block_kv() const { return kBlockKV; }
+  DI_LAYOUT_HD constexpr int k_box_rows() const { return kBlockKV; }
+  DI_LAYOUT_HD constexpr int swizzle_bytes() const { return head_dim; }
+  DI_LAYOUT_HD constexpr int num_threads() const { return kThreadsPerWG * (1 + num_math_wgs()); }
+  DI_LAYOUT_HD constexpr int num_q_stages() const { return kNumQStages; }
+  // Number of q blocks for S query tokens (the host sizes the persistent grid with it).
+  DI_LAYOUT_HD constexpr long long num_q_blocks(long long s) const {
+    return (s + tokens_per_cta() - 1) / tokens_per_cta();
+  }
+
+  // ---- shared memory
+  DI_LAYOUT_HD constexpr int q_tile_bytes() const { return kQRowsPerTile * head_dim; }
+  DI_LAYOUT_HD constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
+  DI_LAYOUT_HD constexpr int info_bytes() const {
+    return align_up(kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads, 128);
+  }
+  DI_LAYOUT_HD constexpr int offset_q(int stage, int wg) const {
+    return (stage * num_math_wgs() + wg) * q_tile_bytes();
+  }
+  DI_LAYOUT_HD constexpr int offset_kv(int stage) const {
+    return offset_q(kNumQStages, 0) + stage * kv_tile_bytes();
+  }
+  DI_LAYOUT_HD constexpr int offset_info(int qstage) const {
+    return offset_kv(num_kv_stages) + qstage * info_bytes();
+  }
+  // Inside one info block: int lo (union start), int num_tiles, then int2 {lo, hi} per token of the
+  // q block (clamped to [0, SKV]; empty when hi <= lo; (0, 0) for tokens >= S), then the weights
+  // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S).
+  DI_LAYOUT_HD constexpr int info_offset_ranges() const { return 16; }
+  DI_LAYOUT_HD constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
+  DI_LAYOUT_HD constexpr int offset_barriers() const { return offset_info(kNumQStages); }
+  DI_LAYOUT_HD constexpr int num_barriers() const { return 2 * kNumQStages + 2 * num_kv_stages; }
+  DI_LAYOUT_HD constexpr int offset_q_full(int s) const { return offset_barriers() + 8 * s; }
+  DI_LAYOUT_HD constexpr int offset_q_empty(int s) const { return offset_barriers() + 8 * (kNumQStages + s); }
+  DI_LAYOUT_HD constexpr int offset_kv_full(int s) const { return offset_barriers() + 8 * (2 * kNumQStages + s); }
+  DI_LAYOUT_HD constexpr int offset_kv_empty(int s) const {
+    return offset_barriers() + 8 * (2 * kNumQStages + num_kv_stages + s);
+  }
+  DI_LAYOUT_HD constexpr int smem_used_bytes() const { return offset_barriers() + 8 * num_barriers(); }
+  DI_LAYOUT_HD constexpr int smem_bytes() const { return smem_used_bytes() + kAlign; }
+
+  // ---- validity
+  DI_LAYOUT_HD static constexpr bool supported_shape(int h, int d) {
+    return (h == 16 || h == 32 || h == 64 || h == 128) && (d == 32 || d == 64 || d == 128);
+  }
+  DI_LAYOUT_HD static constexpr int max_kv_stages(int h, int d, int out_bytes, int math_wgs = 0) {
+    int best = 0;
+    if (!supported_shape(h, d) || (out_bytes != 2 && out_bytes != 4)) return 0;
+    for (int s = 1; s <= kMaxKVStages; ++s)
+      if (MqaLogitsLayout{h, d, s, out_bytes, math_wgs}.smem_bytes() <= kMaxSmem) best = s;
+    return best;
+  }
+  DI_LAYOUT_HD constexpr bool valid() const {
+    return supported_shape(num_heads, head_dim) && (out_bytes == 2 || out_bytes == 4) && num_kv_stages >= 2 &&
+           num_kv_stages <= kMaxKVStages && smem_bytes() <= kMaxSmem &&
+           (num_math_wgs() == 2 || num_math_wgs() == 3) && tokens_per_cta() <= 32 &&
+           info_offset_ranges() + 8 * tokens_per_cta() <= info_offset_weights() &&
+           kThreadsPerWG * producer_regs() + num_math_wgs() * kThreadsPerWG * math_regs() <= 65536 &&
+           // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)
+           q_tile_bytes() % kAlign == 0 && kv_tile_bytes() % kAlign == 0 && offset_kv(0) % kAlign == 0 &&
+           offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0;
+  }
+
+ private:
+  DI_LAYOUT_HD static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
+};
+
+}  // namespace deep_indexer
+
+#undef DI_LAYOUT_HD

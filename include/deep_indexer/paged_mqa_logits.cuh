@@ -1,0 +1,624 @@
+// Decode kernel of the lightning indexer over a paged fp8 KV cache (fp8_paged_mqa_logits).
+//
+//   logits[(b*next_n + i) * logits_stride + j] = scale_j * sum_h w[b*next_n+i, h] * relu(q[b,i,h,:] . k_j)
+//   for every valid key j < L(b, i) (and j < max_context_len); nothing else is written.
+//   L(b, i) = context_lens[b] - next_n + i + 1   (1-D context_lens)   or   context_lens[b, i]  (2-D)
+//
+// Structure (see paged_mqa_logits_layout.hpp for the numbers and the shared-memory map):
+//   * Persistent grid: CTA c walks the (sequence, 256-token segment) items [schedule[c], schedule[c+1])
+//     in row-major order; segments are walked as 64-token tiles, numbered k = 0, 1, ... per CTA.
+//     Sequences met in the walk are numbered "generations" g = 0, 1, ...; generation g's q and
+//     weights live in q slot g % 2.
+//   * W = layout.num_math_wgs() math warpgroups (4 for N = next_n*H <= 64, 3 for N <= 128, else 2)
+//     followed by one producer warpgroup (setmaxnreg: layout.math_regs() / producer_regs()):
+//       producer warp 0 ("Q producer"): for every generation g, waits q_empty[g % 2], stores the
+//               sequence id and row lengths L(b, i) into the slot info, TMA-loads the next_n*H q rows
+//               (2-D map, q_num_boxes boxes) and bulk-copies the weights rows into slot g % 2.
+//       producer warps 1..P ("KV producers", P = layout.num_kv_producers()): every one walks all
+//               tiles and issues tile k when k % P is its index: block-table entries are fetched 32 at
+//               a time (a "group" of segments, prefetched one group ahead), the 64/BLOCK_KV paged
+//               blocks of the tile are TMA-loaded (3-D map over the fused cache, 128B/64B swizzle;
+//               two 32-token blocks stack into one 64-row WGMMA A tile) and their fp32 scales
+//               bulk-copied into stage k % S; the stage info {generation, sequence, first key,
+//               flags} is stored before the arrive (release). W sentinel tiles end the walk.
+//   * Math WG k % W takes tile k: WGMMA m64 x N_chunk x k32 (A = 64 keys, B = q rows, both K-major
+//     swizzled; N processed in equal chunks of whole tokens <= 256 columns), then relu, head
+//     weights, in-thread head sum, quad reduce-scatter with shuffles, key scale, predicated stores.
+//
+// Barrier protocol (every parity wait is provably at most one phase away from the barrier):
+//   full[s]   : count 1 (KV producer arrive.expect_tx) + TMA bytes; WG s % W waits parity (k / S) & 1.
+//   empty[s]  : count 4 (lane 0 of each warp of WG s % W once its WGMMA reading the stage is done);
+//               KV producer s % P waits parity ((k / S) & 1) ^ 1 before reusing it (S % lcm(W, P) == 0
+//               makes one producer and one WG own each stage).
+//   q_full[x] : count 1 (Q producer) + TMA bytes; generation g is waited with parity (g / 2) & 1.
+//   q_empty[x]: count 4W (lane 0 of every math warp, once per generation); the Q producer waits
+//               parity ((g / 2) & 1) ^ 1 before loading generation g into slot g % 2.
+//   Every math WG waits for every generation's q_full in order (also those it has no tile of) and
+//   arrives on q_empty for it only after that wait and after its last use, so the KV producers may
+//   run ahead of the Q producer by any number of sequences without parity aliasing.
+//
+// Host assumptions (details in the report): q, kv_cache and weights 16-byte aligned; kv_cache
+// stride(0) (block_stride_bytes) a multiple of 16; weights_stride a multiple of 4 floats;
+// gridDim.x == schedule rows - 1; blockDim.x == layout.num_threads() (checked: traps otherwise);
+// dynamic smem == layout.smem_bytes(); schedule from paged_mqa_metadata_kernel on the same
+// context_lens.
+#pragma once
+#include <cstdint>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <type_traits>
+
+#include <deep_indexer/paged_mqa_logits_layout.hpp>
+#include <deep_indexer/ptx.cuh>
+
+// L2 policy of the KV-cache TMA loads (read once per call).
+#ifndef DI_PAGED_MQA_KV_CACHE_HINT
+#define DI_PAGED_MQA_KV_CACHE_HINT ::deep_indexer::ptx::kCacheEvictFirst
+#endif
+
+namespace deep_indexer {
+namespace paged_mqa_detail {
+
+template <int I, int N, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (I < N) {
+    f(std::integral_constant<int, I>{});
+    static_for<I + 1, N>(f);
+  }
+}
+
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// Branch-free helpers for the math warpgroups (predicated PTX instead of C++ branches: keeps the
+// control flow around the WGMMAs simple for ptxas, which serializes WGMMAs across divergent paths).
+__device__ __forceinline__ void mbar_wait_loop(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "DI_PAGED_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra DI_PAGED_WAIT;\n}\n" ::"r"(ptx::smem_addr(bar)),
+      "r"(phase)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(ptx::smem_addr(bar)),
+      "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+__device__ __forceinline__ void st_global_if(float* ptr, float v, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %2, 0;\n"
+      "@p st.global.f32 [%0], %1;\n}\n" ::"l"(ptr),
+      "f"(v), "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+__device__ __forceinline__ void st_global_if(__nv_bfloat16* ptr, float v, bool pred) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(v);
+  const uint16_t bits = *reinterpret_cast<const uint16_t*>(&h);
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %2, 0;\n"
+      "@p st.global.b16 [%0], %1;\n}\n" ::"l"(ptr),
+      "h"(bits), "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+__device__ __forceinline__ int warp_broadcast(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+
+__device__ __forceinline__ int num_segments(int len) { return (len >> 8) + ((len & 255) != 0 ? 1 : 0); }
+
+// Walks the (sequence, segment) items of one CTA's schedule range. Warp-collective: every lane
+// of the calling warp must call every member with the same arguments. Sequence lengths are
+// kept in a 128-sequence window (4 per lane) so zero-length sequences are skipped 128 at a time.
+template <int kNextN, bool k2D>
+struct RangeWalker {
+  struct Item {
+    int b, s, len;
+  };
+
+  const int* __restrict__ ctx;
+  int batch;
+  int b_end, s_end;  // exclusive end item
+  int limit;         // sequences >= limit have no item in range
+  int win_base;
+  int win[4];
+
+  __device__ __forceinline__ int load_len(int idx) const {
+    if (idx >= batch) return 0;
+    int v;
+    if constexpr (k2D) {
+      v = __ldg(ctx + static_cast<int64_t>(idx) * kNextN);
+#pragma unroll
+      for (int i = 1; i < kNextN; ++i) v = max(v, __ldg(ctx + static_cast<int64_t>(idx) * kNextN + i));
+    } else {
+      v = __ldg(ctx + idx);
+    }
+    return v > 0 ? v : 0;
+  }
+
+  __device__ __forceinline__ void load_window(int base) {
+    win_base = base;
+    const int lane = static_cast<int>(ptx::lane_idx());
+#pragma unroll
+    for (int m = 0; m < 4; ++m) win[m] = load_len(base + 32 * m + lane);
+  }
+
+  // b must lie in [win_base, win_base + 128).
+  __device__ __forceinline__ int len_of(int b) const {
+    const int d = b - win_base;
+    const int m = d >> 5;
+    const int v = m == 0 ? win[0] : (m == 1 ? win[1] : (m == 2 ? win[2] : win[3]));
+    return __shfl_sync(0xffffffffu, v, d & 31);
+  }
+
+  // Smallest sequence > b with a non-zero length, or `limit`.
+  __device__ __forceinline__ int next_nonempty(int b) {
+    const int lane = static_cast<int>(ptx::lane_idx());
+    int c = b + 1;
+    while (c < limit) {
+      if (c >= win_base + 128) load_window(c);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int idx = win_base + 32 * m + lane;
+        const uint32_t bal = __ballot_sync(0xffffffffu, idx >= c && idx < limit && win[m] > 0);
+        if (bal != 0) return win_base + 32 * m + __ffs(bal) - 1;
+      }
+      c = win_base + 128;
+    }
+    return limit;
+  }
+
+  __device__ __forceinline__ bool valid(const Item& it) const {
+    return it.b < limit && (it.b < b_end || (it.b == b_end && it.s < s_end));
+  }
+
+  __device__ __forceinline__ Item to_sequence(int b) const {
+    return Item{b, 0, b < limit ? len_of(b) : 0};
+  }
+
+  __device__ __forceinline__ Item first(const int* __restrict__ schedule, int cta, const int* __restrict__ ctx_,
+                                        int batch_) {
+    ctx = ctx_;
+    batch = batch_;
+    const int b0 = __ldg(schedule + 2 * cta), s0 = __ldg(schedule + 2 * cta + 1);
+    b_end = __ldg(schedule + 2 * cta + 2);
+    s_end = __ldg(schedule + 2 * cta + 3);
+    limit = min(s_end > 0 ? b_end + 1 : b_end, batch);
+    if (b0 >= limit) {
+      win_base = 0;
+      return Item{limit, 0, 0};
+    }
+    load_window(b0);
+    Item it{b0, s0, len_of(b0)};
+    if (s0 >= num_segments(it.len)) it = to_sequence(next_nonempty(b0));  // defensive
+    return it;
+  }
+
+  __device__ __forceinline__ Item next_sequence(const Item& it) { return to_sequence(next_nonempty(it.b)); }
+
+  // ---- groups: kSegsPerGroup consecutive segments of one sequence whose block-table entries
+  // (32 of them) one warp load fetches. s_begin/s_stop: the segments of the group inside the range.
+  struct Group {
+    int b, g, len, s_begin, s_stop;
+  };
+  template <int kSegsPerGroup>
+  __device__ __forceinline__ Group make_group(int b, int g, int len, int s_begin) const {
+    int s_stop = min((g + 1) * kSegsPerGroup, num_segments(len));
+    if (b == b_end) s_stop = min(s_stop, s_end);
+    if (b >= limit) s_stop = s_begin;  // invalid
+    return Group{b, g, len, s_begin, s_stop};
+  }
+  __device__ __forceinline__ static bool valid(const Group& grp) { return grp.s_begin < grp.s_stop; }
+  template <int kSegsPerGroup>
+  __device__ __forceinline__ Group first_group(const int* __restrict__ schedule, int cta, const int* __restrict__ ctx_,
+                                               int batch_) {
+    const Item it = first(schedule, cta, ctx_, batch_);
+    return make_group<kSegsPerGroup>(it.b, it.s / kSegsPerGroup, it.len, it.s);
+  }
+  template <int kSegsPerGroup>
+  __device__ __forceinline__ Group next_group(const Group& grp) {
+    const int g = grp.g + 1;
+    if (g * kSegsPerGroup < num_segments(grp.len)) return make_group<kSegsPerGroup>(grp.b, g, grp.len, g * kSegsPerGroup);
+    const Item it = to_sequence(next_nonempty(grp.b));
+    return make_group<kSegsPerGroup>(it.b, 0, it.len, 0);
+  }
+};
+
+}  // namespace paged_mqa_detail
+
+template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, bool kContextLens2D,
+          typename OutT /* float or __nv_bfloat16 */>
+__global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
+                                                       static_cast<int>(sizeof(OutT))}
+                                      .num_threads(),
+                                  1)
+    paged_mqa_logits_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_kv,
+                            const uint8_t* __restrict__ kv_cache, int64_t block_stride_bytes,
+                            const float* __restrict__ weights, int64_t weights_stride,
+                            const int* __restrict__ context_lens, const int* __restrict__ block_table,
+                            int64_t block_table_stride, const int* __restrict__ schedule, OutT* __restrict__ logits,
+                            int64_t logits_stride, int batch_size, int max_context_len) {
+  using namespace paged_mqa_detail;
+  static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
+  constexpr PagedMqaLogitsLayout kL{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
+                                    static_cast<int>(sizeof(OutT))};
+  static_assert(kL.valid(), "unsupported paged_mqa_logits configuration");
+
+  constexpr int kStages = kNumKVStages;
+  constexpr int kN = kL.n_total();
+  constexpr int kTPC = kL.tokens_per_chunk();
+  constexpr int kNumChunks = kL.num_chunks();
+  constexpr int kChunkCols = kL.chunk_cols();
+  constexpr int kHG = kNumHeads / 8;  // 8-column groups per token
+  constexpr bool kWeightsInRegs = kL.weights_in_regs();
+  constexpr int kBlocksPerTile = kL.blocks_per_tile();
+  constexpr int kBlocksPerSeg = kL.blocks_per_segment();
+  constexpr uint32_t kTileTx = static_cast<uint32_t>(kL.kv_tile_bytes() + kL.scales_bytes_per_stage());
+  constexpr uint32_t kBlockTx = static_cast<uint32_t>(BLOCK_KV * kHeadDim + BLOCK_KV * 4);
+  constexpr int kSentinel = 1;
+  constexpr int kNumMathWGs = kL.num_math_wgs();
+  constexpr uint32_t kProducerWarp0 = 4 * kNumMathWGs;  // producer warpgroup: q loader + KV producers
+  constexpr int kNumKVProducers = kL.num_kv_producers();
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* q_smem = smem + kL.q_offset();
+  uint8_t* kv_smem = smem + kL.kv_offset();
+  float* scales_smem = reinterpret_cast<float*>(smem + kL.scales_offset());
+  float* weights_smem = reinterpret_cast<float*>(smem + kL.weights_offset());
+  int4* stage_info = reinterpret_cast<int4*>(smem + kL.stage_info_offset());
+  int* slot_info = reinterpret_cast<int*>(smem + kL.slot_info_offset());
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kL.barrier_offset());
+  uint64_t* full_bar = bars;
+  uint64_t* empty_bar = bars + kStages;
+  uint64_t* q_full_bar = bars + 2 * kStages;
+  uint64_t* q_empty_bar = bars + 2 * kStages + 2;
+
+  // A launch with another block size would deadlock (missing warpgroups): fail loudly instead.
+  if (blockDim.x != static_cast<uint32_t>(kL.num_threads())) __trap();
+
+  const uint32_t warp = ptx::warp_idx();
+  const uint32_t lane = ptx::lane_idx();
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], 4);
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      ptx::mbar_init(&q_full_bar[x], 1);
+      ptx::mbar_init(&q_empty_bar[x], 4 * kL.num_math_wgs());
+    }
+    ptx::fence_mbar_init();
+  }
+  if (warp == kProducerWarp0 && lane == 0) {
+    ptx::prefetch_tensor_map(&tmap_kv);
+    ptx::prefetch_tensor_map(&tmap_q);
+  }
+  grid_dependency_wait();
+  __syncthreads();
+
+  if (warp >= kProducerWarp0) {
+    // ================================================================ producer warpgroup
+    ptx::reg_dealloc<static_cast<uint32_t>(kL.producer_regs())>();
+    using Walker = RangeWalker<kNextN, kContextLens2D>;
+    if (warp == kProducerWarp0) {
+      // ---------------------------------------------------------- Q producer
+      Walker walker;
+      using Item = typename Walker::Item;
+      Item cur = walker.first(schedule, static_cast<int>(blockIdx.x), context_lens, batch_size);
+      uint32_t g = 0;
+      while (walker.valid(cur)) {
+        const int b = cur.b;
+        // Row lengths L(b, i) (lane i), clamped to max_context_len.
+        int my_len = 0;
+        if (static_cast<int>(lane) < kNextN) {
+          if constexpr (kContextLens2D)
+            my_len = __ldg(context_lens + static_cast<int64_t>(b) * kNextN + lane);
+          else
+            my_len = __ldg(context_lens + b) - kNextN + static_cast<int>(lane) + 1;
+          my_len = min(my_len, max_context_len);
+        }
+        int lens[kNextN];
+#pragma unroll
+        for (int i = 0; i < kNextN; ++i) lens[i] = __shfl_sync(0xffffffffu, my_len, i);
+        const uint32_t slot = g & 1u;
+        ptx::mbar_wait(&q_empty_bar[slot], ((g >> 1) & 1u) ^ 1u);
+        if (lane == 0) {
+          int* info = slot_info + slot * 8;
+          info[0] = b;
+#pragma unroll
+          for (int i = 0; i < kNextN; ++i) info[1 + i] = lens[i];
+          ptx::mbar_arrive_expect_tx(&q_full_bar[slot], static_cast<uint32_t>(kL.q_tx_bytes()));
+          uint8_t* q_dst = q_smem + slot * kL.q_slot_bytes();
+#pragma unroll
+          for (int x = 0; x < kL.q_num_boxes(); ++x)
+            ptx::tma_load_2d(q_dst + x * kL.q_box_rows() * kHeadDim, &tmap_q, &q_full_bar[slot], 0,
+                             b * kN + x * kL.q_box_rows());
+          float* w_dst = weights_smem + slot * kN;
+#pragma unroll
+          for (int i = 0; i < kNextN; ++i)
+            ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
+                           kNumHeads * 4, &q_full_bar[slot]);
+        }
+        __syncwarp();
+        ++g;
+        cur = walker.next_sequence(cur);
+      }
+    } else {
+      // ---------------------------------------------------------- KV producers (the other 3 warps)
+      // Every KV producer walks all tiles of the range (tile counter k) and issues those with
+      // k % kNumKVProducers == its index: tile k -> stage k % S (parity (k / S) & 1), WG k % 2.
+      constexpr int kP = kNumKVProducers;
+      constexpr int kSegsPerGroup = 32 / kBlocksPerSeg;  // one warp load of the block table per group
+      const int p = static_cast<int>(warp - kProducerWarp0) - 1;
+      if (p >= kP) return;
+      Walker walker;
+      using Group = typename Walker::Group;
+
+      // lane l: physical block of logical block grp.g * 32 + l (if it exists)
+      auto load_ids = [&](const Group& grp) -> int {
+        int id = 0;
+        if (Walker::valid(grp)) {
+          const int nb = (grp.len / BLOCK_KV) + ((grp.len % BLOCK_KV) != 0 ? 1 : 0);
+          const int blk = grp.g * 32 + static_cast<int>(lane);
+          if (blk < nb) id = __ldg(block_table + static_cast<int64_t>(grp.b) * block_table_stride + blk);
+        }
+        return id;
+      };
+      auto stage_of = [](int k, uint32_t& st, uint32_t& ph) {
+        st = static_cast<uint32_t>(k % kStages);
+        ph = static_cast<uint32_t>((k / kStages) & 1);
+      };
+
+      Group cur = walker.template first_group<kSegsPerGroup>(schedule, static_cast<int>(blockIdx.x), context_lens,
+                                                             batch_size);
+      int ids = load_ids(cur);
+      Group nxt = cur;
+      if (Walker::valid(cur)) nxt = walker.template next_group<kSegsPerGroup>(cur);
+      int ids_next = load_ids(nxt);  // a whole group ahead
+      int k = 0;                     // tile counter of the CTA's walk
+      int gen = 0;                   // generation (sequence count) of `cur`
+      const bool any = Walker::valid(cur);
+      while (Walker::valid(cur)) {
+        const int seg0 = cur.g * kSegsPerGroup;
+        for (int s = cur.s_begin; s < cur.s_stop; ++s) {
+          const int tok0 = s * PagedMqaLogitsLayout::kSplitKV;
+          const int ntiles = (min(PagedMqaLogitsLayout::kSplitKV, cur.len - tok0) + 63) >> 6;
+          // first tile of this segment owned by this producer
+          int t = ((p - k) % kP + kP) % kP;
+          for (; t < ntiles; t += kP) {
+            const int kt = k + t;
+            const int j0 = tok0 + 64 * t;
+            const int lb = (s - seg0) * kBlocksPerSeg + t * kBlocksPerTile;  // < 32
+            const int id0 = __shfl_sync(0xffffffffu, ids, lb);
+            const int id1 = __shfl_sync(0xffffffffu, ids, (lb + 1) & 31);
+            const bool two = kBlocksPerTile == 2 && (j0 + BLOCK_KV < cur.len);
+            uint32_t st, ph;
+            stage_of(kt, st, ph);
+            ptx::mbar_wait(&empty_bar[st], ph ^ 1u);
+            if (lane == 0) {
+              stage_info[st] = make_int4(gen, cur.b, j0, 0);
+              uint8_t* kv_dst = kv_smem + st * kL.kv_tile_bytes();
+              float* sc_dst = scales_smem + st * 64;
+              const uint32_t tx = kBlocksPerTile == 1 ? kTileTx : (two ? 2 * kBlockTx : kBlockTx);
+              ptx::mbar_arrive_expect_tx(&full_bar[st], tx);
+              ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, DI_PAGED_MQA_KV_CACHE_HINT);
+              ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
+                             BLOCK_KV * 4, &full_bar[st]);
+              if (two) {
+                ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &full_bar[st], 0, 0, id1,
+                                 DI_PAGED_MQA_KV_CACHE_HINT);
+                ptx::bulk_load(sc_dst + BLOCK_KV,
+                               kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
+                               BLOCK_KV * 4, &full_bar[st]);
+              }
+            }
+            __syncwarp();
+          }
+          k += ntiles;
+        }
+        if (!Walker::valid(nxt)) break;
+        if (nxt.b != cur.b) ++gen;
+        cur = nxt;
+        ids = ids_next;
+        nxt = walker.template next_group<kSegsPerGroup>(cur);
+        ids_next = load_ids(nxt);
+      }
+      // One sentinel per math warpgroup (tiles k, k + 1); it carries the number of generations.
+      const int num_gens = any ? gen + 1 : 0;
+#pragma unroll
+      for (int x = 0; x < kNumMathWGs; ++x) {
+        const int kt = k + x;
+        if (kt % kP == p) {
+          uint32_t st, ph;
+          stage_of(kt, st, ph);
+          ptx::mbar_wait(&empty_bar[st], ph ^ 1u);
+          if (lane == 0) {
+            stage_info[st] = make_int4(num_gens, 0, 0, kSentinel);
+            ptx::mbar_arrive(&full_bar[st]);
+          }
+          __syncwarp();
+        }
+      }
+    }
+    return;
+  }
+
+  // ================================================================== math warpgroups
+  ptx::reg_alloc<static_cast<uint32_t>(kL.math_regs())>();
+  const uint32_t wg = warp / 4;
+  const uint32_t warp_in_wg = warp % 4;
+  const uint32_t quad = lane & 3u;
+  const bool hi = (lane & 2u) != 0;   // after the first reduce step: row r0 (false) or r0 + 8 (true)
+  const bool odd = (lane & 1u) != 0;  // after the second step: which tokens of the chunk
+  const int row_in_tile = static_cast<int>(warp_in_wg * 16 + (lane >> 2) + (hi ? 8 : 0));
+
+  float2 wreg[kWeightsInRegs ? kNextN : 1][kWeightsInRegs ? kHG : 1];
+  int row_len[kNextN];
+  int seq_b = 0;
+  int cur_gen = -1;  // generation whose q / weights this WG uses; every WG walks all generations in order
+
+  // Moves this WG to generation `gen` (q slot gen % 2). Returns false for the sentinel (gen = count).
+  // Generations are waited for (q_full) and handed back (q_empty) strictly in order by every WG,
+  // including those it has no tile of: waiting for gen h only after gen h - 2 keeps each parity wait
+  // within one phase of the barrier, and arriving on q_empty for h only after q_full(h) keeps the
+  // arrivals in h's phase. No WGMMA of this WG may be in flight here.
+  auto switch_generation = [&](const int4& info) -> bool {
+    const int gen = info.x;
+    __syncwarp();
+    mbar_arrive_if(&q_empty_bar[cur_gen & 1], cur_gen >= 0 && lane == 0);
+    for (int h = cur_gen + 1; h < gen; ++h) {
+      mbar_wait_loop(&q_full_bar[h & 1], (static_cast<uint32_t>(h) >> 1) & 1u);
+      __syncwarp();
+      mbar_arrive_if(&q_empty_bar[h & 1], lane == 0);
+    }
+    if (info.w & kSentinel) return false;
+    const uint32_t slot = static_cast<uint32_t>(gen) & 1u;
+    mbar_wait_loop(&q_full_bar[slot], (static_cast<uint32_t>(gen) >> 1) & 1u);
+    const int* sinfo = slot_info + slot * 8;
+    seq_b = sinfo[0];
+#pragma unroll
+    for (int i = 0; i < kNextN; ++i) row_len[i] = sinfo[1 + i];
+    if constexpr (kWeightsInRegs) {
+      const float* wsl = weights_smem + slot * kN;
+#pragma unroll
+      for (int i = 0; i < kNextN; ++i)
+#pragma unroll
+        for (int hg = 0; hg < kHG; ++hg)
+          wreg[i][hg] = *reinterpret_cast<const float2*>(wsl + i * kNumHeads + hg * 8 + quad * 2);
+    }
+    cur_gen = gen;
+    return true;
+  };
+
+  // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited).
+  auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage) {
+    constexpr int c = decltype(chunk_c)::value;
+    constexpr int tok0 = c * kTPC;
+    constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
+    constexpr int cols = tpc * kNumHeads;
+    using Mma = ptx::WgmmaFp8<cols>;
+    const uint64_t desc_a = ptx::make_kmajor_desc<kHeadDim>(kv_smem + stage * kL.kv_tile_bytes());
+    const uint64_t desc_b = ptx::make_kmajor_desc<kHeadDim>(
+        q_smem + (static_cast<uint32_t>(cur_gen) & 1u) * kL.q_slot_bytes() + tok0 * kNumHeads * kHeadDim);
+    ptx::fence_accum<cols / 2>(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 32; ++kk)
+      Mma::mma(acc, desc_a + static_cast<uint64_t>(kk * 2), desc_b + static_cast<uint64_t>(kk * 2), kk > 0);
+    ptx::wgmma_commit();
+  };
+
+  // Epilogue of chunk c: relu, head weights, head sum, quad reduce-scatter, key scale, stores.
+  auto epilogue_chunk = [&](auto chunk_c, const float* acc, int key, float key_scale) {
+    constexpr int c = decltype(chunk_c)::value;
+    constexpr int tok0 = c * kTPC;
+    constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
+    [[maybe_unused]] const float* w_slot = weights_smem + (static_cast<uint32_t>(cur_gen) & 1u) * kN;
+    // v[j][t] = sum over my heads of w * relu(acc), rows r0 + 8j, token tok0 + t
+    float part[2][tpc][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int t = 0; t < tpc; ++t) part[j][t][0] = part[j][t][1] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < tpc; ++t) {
+#pragma unroll
+      for (int hg = 0; hg < kHG; ++hg) {
+        float2 w;
+        if constexpr (kWeightsInRegs)
+          w = wreg[tok0 + t][hg];
+        else
+          w = *reinterpret_cast<const float2*>(w_slot + (tok0 + t) * kNumHeads + hg * 8 + quad * 2);
+        const int g = t * kHG + hg;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          part[j][t][0] = fmaf(w.x, fmaxf(acc[4 * g + 2 * j + 0], 0.0f), part[j][t][0]);
+          part[j][t][1] = fmaf(w.y, fmaxf(acc[4 * g + 2 * j + 1], 0.0f), part[j][t][1]);
+        }
+      }
+    }
+    // quad reduce-scatter, step 1 (lane ^ 2): keep row r0 + 8*hi, all tokens
+    float u[tpc];
+#pragma unroll
+    for (int t = 0; t < tpc; ++t) {
+      const float v0 = part[0][t][0] + part[0][t][1];
+      const float v1 = part[1][t][0] + part[1][t][1];
+      const float send = hi ? v0 : v1;
+      const float keep = hi ? v1 : v0;
+      u[t] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    }
+    auto store = [&](int i, float val, bool valid) {  // i: token of the sequence's window (0..next_n-1)
+      OutT* dst = logits + (static_cast<int64_t>(seq_b) * kNextN + i) * logits_stride + key;
+      st_global_if(dst, val * key_scale, valid);
+    };
+    // step 2 (lane ^ 1) and the stores
+    if constexpr (tpc % 2 == 0) {
+      constexpr int h = tpc / 2;
+#pragma unroll
+      for (int t = 0; t < h; ++t) {
+        const float send = odd ? u[t] : u[t + h];
+        const float keep = odd ? u[t + h] : u[t];
+        const float f = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+        const int i_even = tok0 + t, i_odd = tok0 + t + h;
+        store(odd ? i_odd : i_even, f, key < (odd ? row_len[i_odd] : row_len[i_even]));
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < tpc; ++t) u[t] += __shfl_xor_sync(0xffffffffu, u[t], 1);
+#pragma unroll
+      for (int t = 0; t < tpc; t += 2) {
+        if (t + 1 < tpc) {  // even lanes store token t, odd lanes token t + 1
+          const int i_even = tok0 + t, i_odd = tok0 + t + 1;
+          store(odd ? i_odd : i_even, odd ? u[t + 1] : u[t], key < (odd ? row_len[i_odd] : row_len[i_even]));
+        } else {
+          store(tok0 + t, u[t], !odd && key < row_len[tok0 + t]);
+        }
+      }
+    }
+  };
+
+  // Lane 0 of every warp hands the stage back once the warp no longer reads it.
+  auto release_stage = [&](uint32_t stage) {
+    __syncwarp();
+    mbar_arrive_if(&empty_bar[stage], lane == 0);
+  };
+
+  uint32_t st = wg, ph = 0;
+  auto advance = [&]() {
+    st += kNumMathWGs;
+    if (st >= static_cast<uint32_t>(kStages)) {
+      st -= kStages;
+      ph ^= 1u;
+    }
+  };
+
+  // One tile at a time per WG (the other WGs' WGMMAs and epilogues overlap with it); multi-chunk
+  // shapes reuse one accumulator set per chunk.
+  float acc[kChunkCols / 2];
+  while (true) {
+    mbar_wait_loop(&full_bar[st], ph);
+    const int4 raw = stage_info[st];
+    const int4 info = make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
+    if (info.x != cur_gen && !switch_generation(info)) break;
+    const int key = info.z + row_in_tile;
+    const float key_scale = scales_smem[st * 64 + row_in_tile];
+    static_for<0, kNumChunks>([&](auto chunk_c) {
+      constexpr int c = decltype(chunk_c)::value;
+      issue_chunk(chunk_c, acc, st);
+      ptx::wgmma_wait<0>();
+      ptx::fence_accum<kChunkCols / 2>(acc);
+      if constexpr (c == kNumChunks - 1) release_stage(st);  // keys, scales and info all read
+      epilogue_chunk(chunk_c, acc, key, key_scale);
+    });
+    advance();
+  }
+}
+
+}  // namespace deep_indexer
