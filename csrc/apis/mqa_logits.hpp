@@ -1,6 +1,6 @@
 // API entry of fp8_mqa_logits (SPEC 2.1).
 #pragma once
-#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 
 #include <climits>
 #include <optional>
@@ -28,9 +28,7 @@ inline at::Tensor logits_output(const char* op, const std::optional<at::Tensor>&
     TensorCheck(op, *out, "out").on(like.device());
     return *out;
   }
-  const int64_t stride = sm90::padded_row_stride(cols, elem_bytes);
-  at::Tensor buf = at::empty({rows, stride}, like.options().dtype(dtype));
-  return buf.narrow(1, 0, cols);
+  return at::empty_strided({rows, cols}, {sm90::padded_row_stride(cols, elem_bytes), 1}, like.options().dtype(dtype));
 }
 
 inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,

@@ -2,7 +2,9 @@
 #pragma once
 #include <cuda.h>
 
+#include <array>
 #include <cstdint>
+#include <cstring>
 
 #include "driver.hpp"
 
@@ -19,7 +21,7 @@ inline CUtensorMapSwizzle swizzle_for_row_bytes(int row_bytes) {
 
 // A rank-`Rank` tiled map. dims/box innermost first; strides_bytes[i] is the stride of dim i+1.
 template <int Rank>
-CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype, const uint64_t (&dims)[Rank],
+CUtensorMap encode_tensor_map(const void* base, CUtensorMapDataType dtype, const uint64_t (&dims)[Rank],
                             const uint64_t (&strides_bytes)[Rank > 1 ? Rank - 1 : 1], const uint32_t (&box)[Rank],
                             CUtensorMapSwizzle swizzle, const char* what) {
   DI_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "deep_indexer: {} is not 16-byte aligned", what);
@@ -33,6 +35,46 @@ CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype, const u
       &map, dtype, Rank, const_cast<void*>(base), dims, strides_bytes, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
   return map;
+}
+
+
+
+// encode_tensor_map behind a small per-thread cache: engines call the ops on the same buffers
+// (KV cache, static q/out buffers under CUDA graphs) step after step, and encoding costs ~1 us.
+template <int Rank>
+CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype, const uint64_t (&dims)[Rank],
+                            const uint64_t (&strides_bytes)[Rank > 1 ? Rank - 1 : 1], const uint32_t (&box)[Rank],
+                            CUtensorMapSwizzle swizzle, const char* what) {
+  struct Key {
+    const void* base;
+    int dtype, swizzle;
+    uint64_t dims[Rank], strides[Rank > 1 ? Rank - 1 : 1];
+    uint32_t box[Rank];
+  };
+  struct Entry {
+    Key key;
+    CUtensorMap map;
+    bool used;
+  };
+  constexpr int kEntries = 8;
+  thread_local std::array<Entry, kEntries> cache{};
+  thread_local int next = 0;
+  Key key;
+  std::memset(&key, 0, sizeof(key));
+  key.base = base;
+  key.dtype = static_cast<int>(dtype);
+  key.swizzle = static_cast<int>(swizzle);
+  std::memcpy(key.dims, dims, sizeof(key.dims));
+  std::memcpy(key.strides, strides_bytes, sizeof(key.strides));
+  std::memcpy(key.box, box, sizeof(key.box));
+  for (const Entry& e : cache)
+    if (e.used && std::memcmp(&e.key, &key, sizeof(Key)) == 0) return e.map;
+  Entry& slot = cache[next];
+  next = (next + 1) % kEntries;
+  slot.map = encode_tensor_map<Rank>(base, dtype, dims, strides_bytes, box, swizzle, what);
+  slot.key = key;
+  slot.used = true;
+  return slot.map;
 }
 
 }  // namespace deep_indexer::jit
