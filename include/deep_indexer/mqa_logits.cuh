@@ -247,8 +247,10 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           rhi[m] = (T == 1 && quad >= 2) ? rg.x : rg.y;  // T == 1: half the lanes hold duplicates
           obase[m] = logits + static_cast<int64_t>(tg < S ? tg : 0) * logits_stride + u_lo + row_in_tile +
                      (kOwnJ == 1 ? 8 * own_j(0) : 0);
-          // Opaque to the compiler, so that it keeps the pointer instead of rebuilding it per tile.
-          asm volatile("" : "+l"(obase[m]));
+          // Opaque to the compiler, so that it keeps the pointer instead of rebuilding it from the
+          // parameters per tile. Measured on H200: 8-25% faster for the store-heavy shapes
+          // (H <= 32, D <= 64, H = 128), 13% slower for H = 64, D = 128, which is left alone.
+          if constexpr (!(H == 64 && D == 128)) asm volatile("" : "+l"(obase[m]));
         }
 
         const uint64_t desc_q = ptx::make_kmajor_desc<D>(smem + L.offset_q(qs, wg));
