@@ -17,12 +17,14 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
   static const char* kernel_name() { return "mqa_logits"; }
   static const char* header() { return "deep_indexer/mqa_logits.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("mqa_logits<H={},D={},stages={},{}>", p.num_heads, p.head_dim, p.layout().num_kv_stages,
-                       p.elem_bytes == 4 ? "float32" : "bfloat16");
+    const MqaLogitsLayout l = p.layout();
+    return fmt::format("mqa_logits<H={},D={},wgs={},stages={},{}>", p.num_heads, p.head_dim, l.num_math_wgs(),
+                       l.num_kv_stages, p.elem_bytes == 4 ? "float32" : "bfloat16");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::mqa_logits_kernel<{}, {}, {}, {}>", p.num_heads, p.head_dim,
-                       p.layout().num_kv_stages, out_type_name(p.elem_bytes));
+    const MqaLogitsLayout l = p.layout();
+    return fmt::format("&deep_indexer::mqa_logits_kernel_wgs<{}, {}, {}, {}, {}>", p.num_heads, p.head_dim,
+                       l.num_kv_stages, out_type_name(p.elem_bytes), l.num_math_wgs());
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 
