@@ -67,27 +67,9 @@ def test_clean_logits_rejects_bad_inputs():
 
 
 # ------------------------------------------------------------------------------------ shared checks
-from conftest import calc_diff  # noqa: E402
+from conftest import assert_logits_match  # noqa: E402
 
 from deep_indexer import quant  # noqa: E402
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
-
-
-def assert_logits_match(out: torch.Tensor, ref: torch.Tensor, clean: bool, dtype: torch.dtype, what: str = ""):
-    """Valid entries (finite in the reference) within TOL; with clean, -inf exactly where the reference has it."""
-    assert out.shape == ref.shape and out.dtype == dtype, (out.shape, ref.shape, out.dtype)
-    out, ref = out.float(), ref.float().to(out.device)
-    valid = torch.isfinite(ref)
-    got = out[valid]
-    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} valid entries unwritten or non-finite"
-    diff = calc_diff(got, ref[valid])
-    assert diff < TOL[dtype], f"{what}: relative diff {diff:.3g}"
-    if clean:
-        neg = out == float("-inf")
-        mism = neg != ~valid
-        assert not mism.any(), f"{what}: -inf mask differs at {int(mism.sum())} entries, first {mism.nonzero()[:4].tolist()}"
-
 
 def poisoned(shape, dtype, pad=0):
     buf = torch.full((shape[0], shape[1] + pad), float("nan"), dtype=dtype, device=DEV)

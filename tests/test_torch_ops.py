@@ -74,7 +74,8 @@ def test_opcheck_all_ops():
     torch.library.opcheck(OPS.get_paged_mqa_logits_metadata, (ctx, 64, None))
     meta = OPS.get_paged_mqa_logits_metadata(ctx, 64, None)
     torch.library.opcheck(OPS.get_paged_mqa_logits_metadata_out, (ctx, 64, torch.empty_like(meta)))
-    torch.library.opcheck(OPS.fp8_paged_mqa_logits, (qd, cache, wd, ctx, table, meta, max_ctx, False, torch.bfloat16),
+    # clean_logits=True: with False the entries outside the ranges are unspecified and opcheck compares them
+    torch.library.opcheck(OPS.fp8_paged_mqa_logits, (qd, cache, wd, ctx, table, meta, max_ctx, True, torch.bfloat16),
                           test_utils=_UTILS)
     torch.library.opcheck(OPS.fp8_paged_mqa_logits_out,
                           (qd, cache, wd, ctx, table, meta, max_ctx, True, torch.empty(8, max_ctx, device=DEV)),
