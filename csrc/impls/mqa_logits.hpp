@@ -46,15 +46,10 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
     const Params& p = a.params;
     const MqaLogitsLayout l = p.layout();
     const CUfunction f = function(p, device, stream);
-    const auto swz = jit::swizzle_for_row_bytes(l.swizzle_bytes());
-    const auto fp8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
-    const uint64_t d = static_cast<uint64_t>(p.head_dim);
-    const CUtensorMap tmap_q = jit::make_tensor_map<2>(
-        a.q, fp8, {d, static_cast<uint64_t>(a.seq_len) * p.num_heads}, {d},
-        {static_cast<uint32_t>(d), static_cast<uint32_t>(l.q_box_rows())}, swz, "q");
-    const CUtensorMap tmap_k = jit::make_tensor_map<2>(a.k, fp8, {d, static_cast<uint64_t>(a.seq_len_kv)}, {d},
-                                                       {static_cast<uint32_t>(d), static_cast<uint32_t>(l.k_box_rows())},
-                                                       swz, "k");
+    const CUtensorMap tmap_q = jit::make_kmajor_fp8_map(a.q, static_cast<uint64_t>(a.seq_len) * p.num_heads,
+                                                        l.swizzle_bytes(), l.q_box_rows(), "q");
+    const CUtensorMap tmap_k =
+        jit::make_kmajor_fp8_map(a.k, static_cast<uint64_t>(a.seq_len_kv), l.swizzle_bytes(), l.k_box_rows(), "k");
     jit::LaunchConfig cfg;
     cfg.grid = sm90::mqa_logits_grid(l, a.seq_len, num_sms);
     cfg.block = l.num_threads();

@@ -78,9 +78,8 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
     const auto swz = jit::swizzle_for_row_bytes(l.swizzle_bytes());
     const auto u8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
     const uint64_t d = static_cast<uint64_t>(p.head_dim);
-    const CUtensorMap tmap_q = jit::make_tensor_map<2>(
-        a.q, u8, {d, static_cast<uint64_t>(a.batch_size) * p.next_n * p.num_heads}, {d},
-        {static_cast<uint32_t>(d), static_cast<uint32_t>(l.q_box_rows())}, swz, "q");
+    const CUtensorMap tmap_q = jit::make_kmajor_fp8_map(
+        a.q, static_cast<uint64_t>(a.batch_size) * p.next_n * p.num_heads, l.swizzle_bytes(), l.q_box_rows(), "q");
     const CUtensorMap tmap_kv = jit::make_tensor_map<3>(
         a.kv_cache, u8, {d, static_cast<uint64_t>(p.block_kv), static_cast<uint64_t>(a.num_blocks)},
         {d, static_cast<uint64_t>(a.block_stride_bytes)},

@@ -77,4 +77,13 @@ CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype, const u
   return slot.map;
 }
 
+// A K-major fp8 matrix of `rows` rows of `row_bytes` bytes (32/64/128, the swizzle width), loaded in
+// boxes of `box_rows` full rows: q and k of the prefill kernel, q of the decode kernel.
+inline CUtensorMap make_kmajor_fp8_map(const void* base, uint64_t rows, int row_bytes, int box_rows, const char* what) {
+  const uint64_t rb = static_cast<uint64_t>(row_bytes);
+  return make_tensor_map<2>(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, {rb, rows}, {rb},
+                            {static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(box_rows)},
+                            swizzle_for_row_bytes(row_bytes), what);
+}
+
 }  // namespace deep_indexer::jit

@@ -37,11 +37,7 @@
 //                      stages within 1% for H=64, D=128).
 #pragma once
 
-#ifdef __CUDACC__
-#define DI_LAYOUT_HD __host__ __device__
-#else
-#define DI_LAYOUT_HD
-#endif
+#include <deep_indexer/host_device.hpp>
 
 namespace deep_indexer {
 
@@ -62,73 +58,73 @@ struct MqaLogitsLayout {
   static constexpr int kMaxKVStages = 32;
 
   // ---- geometry
-  DI_LAYOUT_HD constexpr int q_rows_per_tile() const { return kQRowsPerTile; }
-  DI_LAYOUT_HD constexpr int q_box_rows() const { return kQRowsPerTile; }
-  DI_LAYOUT_HD constexpr int block_q() const { return kQRowsPerTile / num_heads; }
+  DI_HOST_DEVICE constexpr int q_rows_per_tile() const { return kQRowsPerTile; }
+  DI_HOST_DEVICE constexpr int q_box_rows() const { return kQRowsPerTile; }
+  DI_HOST_DEVICE constexpr int block_q() const { return kQRowsPerTile / num_heads; }
   // 2 math warpgroups with double-buffered accumulators, except H = 128 (1 token per warpgroup),
   // where 3 single-buffered warpgroups measured faster.
-  DI_LAYOUT_HD static constexpr int default_math_wgs(int h, int /*d*/) { return h == 128 ? 3 : 2; }
-  DI_LAYOUT_HD constexpr int num_math_wgs() const {
+  DI_HOST_DEVICE static constexpr int default_math_wgs(int h, int /*d*/) { return h == 128 ? 3 : 2; }
+  DI_HOST_DEVICE constexpr int num_math_wgs() const {
     return math_wgs == 0 ? default_math_wgs(num_heads, head_dim) : math_wgs;
   }
-  DI_LAYOUT_HD constexpr int tokens_per_cta() const { return num_math_wgs() * block_q(); }
+  DI_HOST_DEVICE constexpr int tokens_per_cta() const { return num_math_wgs() * block_q(); }
   // setmaxnreg values: 2 math warpgroups double-buffer their accumulators (232 registers), 3 do not.
-  DI_LAYOUT_HD constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
-  DI_LAYOUT_HD constexpr int math_regs() const { return num_math_wgs() == 2 ? 232 : 160; }
-  DI_LAYOUT_HD constexpr bool double_buffered() const { return num_math_wgs() == 2; }
-  DI_LAYOUT_HD constexpr int block_kv() const { return kBlockKV; }
-  DI_LAYOUT_HD constexpr int k_box_rows() const { return kBlockKV; }
-  DI_LAYOUT_HD constexpr int swizzle_bytes() const { return head_dim; }
-  DI_LAYOUT_HD constexpr int num_threads() const { return kThreadsPerWG * (1 + num_math_wgs()); }
-  DI_LAYOUT_HD constexpr int num_q_stages() const { return kNumQStages; }
+  DI_HOST_DEVICE constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
+  DI_HOST_DEVICE constexpr int math_regs() const { return num_math_wgs() == 2 ? 232 : 160; }
+  DI_HOST_DEVICE constexpr bool double_buffered() const { return num_math_wgs() == 2; }
+  DI_HOST_DEVICE constexpr int block_kv() const { return kBlockKV; }
+  DI_HOST_DEVICE constexpr int k_box_rows() const { return kBlockKV; }
+  DI_HOST_DEVICE constexpr int swizzle_bytes() const { return head_dim; }
+  DI_HOST_DEVICE constexpr int num_threads() const { return kThreadsPerWG * (1 + num_math_wgs()); }
+  DI_HOST_DEVICE constexpr int num_q_stages() const { return kNumQStages; }
   // Number of q blocks for S query tokens (the host sizes the persistent grid with it).
-  DI_LAYOUT_HD constexpr long long num_q_blocks(long long s) const {
+  DI_HOST_DEVICE constexpr long long num_q_blocks(long long s) const {
     return (s + tokens_per_cta() - 1) / tokens_per_cta();
   }
 
   // ---- shared memory
-  DI_LAYOUT_HD constexpr int q_tile_bytes() const { return kQRowsPerTile * head_dim; }
-  DI_LAYOUT_HD constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
-  DI_LAYOUT_HD constexpr int info_bytes() const {
+  DI_HOST_DEVICE constexpr int q_tile_bytes() const { return kQRowsPerTile * head_dim; }
+  DI_HOST_DEVICE constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
+  DI_HOST_DEVICE constexpr int info_bytes() const {
     return align_up(kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads, 128);
   }
-  DI_LAYOUT_HD constexpr int offset_q(int stage, int wg) const {
+  DI_HOST_DEVICE constexpr int offset_q(int stage, int wg) const {
     return (stage * num_math_wgs() + wg) * q_tile_bytes();
   }
-  DI_LAYOUT_HD constexpr int offset_kv(int stage) const {
+  DI_HOST_DEVICE constexpr int offset_kv(int stage) const {
     return offset_q(kNumQStages, 0) + stage * kv_tile_bytes();
   }
-  DI_LAYOUT_HD constexpr int offset_info(int qstage) const {
+  DI_HOST_DEVICE constexpr int offset_info(int qstage) const {
     return offset_kv(num_kv_stages) + qstage * info_bytes();
   }
   // Inside one info block: int lo (union start), int num_tiles, then int2 {lo, hi} per token of the
   // q block (clamped to [0, SKV]; empty when hi <= lo; (0, 0) for tokens >= S), then the weights
   // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S).
-  DI_LAYOUT_HD constexpr int info_offset_ranges() const { return 16; }
-  DI_LAYOUT_HD constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
-  DI_LAYOUT_HD constexpr int offset_barriers() const { return offset_info(kNumQStages); }
-  DI_LAYOUT_HD constexpr int num_barriers() const { return 2 * kNumQStages + 2 * num_kv_stages; }
-  DI_LAYOUT_HD constexpr int offset_q_full(int s) const { return offset_barriers() + 8 * s; }
-  DI_LAYOUT_HD constexpr int offset_q_empty(int s) const { return offset_barriers() + 8 * (kNumQStages + s); }
-  DI_LAYOUT_HD constexpr int offset_kv_full(int s) const { return offset_barriers() + 8 * (2 * kNumQStages + s); }
-  DI_LAYOUT_HD constexpr int offset_kv_empty(int s) const {
+  DI_HOST_DEVICE constexpr int info_offset_ranges() const { return 16; }
+  DI_HOST_DEVICE constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
+  DI_HOST_DEVICE constexpr int offset_barriers() const { return offset_info(kNumQStages); }
+  DI_HOST_DEVICE constexpr int num_barriers() const { return 2 * kNumQStages + 2 * num_kv_stages; }
+  DI_HOST_DEVICE constexpr int offset_q_full(int s) const { return offset_barriers() + 8 * s; }
+  DI_HOST_DEVICE constexpr int offset_q_empty(int s) const { return offset_barriers() + 8 * (kNumQStages + s); }
+  DI_HOST_DEVICE constexpr int offset_kv_full(int s) const { return offset_barriers() + 8 * (2 * kNumQStages + s); }
+  DI_HOST_DEVICE constexpr int offset_kv_empty(int s) const {
     return offset_barriers() + 8 * (2 * kNumQStages + num_kv_stages + s);
   }
-  DI_LAYOUT_HD constexpr int smem_used_bytes() const { return offset_barriers() + 8 * num_barriers(); }
-  DI_LAYOUT_HD constexpr int smem_bytes() const { return smem_used_bytes() + kAlign; }
+  DI_HOST_DEVICE constexpr int smem_used_bytes() const { return offset_barriers() + 8 * num_barriers(); }
+  DI_HOST_DEVICE constexpr int smem_bytes() const { return smem_used_bytes() + kAlign; }
 
   // ---- validity
-  DI_LAYOUT_HD static constexpr bool supported_shape(int h, int d) {
+  DI_HOST_DEVICE static constexpr bool supported_shape(int h, int d) {
     return (h == 16 || h == 32 || h == 64 || h == 128) && (d == 32 || d == 64 || d == 128);
   }
-  DI_LAYOUT_HD static constexpr int max_kv_stages(int h, int d, int out_bytes, int math_wgs = 0) {
+  DI_HOST_DEVICE static constexpr int max_kv_stages(int h, int d, int out_bytes, int math_wgs = 0) {
     int best = 0;
     if (!supported_shape(h, d) || (out_bytes != 2 && out_bytes != 4)) return 0;
     for (int s = 1; s <= kMaxKVStages; ++s)
       if (MqaLogitsLayout{h, d, s, out_bytes, math_wgs}.smem_bytes() <= kMaxSmem) best = s;
     return best;
   }
-  DI_LAYOUT_HD constexpr bool valid() const {
+  DI_HOST_DEVICE constexpr bool valid() const {
     return supported_shape(num_heads, head_dim) && (out_bytes == 2 || out_bytes == 4) && num_kv_stages >= 2 &&
            num_kv_stages <= kMaxKVStages && smem_bytes() <= kMaxSmem &&
            (num_math_wgs() == 2 || num_math_wgs() == 3) && tokens_per_cta() <= 32 &&
@@ -140,9 +136,8 @@ struct MqaLogitsLayout {
   }
 
  private:
-  DI_LAYOUT_HD static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
+  DI_HOST_DEVICE static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
 };
 
 }  // namespace deep_indexer
 
-#undef DI_LAYOUT_HD

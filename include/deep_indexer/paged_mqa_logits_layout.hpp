@@ -30,11 +30,7 @@
 //   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (uint64 mbarriers)
 #pragma once
 
-#ifdef __CUDACC__
-#define DI_LAYOUT_HD __host__ __device__
-#else
-#define DI_LAYOUT_HD
-#endif
+#include <deep_indexer/host_device.hpp>
 
 namespace deep_indexer {
 
@@ -54,79 +50,79 @@ struct PagedMqaLogitsLayout {
   static constexpr int kSmemAlignSlack = 1024;
 
   // ---------------------------------------------------------------- launch
-  constexpr DI_LAYOUT_HD int split_kv() const { return kSplitKV; }
-  constexpr DI_LAYOUT_HD int tile_tokens() const { return kTileTokens; }
+  constexpr DI_HOST_DEVICE int split_kv() const { return kSplitKV; }
+  constexpr DI_HOST_DEVICE int tile_tokens() const { return kTileTokens; }
   // Math warpgroups (tile k -> WG k % num_math_wgs()): more of them for small N, where the per-tile
   // latency of one WG (WGMMA + epilogue) would otherwise limit the memory pipeline.
-  constexpr DI_LAYOUT_HD int num_math_wgs() const { return n_total() <= 64 ? 4 : (n_total() <= 128 ? 3 : 2); }
-  constexpr DI_LAYOUT_HD int num_threads() const { return (num_math_wgs() + 1) * 128; }  // + 1 producer WG
+  constexpr DI_HOST_DEVICE int num_math_wgs() const { return n_total() <= 64 ? 4 : (n_total() <= 128 ? 3 : 2); }
+  constexpr DI_HOST_DEVICE int num_threads() const { return (num_math_wgs() + 1) * 128; }  // + 1 producer WG
   // Producer warpgroup: warp 0 loads q + weights, warps 1..num_kv_producers() issue the KV tiles
   // (tile k -> producer k % P). Fewer tiles per second are needed where N is large.
-  constexpr DI_LAYOUT_HD int num_kv_producers() const { return num_math_wgs() == 2 ? 2 : 3; }
+  constexpr DI_HOST_DEVICE int num_kv_producers() const { return num_math_wgs() == 2 ? 2 : 3; }
   // The ring depth must be a multiple of both the math WG count (stage s always feeds WG s % W) and
   // the KV producer count (stage s is always filled by producer s % P): then every mbarrier of the
   // ring is only ever waited on by one producer and one WG, each at most one phase apart.
-  constexpr DI_LAYOUT_HD int stage_granularity() const {
+  constexpr DI_HOST_DEVICE int stage_granularity() const {
     return num_math_wgs() == 4 ? 12 : (num_math_wgs() == 3 ? 3 : (num_kv_producers() == 3 ? 6 : 2));  // lcm(W, P)
   }
   // Register split (setmaxnreg). With __launch_bounds__(num_threads(), 1) every thread starts with
   // launch_regs() (65536 / threads rounded down to a multiple of 8; ptxas reports exactly this);
   // the counts after the reconfiguration must fit in that pool or setmaxnreg.inc never returns.
-  constexpr DI_LAYOUT_HD int launch_regs() const { return (65536 / num_threads()) / 8 * 8; }
-  constexpr DI_LAYOUT_HD int producer_regs() const { return 64; }
-  constexpr DI_LAYOUT_HD int math_regs() const {
+  constexpr DI_HOST_DEVICE int launch_regs() const { return (65536 / num_threads()) / 8 * 8; }
+  constexpr DI_HOST_DEVICE int producer_regs() const { return 64; }
+  constexpr DI_HOST_DEVICE int math_regs() const {
     return ((num_math_wgs() + 1) * launch_regs() - producer_regs()) / num_math_wgs() / 8 * 8 > 216
                ? 216
                : ((num_math_wgs() + 1) * launch_regs() - producer_regs()) / num_math_wgs() / 8 * 8;
   }
-  constexpr DI_LAYOUT_HD int blocks_per_tile() const { return kTileTokens / block_kv; }
-  constexpr DI_LAYOUT_HD int blocks_per_segment() const { return kSplitKV / block_kv; }
+  constexpr DI_HOST_DEVICE int blocks_per_tile() const { return kTileTokens / block_kv; }
+  constexpr DI_HOST_DEVICE int blocks_per_segment() const { return kSplitKV / block_kv; }
 
   // ---------------------------------------------------------------- q / WGMMA N
-  constexpr DI_LAYOUT_HD int n_total() const { return next_n * num_heads; }  // q rows per sequence
+  constexpr DI_HOST_DEVICE int n_total() const { return next_n * num_heads; }  // q rows per sequence
   // q rows are processed in equal chunks of whole tokens of at most 256 columns.
-  constexpr DI_LAYOUT_HD int tokens_per_chunk() const {
+  constexpr DI_HOST_DEVICE int tokens_per_chunk() const {
     int t = next_n < kMaxColsPerChunk / num_heads ? next_n : kMaxColsPerChunk / num_heads;
     while (next_n % t != 0) --t;
     return t;
   }
-  constexpr DI_LAYOUT_HD int num_chunks() const { return (next_n + tokens_per_chunk() - 1) / tokens_per_chunk(); }
-  constexpr DI_LAYOUT_HD int chunk_cols() const { return tokens_per_chunk() * num_heads; }  // accumulator N
+  constexpr DI_HOST_DEVICE int num_chunks() const { return (next_n + tokens_per_chunk() - 1) / tokens_per_chunk(); }
+  constexpr DI_HOST_DEVICE int chunk_cols() const { return tokens_per_chunk() * num_heads; }  // accumulator N
   // q of one sequence is loaded with q_num_boxes() TMA boxes of q_box_rows() rows (<= 256 each).
-  constexpr DI_LAYOUT_HD int q_num_boxes() const { return (n_total() + 255) / 256; }
-  constexpr DI_LAYOUT_HD int q_box_rows() const { return n_total() / q_num_boxes(); }
+  constexpr DI_HOST_DEVICE int q_num_boxes() const { return (n_total() + 255) / 256; }
+  constexpr DI_HOST_DEVICE int q_box_rows() const { return n_total() / q_num_boxes(); }
   // Head weights live in registers for small N, otherwise they are read from shared memory.
-  constexpr DI_LAYOUT_HD bool weights_in_regs() const { return n_total() <= 192; }
+  constexpr DI_HOST_DEVICE bool weights_in_regs() const { return n_total() <= 192; }
 
   // ---------------------------------------------------------------- shared memory
-  constexpr DI_LAYOUT_HD int swizzle_bytes() const { return head_dim; }  // 128B or 64B swizzle
-  constexpr DI_LAYOUT_HD int q_slot_bytes() const { return n_total() * head_dim; }
-  constexpr DI_LAYOUT_HD int kv_tile_bytes() const { return kTileTokens * head_dim; }
-  constexpr DI_LAYOUT_HD int scales_bytes_per_stage() const { return kTileTokens * 4; }
-  constexpr DI_LAYOUT_HD int weights_slot_bytes() const { return n_total() * 4; }
-  constexpr DI_LAYOUT_HD int q_offset() const { return 0; }
-  constexpr DI_LAYOUT_HD int kv_offset() const { return q_offset() + 2 * q_slot_bytes(); }
-  constexpr DI_LAYOUT_HD int scales_offset() const { return kv_offset() + num_kv_stages * kv_tile_bytes(); }
-  constexpr DI_LAYOUT_HD int weights_offset() const {
+  constexpr DI_HOST_DEVICE int swizzle_bytes() const { return head_dim; }  // 128B or 64B swizzle
+  constexpr DI_HOST_DEVICE int q_slot_bytes() const { return n_total() * head_dim; }
+  constexpr DI_HOST_DEVICE int kv_tile_bytes() const { return kTileTokens * head_dim; }
+  constexpr DI_HOST_DEVICE int scales_bytes_per_stage() const { return kTileTokens * 4; }
+  constexpr DI_HOST_DEVICE int weights_slot_bytes() const { return n_total() * 4; }
+  constexpr DI_HOST_DEVICE int q_offset() const { return 0; }
+  constexpr DI_HOST_DEVICE int kv_offset() const { return q_offset() + 2 * q_slot_bytes(); }
+  constexpr DI_HOST_DEVICE int scales_offset() const { return kv_offset() + num_kv_stages * kv_tile_bytes(); }
+  constexpr DI_HOST_DEVICE int weights_offset() const {
     return scales_offset() + num_kv_stages * scales_bytes_per_stage();
   }
-  constexpr DI_LAYOUT_HD int stage_info_offset() const { return weights_offset() + 2 * weights_slot_bytes(); }
-  constexpr DI_LAYOUT_HD int slot_info_offset() const { return stage_info_offset() + num_kv_stages * 16; }
-  constexpr DI_LAYOUT_HD int barrier_offset() const { return slot_info_offset() + 2 * 32; }
-  constexpr DI_LAYOUT_HD int num_barriers() const { return 2 * num_kv_stages + 4; }
-  constexpr DI_LAYOUT_HD int smem_used_bytes() const { return barrier_offset() + num_barriers() * 8; }
-  constexpr DI_LAYOUT_HD int smem_bytes() const { return smem_used_bytes() + kSmemAlignSlack; }
+  constexpr DI_HOST_DEVICE int stage_info_offset() const { return weights_offset() + 2 * weights_slot_bytes(); }
+  constexpr DI_HOST_DEVICE int slot_info_offset() const { return stage_info_offset() + num_kv_stages * 16; }
+  constexpr DI_HOST_DEVICE int barrier_offset() const { return slot_info_offset() + 2 * 32; }
+  constexpr DI_HOST_DEVICE int num_barriers() const { return 2 * num_kv_stages + 4; }
+  constexpr DI_HOST_DEVICE int smem_used_bytes() const { return barrier_offset() + num_barriers() * 8; }
+  constexpr DI_HOST_DEVICE int smem_bytes() const { return smem_used_bytes() + kSmemAlignSlack; }
   // Bytes one sequence's q + weights TMA brings in (expect_tx of q_full).
-  constexpr DI_LAYOUT_HD int q_tx_bytes() const { return q_slot_bytes() + weights_slot_bytes(); }
+  constexpr DI_HOST_DEVICE int q_tx_bytes() const { return q_slot_bytes() + weights_slot_bytes(); }
 
   // ---------------------------------------------------------------- checks
-  constexpr DI_LAYOUT_HD bool shape_supported() const {
+  constexpr DI_HOST_DEVICE bool shape_supported() const {
     return next_n >= 1 && next_n <= 4 &&
            (num_heads == 16 || num_heads == 32 || num_heads == 64 || num_heads == 128) &&
            (head_dim == 64 || head_dim == 128) && (block_kv == 32 || block_kv == 64) &&
            (out_bytes == 4 || out_bytes == 2);
   }
-  constexpr DI_LAYOUT_HD bool valid() const {
+  constexpr DI_HOST_DEVICE bool valid() const {
     return shape_supported() && num_kv_stages >= stage_granularity() && num_kv_stages <= kMaxKVStages &&
            num_kv_stages % stage_granularity() == 0 &&
            producer_regs() + num_math_wgs() * math_regs() <= (num_math_wgs() + 1) * launch_regs() &&
@@ -140,7 +136,7 @@ struct PagedMqaLogitsLayout {
 
 // Deepest KV ring (a multiple of stage_granularity(), <= kMaxKVStages) that fits in shared memory;
 // 0 if the shape is unsupported.
-constexpr DI_LAYOUT_HD int paged_mqa_max_kv_stages(int next_n, int num_heads, int head_dim, int block_kv,
+constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, int head_dim, int block_kv,
                                                    int out_bytes) {
   const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes}.stage_granularity();
   for (int s = PagedMqaLogitsLayout::kMaxKVStages / w * w; s >= w; s -= w) {
@@ -150,7 +146,7 @@ constexpr DI_LAYOUT_HD int paged_mqa_max_kv_stages(int next_n, int num_heads, in
   return 0;
 }
 
-constexpr DI_LAYOUT_HD PagedMqaLogitsLayout make_paged_mqa_layout(int next_n, int num_heads, int head_dim,
+constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(int next_n, int num_heads, int head_dim,
                                                                   int block_kv, int out_bytes) {
   return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv,
                               paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes),
@@ -162,4 +158,3 @@ constexpr int kPagedMqaMetadataThreads = 1024;
 
 }  // namespace deep_indexer
 
-#undef DI_LAYOUT_HD
