@@ -6,7 +6,10 @@ CUDA library is linked (libcuda is loaded at run time), so this builds against a
 import os
 import pathlib
 
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -21,6 +24,17 @@ def cuda_include_dirs():
     raise RuntimeError("deep_indexer: cuda.h not found; install the CUDA toolkit or set CUDA_HOME")
 
 
+class BuildPyWithHeaders(build_py):
+    """Ships include/deep_indexer/* inside the package (deep_indexer/include): the JIT compiles them at
+    run time. Editable installs read them from the repository instead."""
+
+    def run(self):
+        super().run()
+        dst = pathlib.Path(self.build_lib) / "deep_indexer" / "include" / "deep_indexer"
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(ROOT / "include" / "deep_indexer", dst)
+
+
 sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
 
 setup(
@@ -28,7 +42,6 @@ setup(
     version="0.1.0",
     description="SM90 kernels for the DeepSeek Sparse Attention lightning indexer",
     packages=find_packages(include=["deep_indexer", "deep_indexer.*"]),
-    package_data={"deep_indexer": ["include/deep_indexer/*"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy", "nvidia-cutlass"],
     extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
@@ -41,5 +54,5 @@ setup(
             extra_compile_args=["-O2", "-std=c++17", "-Wno-unused-function"],
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithHeaders},
 )
