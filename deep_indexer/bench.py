@@ -12,14 +12,12 @@ import argparse
 import datetime
 import importlib
 import json
-import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -87,7 +85,7 @@ def measure_ceilings(timer: Timer, device: torch.device) -> dict:
     src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     copy_us = timer(lambda: dst.copy_(src), iters=20)
-    del src, dst
+    src = dst = None  # free 2 GiB before the GEMM
     m = 8192
     a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(m, m, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
@@ -141,14 +139,6 @@ def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, 
     nbytes = q.numel() + w.numel() * 4 + int(lens.sum()) * (D + 4) + num_blocks * 4 + valid * 4
     return {"q": q, "kv_cache": cache, "weights": w, "context_lens": ctx, "block_table": table.to(device),
             "max_context_len": int(lens.max()), "bytes": nbytes}
-
-
-def _row(sid, kind, desc, us, metric, unit, frac, extra=None) -> dict:
-    r = {"id": sid, "kind": kind, "shape": desc, "us": us, metric: None, "fraction_of_ceiling": frac}
-    r[metric] = unit
-    if extra:
-        r.update(extra)
-    return r
 
 
 def run(args) -> dict:
