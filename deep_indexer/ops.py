@@ -108,7 +108,7 @@ def fp8_paged_mqa_logits(
 
     q [B, next_n, H, D] fp8 (next_n 1..4, H 16/32/64/128, D 64/128); kv_cache uint8
     [num_blocks, block_kv (32/64), 1, D + 4] (fp8 keys then fp32 scales per block); weights
-    [B * next_n, H] float32; context_lens int32 [B] (row (b, i) sees j <= ctx[b] - next_n + i) or
+    [B * next_n, H] float32 (rows may be padded to a multiple of 4 elements; 16-byte aligned); context_lens int32 [B] (row (b, i) sees j <= ctx[b] - next_n + i) or
     [B, next_n] (row (b, i) sees j < ctx[b, i]); block_table int32 [B, max_blocks]; schedule_meta from
     get_paged_mqa_logits_metadata with the same block_kv. max_context_len must be >= every context length.
     """

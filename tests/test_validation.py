@@ -78,6 +78,7 @@ def test_prefill_out_validation():
     (dict(kv_cache=torch.zeros(4, 64, 1, 132, dtype=torch.int8)), r"kv_cache must have dtype Byte, got Char"),
     (dict(kv_cache=torch.zeros(4, 64, 1, 140, dtype=torch.uint8)[..., :132]), r"contiguous inside each block"),
     (dict(weights=torch.randn(3, 64)), r"weights must have shape \[2, 64\], got \[3, 64\]"),
+    (dict(weights=torch.randn(2, 66)[:, :64]), r"weights row stride must be a multiple of 4 elements \(16 bytes\), got 66"),
     (dict(context_lens=torch.zeros(3, dtype=torch.int32)), r"context_lens must have 2 rows \(the batch of q\), got 3"),
     (dict(context_lens=torch.zeros(2, 2, dtype=torch.int32)), r"context_lens \[B, next_n\] must have next_n = 1 \(from q\), got 2"),
     (dict(context_lens=torch.zeros(2, dtype=torch.int64)), r"context_lens must have dtype Int, got Long"),

@@ -68,6 +68,9 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
                "16, got strides {}",
                op, block_kv * (D + 4), shape_str(kv_cache.strides()));
   TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({B * next_n, H}).row_major_2d();
+  // The kernel bulk-copies each weights row into shared memory: rows must start 16-byte aligned.
+  DI_CHECK_ARG(weights.size(0) <= 1 || weights.stride(0) % 4 == 0,
+               "{}: weights row stride must be a multiple of 4 elements (16 bytes), got {}", op, weights.stride(0));
   const int width = check_context_lens(op, context_lens, B);
   DI_CHECK_ARG(context_lens.dim() == 1 || width == next_n,
                "{}: context_lens [B, next_n] must have next_n = {} (from q), got {}", op, next_n, width);
@@ -90,6 +93,7 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
   if (B == 0 || max_context_len == 0) return logits;
   TensorCheck(op, q, "q").aligned(16);
   TensorCheck(op, kv_cache, "kv_cache").aligned(16);
+  TensorCheck(op, weights, "weights").aligned(16);
 
   const OpDevice dev = op_device(q);
   const PagedMqaLogitsRuntime::Params params{static_cast<int>(next_n), static_cast<int>(H), static_cast<int>(D),
