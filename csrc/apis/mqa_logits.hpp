@@ -41,7 +41,7 @@ inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const
                "{}: q has {} heads of dim {}; supported: heads 16/32/64/128, dims 32/64/128", op, H, D);
   TensorCheck(op, k, "kv[0] (k)").dtype(at::kFloat8_e4m3fn).shape({TensorCheck::kAny, D}).contiguous();
   const int64_t SKV = k.size(0);
-  DI_CHECK_ARG(SKV >= 1 && SKV < INT_MAX, "{}: kv[0] (k) must have 1 <= SKV < 2^31 rows, got {}", op, SKV);
+  DI_CHECK_ARG(SKV >= 1 && SKV < INT_MAX - 64, "{}: kv[0] (k) must have 1 <= SKV < 2^31 - 64 rows, got {}", op, SKV);
   DI_CHECK_ARG(S < INT_MAX / 128, "{}: q has {} tokens; at most {} are supported", op, S, INT_MAX / 128 - 1);
   TensorCheck(op, k_scale, "kv[1] (k_scale)").dtype(at::kFloat).shape({SKV}).contiguous();
   TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({S, H}).row_major_2d();

@@ -59,6 +59,8 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
                next_n);
   DI_CHECK_ARG((H == 16 || H == 32 || H == 64 || H == 128) && (D == 64 || D == 128),
                "{}: q has {} heads of dim {}; supported: heads 16/32/64/128, dims 64/128", op, H, D);
+  DI_CHECK_ARG(B * next_n * H < INT_MAX, "{}: q has {} rows (B * next_n * H); at most 2^31 - 1 are supported", op,
+               B * next_n * H);
   TensorCheck(op, kv_cache, "kv_cache").dtype(at::kByte).shape({TensorCheck::kAny, TensorCheck::kAny, 1, D + 4});
   const int64_t num_blocks = kv_cache.size(0), block_kv = kv_cache.size(1);
   DI_CHECK_ARG(block_kv == 32 || block_kv == 64, "{}: kv_cache blocks must hold 32 or 64 tokens, got {}", op, block_kv);
