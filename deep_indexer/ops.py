@@ -37,14 +37,10 @@ def clean_logits(
     return _C.clean_logits(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n)
 
 
-_ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
-
-
 def _elem_bytes(logits_dtype: torch.dtype, op: str) -> int:
-    try:
-        return _ELEM_BYTES[logits_dtype]
-    except KeyError:
-        raise ValueError(f"deep_indexer.{op}: logits_dtype must be torch.float32 or torch.bfloat16, got {logits_dtype}") from None
+    from .torch_ops import elem_bytes
+
+    return elem_bytes(logits_dtype, f"deep_indexer.{op}")
 
 
 def fp8_mqa_logits(

@@ -24,10 +24,14 @@ def padded_row_stride(cols: int, dtype: torch.dtype) -> int:
     return (cols + align - 1) // align * align
 
 
-def _elem(dtype: torch.dtype) -> int:
+def elem_bytes(dtype: torch.dtype, op: str = "deep_indexer") -> int:
+    """Bytes per logit of a supported logits dtype; ValueError naming `op` otherwise."""
     if dtype not in _ELEM:
-        raise ValueError(f"logits_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        raise ValueError(f"{op}: logits_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     return _ELEM[dtype]
+
+
+_elem = elem_bytes
 
 
 def _fake_logits(like: Tensor, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
