@@ -17,12 +17,10 @@ from . import _C
 _LIB = "deep_indexer"
 _ELEM = {torch.float32: 4, torch.bfloat16: 2}
 
-
 def padded_row_stride(cols: int, dtype: torch.dtype) -> int:
     """Row stride of logits the ops allocate: rows start 256-byte aligned (csrc/impls/heuristics_sm90.hpp)."""
     align = 256 // _ELEM[dtype]
     return (cols + align - 1) // align * align
-
 
 def elem_bytes(dtype: torch.dtype, op: str = "deep_indexer") -> int:
     """Bytes per logit of a supported logits dtype; ValueError naming `op` otherwise."""
@@ -30,13 +28,10 @@ def elem_bytes(dtype: torch.dtype, op: str = "deep_indexer") -> int:
         raise ValueError(f"{op}: logits_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     return _ELEM[dtype]
 
-
 _elem = elem_bytes
-
 
 def _fake_logits(like: Tensor, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
     return like.new_empty_strided((rows, cols), (padded_row_stride(cols, dtype), 1), dtype=dtype)
-
 
 # ------------------------------------------------------------------------------------ prefill
 @torch.library.custom_op(f"{_LIB}::fp8_mqa_logits", mutates_args=(), device_types="cuda")
@@ -44,81 +39,68 @@ def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, cu_se
                    cu_seq_len_k_end: Tensor, clean_logits: bool = True,
                    logits_dtype: torch.dtype = torch.float32) -> Tensor:
     return _C.fp8_mqa_logits(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
-                             _elem(logits_dtype), None)
-
+                             elem_bytes(logits_dtype), None)
 
 @fp8_mqa_logits.register_fake
 def _(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits=True, logits_dtype=torch.float32):
-    _elem(logits_dtype)
+    elem_bytes(logits_dtype)
     return _fake_logits(q, q.shape[0], k.shape[0], logits_dtype)
-
 
 @torch.library.custom_op(f"{_LIB}::fp8_mqa_logits_out", mutates_args=("out",), device_types="cuda")
 def fp8_mqa_logits_out(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, cu_seq_len_k_start: Tensor,
                        cu_seq_len_k_end: Tensor, clean_logits: bool, out: Tensor) -> None:
-    _C.fp8_mqa_logits(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, _elem(out.dtype), out)
-
+    _C.fp8_mqa_logits(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, elem_bytes(out.dtype), out)
 
 @fp8_mqa_logits_out.register_fake
 def _(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, out):
     return None
-
 
 # ------------------------------------------------------------------------------------ decode
 @torch.library.custom_op(f"{_LIB}::get_paged_mqa_logits_metadata", mutates_args=(), device_types="cuda")
 def get_paged_mqa_logits_metadata(context_lens: Tensor, block_kv: int, num_sms: Optional[int] = None) -> Tensor:
     return _C.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, None)
 
-
 @get_paged_mqa_logits_metadata.register_fake
 def _(context_lens, block_kv, num_sms=None):
     sms = num_sms if num_sms is not None else torch.cuda.get_device_properties(context_lens.device).multi_processor_count
     return context_lens.new_empty((sms + 1, 2), dtype=torch.int32)
 
-
 @torch.library.custom_op(f"{_LIB}::get_paged_mqa_logits_metadata_out", mutates_args=("out",), device_types="cuda")
 def get_paged_mqa_logits_metadata_out(context_lens: Tensor, block_kv: int, out: Tensor) -> None:
     _C.get_paged_mqa_logits_metadata(context_lens, block_kv, out.shape[0] - 1, out)
 
-
 @get_paged_mqa_logits_metadata_out.register_fake
 def _(context_lens, block_kv, out):
     return None
-
 
 @torch.library.custom_op(f"{_LIB}::fp8_paged_mqa_logits", mutates_args=(), device_types="cuda")
 def fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
                          schedule_meta: Tensor, max_context_len: int, clean_logits: bool = False,
                          logits_dtype: torch.dtype = torch.float32) -> Tensor:
     return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                                   clean_logits, _elem(logits_dtype), None)
-
+                                   clean_logits, elem_bytes(logits_dtype), None)
 
 @fp8_paged_mqa_logits.register_fake
 def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False,
       logits_dtype=torch.float32):
-    _elem(logits_dtype)
+    elem_bytes(logits_dtype)
     return _fake_logits(q, q.shape[0] * q.shape[1], max_context_len, logits_dtype)
-
 
 @torch.library.custom_op(f"{_LIB}::fp8_paged_mqa_logits_out", mutates_args=("out",), device_types="cuda")
 def fp8_paged_mqa_logits_out(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
                              schedule_meta: Tensor, max_context_len: int, clean_logits: bool, out: Tensor) -> None:
     _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                            clean_logits, _elem(out.dtype), out)
-
+                            clean_logits, elem_bytes(out.dtype), out)
 
 @fp8_paged_mqa_logits_out.register_fake
 def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits, out):
     return None
-
 
 # ------------------------------------------------------------------------------------ clean
 @torch.library.custom_op(f"{_LIB}::clean_logits", mutates_args=("logits",), device_types="cuda")
 def clean_logits(logits: Tensor, cu_seq_len_k_start: Optional[Tensor], cu_seq_len_k_end: Tensor,
                  next_n: int = 1) -> None:
     _C.clean_logits(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n)
-
 
 @clean_logits.register_fake
 def _(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n=1):
