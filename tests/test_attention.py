@@ -106,15 +106,18 @@ MQA_CONFIGS = [(h, d) for h in (16, 32, 64, 128) for d in (32, 64, 128)]
 @pytest.mark.parametrize("H,D", MQA_CONFIGS)
 @pytest.mark.parametrize("dtype,clean", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True),
                                          (torch.bfloat16, False)])
-def test_mqa_logits_all_configs(H, D, dtype, clean):
+def test_mqa_logits_all_configs(H, D, dtype, clean, monkeypatch):
     S, SKV = 77, 1299
-    for pattern in ("random", "causal"):
-        q, kv, w, ks, ke = make_prefill(S, SKV, H, D, pattern, seed=H * D + clean)
-        out = poisoned((S, SKV), dtype, pad=3)
-        got = di.fp8_mqa_logits(q, kv, w, ks, ke, clean, logits_dtype=dtype, out=out)
-        assert got.data_ptr() == out.data_ptr()
-        ref = reference.mqa_logits(q, kv, w, ks, ke)
-        assert_logits_match(got, ref, clean, dtype, f"H={H} D={D} {pattern}")
+    # clean: the -inf fill in the kernel's idle producer warps (1) and in the separate pass (0)
+    for fused in ("1", "0") if clean else ("0",):
+        monkeypatch.setenv("DI_MQA_FUSED_CLEAN", fused)
+        for pattern in ("random", "causal"):
+            q, kv, w, ks, ke = make_prefill(S, SKV, H, D, pattern, seed=H * D + clean)
+            out = poisoned((S, SKV), dtype, pad=3)
+            got = di.fp8_mqa_logits(q, kv, w, ks, ke, clean, logits_dtype=dtype, out=out)
+            assert got.data_ptr() == out.data_ptr()
+            ref = reference.mqa_logits(q, kv, w, ks, ke)
+            assert_logits_match(got, ref, clean, dtype, f"H={H} D={D} {pattern} fused_clean={fused}")
 
 
 @pytest.mark.parametrize("S,SKV,pattern", [(1, 1, "causal"), (1, 300, "random"), (3, 64, "causal"), (5, 65, "random"),

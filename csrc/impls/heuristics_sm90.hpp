@@ -48,6 +48,17 @@ inline unsigned mqa_logits_grid(const MqaLogitsLayout& l, long long seq_len, int
   return static_cast<unsigned>(std::max<long long>(1, std::min<long long>(blocks, num_sms)));
 }
 
+// Prefill with clean_logits: the kernel's 3 idle producer warps write the -inf fill while the
+// math warpgroups run, saving the separate clean pass. Only when every SM gets a CTA: with fewer
+// q blocks than SMs the fill would run on few SMs, and the separate, fully parallel kernel is used.
+// DI_MQA_FUSED_CLEAN=0/1 forces either path (tests, tuning).
+inline bool mqa_logits_fused_clean(const MqaLogitsLayout& l, long long seq_len, int num_sms) {
+  const int forced = env::get_int("DI_MQA_FUSED_CLEAN", -1);
+  const bool fused = forced == 0 || forced == 1 ? forced == 1 : l.num_q_blocks(seq_len) >= num_sms;
+  print_choice(fmt::format("mqa_logits clean S={}: {}", seq_len, fused ? "fused into the kernel" : "separate kernel"));
+  return fused;
+}
+
 // Decode: the deepest KV ring that fits.
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
                                                     int out_bytes) {

@@ -39,6 +39,7 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
     void* logits;
     int64_t logits_stride;
     int seq_len, seq_len_kv;
+    bool clean;  // warps 1..3 of the producer warpgroup write -inf outside each row's range
   };
 
   static void launch(const Args& a, int device, int num_sms, CUstream stream) {
@@ -55,7 +56,7 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
     cfg.block = l.num_threads();
     cfg.smem = l.smem_bytes();
     jit::launch(f, cfg, stream, tmap_q, tmap_k, a.k_scale, a.weights, a.weights_stride, a.ks, a.ke, a.logits,
-                a.logits_stride, a.seq_len, a.seq_len_kv);
+                a.logits_stride, a.seq_len, a.seq_len_kv, static_cast<int>(a.clean));
   }
 };
 

@@ -63,6 +63,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
     const int* context_lens;
     const int* block_table;
     int64_t block_table_stride;
+    int block_table_cols;
     const int* schedule;
     int num_sms;
     void* logits;
@@ -89,7 +90,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
     cfg.block = l.num_threads();
     cfg.smem = l.smem_bytes();
     jit::launch(f, cfg, stream, tmap_q, tmap_kv, a.kv_cache, a.block_stride_bytes, a.weights, a.weights_stride,
-                a.context_lens, a.block_table, a.block_table_stride, a.schedule, a.logits, a.logits_stride,
+                a.context_lens, a.block_table, a.block_table_stride, a.block_table_cols, a.schedule, a.logits, a.logits_stride,
                 a.batch_size, a.max_context_len);
   }
 };

@@ -245,6 +245,15 @@ std::vector<std::string> Compiler::flags(const std::string& arch) const {
                                 "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-cubin"};
   const std::string ccbin = env::get_str(env::kNvccCcbin);
   if (!ccbin.empty()) f.insert(f.end(), {"-ccbin", ccbin});
+  // Tuning experiments (e.g. -DDI_MQA_PINGPONG=1); hashed into the cache key with the other flags.
+  const std::string extra = env::get_str(env::kExtraFlags);
+  for (size_t i = 0; i < extra.size();) {
+    const size_t j = extra.find(' ', i);
+    const std::string tok = extra.substr(i, j == std::string::npos ? std::string::npos : j - i);
+    if (!tok.empty()) f.push_back(tok);
+    if (j == std::string::npos) break;
+    i = j + 1;
+  }
   return f;
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <type_traits>
 
 #include <deep_indexer/mqa_logits_layout.hpp>
 #include <deep_indexer/ptx.cuh>
@@ -63,6 +64,27 @@ DI_DEVICE void reduce_scatter_step(const float (&in)[kN], float (&out)[kN / 2], 
   }
 }
 
+// One warp writes -inf to elements [a, b) of `row`: scalar head up to a 16-byte boundary, 16-byte
+// streaming stores, scalar tail.
+template <typename OutT>
+DI_DEVICE void fill_neg_inf_warp(OutT* row, int a, int b, uint32_t lane) {
+  if (a >= b) return;
+  constexpr int kE = static_cast<int>(sizeof(OutT));
+  constexpr int kVec = 16 / kE;
+  constexpr uint32_t kWord = kE == 4 ? 0xFF800000u : 0xFF80FF80u;
+  using Bits = typename std::conditional<kE == 4, uint32_t, uint16_t>::type;
+  Bits* r = reinterpret_cast<Bits*>(row);
+  const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(r + a) & 15u) / kE);
+  const int head = min(mis == 0 ? 0 : kVec - mis, b - a);
+  if (static_cast<int>(lane) < head) r[a + lane] = static_cast<Bits>(kWord);
+  const int body = a + head;
+  const int nvec = (b - body) / kVec;
+  uint4* v = reinterpret_cast<uint4*>(r + body);
+  for (int i = static_cast<int>(lane); i < nvec; i += 32)
+    asm volatile("st.global.cs.v4.b32 [%0], {%1, %1, %1, %1};" ::"l"(v + i), "r"(kWord) : "memory");
+  for (int t = body + nvec * kVec + static_cast<int>(lane); t < b; t += 32) r[t] = static_cast<Bits>(kWord);
+}
+
 }  // namespace mqa_detail
 
 // The kernel body; kMathWGs = 0 picks the layout's default number of math warpgroups.
@@ -70,7 +92,7 @@ template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMat
 DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k, const float* __restrict__ k_scale,
                                const float* __restrict__ weights, int64_t weights_stride, const int* __restrict__ ks,
                                const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S,
-                               int SKV) {
+                               int SKV, int clean) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs};
   static_assert(L.valid(), "unsupported mqa_logits configuration");
@@ -100,6 +122,13 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
   const int num_blocks = (S + T2 - 1) / T2;
+  // NOTES: q blocks are dealt in snake order: wave w (gridDim.x blocks) runs forward when w is even
+  // and backward when odd, so with the causal pattern (later blocks longer) every CTA's total
+  // stays near the mean. Only the last, partial wave yields indices >= num_blocks.
+  auto q_block = [&](int it) -> int {
+    const int pos = (it & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+    return it * static_cast<int>(gridDim.x) + pos;
+  };
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -123,11 +152,31 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   if (warp < 4) {
     // ===================================================================== producer
     ptx::reg_dealloc<L.producer_regs()>();
-    if (warp != 0) return;
+    if (warp != 0) {
+      // Warps 1..3 (clean only): -inf outside each owned token's range [a, b); the math warpgroups
+      // write exactly [a, b) when it is not empty, so the two never touch the same element.
+      if (clean) {
+        for (int it = 0;; ++it) {
+          const int blk = q_block(it);
+          if (blk >= num_blocks) break;
+          for (int tb = static_cast<int>(warp) - 1; tb < T2; tb += 3) {
+            const int tg = blk * T2 + tb;
+            if (tg >= S) break;
+            const int a = min(max(__ldg(ks + tg), 0), SKV);
+            const int b = min(max(__ldg(ke + tg), a), SKV);
+            OutT* row = logits + static_cast<int64_t>(tg) * logits_stride;
+            mqa_detail::fill_neg_inf_warp(row, 0, a, lane);
+            mqa_detail::fill_neg_inf_warp(row, b, SKV, lane);
+          }
+        }
+      }
+      return;
+    }
 
     ptx::PipelineState<kNumKVStages> kv;
-    int it = 0;
-    for (int blk = blockIdx.x; blk < num_blocks; blk += gridDim.x, ++it) {
+    for (int it = 0;; ++it) {
+      const int blk = q_block(it);
+      if (blk >= num_blocks) break;
       const int qs = it & 1;
       const uint32_t qph = (it >> 1) & 1;
       ptx::mbar_wait(q_empty(qs), qph ^ 1);
@@ -212,9 +261,15 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
     for (int i = 0; i < kNumAccum; ++i) acc0[i] = acc1[i] = 0.0f;
 
+#if DI_MQA_PINGPONG
+    // Turn barriers: warpgroup 1 hands warpgroup 0 the first turn; warpgroup 0 takes the one left over at the end.
+    constexpr uint32_t kTurnBar = 1;
+    if (L.double_buffered() && wg == 1) ptx::named_barrier_arrive(kTurnBar, 256);
+#endif
     ptx::PipelineState<kNumKVStages> kv_issue, kv_release;
-    int it = 0;
-    for (int blk = blockIdx.x; blk < num_blocks; blk += gridDim.x, ++it) {
+    for (int it = 0;; ++it) {
+      const int blk = q_block(it);
+      if (blk >= num_blocks) break;
       const int qs = it & 1;
       const uint32_t qph = (it >> 1) & 1;
       ptx::mbar_wait(q_full(qs), qph);
@@ -257,7 +312,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         const int scale_max = SKV - 1;
 
         // Waits for the tile's data, loads its k scales and issues its WGMMAs into `acc`.
-        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+        auto issue_raw = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
             sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
@@ -346,7 +401,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         if constexpr (!L.double_buffered()) {
           // One accumulator set: the other math warpgroups keep the tensor cores busy meanwhile.
           for (int t = 0; t < num_tiles; ++t) {
-            issue(acc0, sc0, t);
+            issue_raw(acc0, sc0, t);
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
             ptx::fence_accum<kNumAccum>(acc0);
@@ -354,6 +409,17 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             epilogue(acc0, sc0, t);
           }
         } else {
+#if DI_MQA_PINGPONG
+        // Experiment: the two math warpgroups take turns issuing their WGMMAs (named barrier
+        // kTurnBar + w = "warpgroup w may issue"), so one's epilogue runs under the other's MMA.
+        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+          ptx::named_barrier_sync(kTurnBar + static_cast<uint32_t>(wg), 256);
+          issue_raw(acc, sc, t);
+          ptx::named_barrier_arrive(kTurnBar + static_cast<uint32_t>(wg ^ 1), 256);
+        };
+#else
+        auto& issue = issue_raw;
+#endif
         issue(acc0, sc0, 0);
         ptx::wgmma_commit();
         int t = 0;
@@ -396,6 +462,9 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(q_empty(qs));
     }
+#if DI_MQA_PINGPONG
+    if (L.double_buffered() && wg == 0) ptx::named_barrier_sync(kTurnBar, 256);
+#endif
   }
 #else
   // sm_90a only.
@@ -408,9 +477,9 @@ __global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVSta
     mqa_logits_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
                       const float* __restrict__ k_scale, const float* __restrict__ weights,
                       int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
-                      OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV) {
+                      OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int clean) {
   mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 0>(tmap_q, tmap_k, k_scale, weights, weights_stride, ks, ke,
-                                                              logits, logits_stride, S, SKV);
+                                                              logits, logits_stride, S, SKV, clean);
 }
 
 // Same kernel with an explicit number of math warpgroups (2 or 3); the host must then use
@@ -420,9 +489,9 @@ __global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVSta
     mqa_logits_kernel_wgs(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
                           const float* __restrict__ k_scale, const float* __restrict__ weights,
                           int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
-                          OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV) {
+                          OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int clean) {
   mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs>(tmap_q, tmap_k, k_scale, weights, weights_stride,
-                                                                     ks, ke, logits, logits_stride, S, SKV);
+                                                                     ks, ke, logits, logits_stride, S, SKV, clean);
 }
 
 }  // namespace deep_indexer
