@@ -28,7 +28,7 @@ if [ "${PRECOMPILE:-1}" = 1 ]; then
 fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   log "tests"
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider --maxfail=${MAXFAIL:-30} -rf --tb=line \
+  timeout ${TEST_TIMEOUT:-420} python3 -X faulthandler -m pytest ${TESTS:-tests} -q -p no:cacheprovider --maxfail=${MAXFAIL:-30} -rf --tb=line \
     ${KEXPR:+-k "$KEXPR"} >"$OUT/tests.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -45 | tee -a "$OUT/gpu.log"
 fi

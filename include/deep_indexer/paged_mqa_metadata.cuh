@@ -56,6 +56,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   __shared__ uint32_t s_warp[kNumWarps];
   __shared__ uint32_t s_total;
+  __shared__ uint32_t s_prefix[kChunk];  // P[base + j] of the current chunk
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
@@ -116,17 +117,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const uint32_t q = total / n;
   const uint32_t r = total % n;
 
-  // ---- pass 2: every sequence with segments writes the splits that start inside it
-  auto emit = [&](int b, uint32_t lo, uint32_t cnt) {
-    const uint32_t hi = lo + cnt;
-    for (uint32_t i = first_split_at_or_after(lo, q, r); i <= n; ++i) {
-      const uint32_t start = split_start(i, q, r);
-      if (start >= hi) break;
-      schedule[2 * i] = b;
-      schedule[2 * i + 1] = static_cast<int>(start - lo);
-    }
-  };
-
+  // ---- pass 2: per chunk, the prefix sums go to shared memory and every split starting inside
+  // the chunk finds its sequence by binary search (one thread per split: no serial walk over the
+  // many splits of a long sequence). The answer is the last j with P[j] <= start, which has
+  // segments since P[j + 1] > start.
   uint32_t carry = 0;
   for (int base = 0; base < batch_size; base += kChunk) {  // block-uniform trip count
     uint32_t excl;
@@ -145,9 +139,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     uint32_t p = carry + excl;
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
-      if (segs[k] != 0) emit(base + tid * kItems + k, p, segs[k]);
+      s_prefix[tid * kItems + k] = p;
       p += segs[k];
     }
+    __syncthreads();
+    const int m = min(kChunk, batch_size - base);
+    const uint32_t i_end = first_split_at_or_after(carry + chunk_total, q, r);
+    for (uint32_t i = first_split_at_or_after(carry, q, r) + static_cast<uint32_t>(tid); i < i_end; i += kNumThreads) {
+      const uint32_t start = split_start(i, q, r);
+      int lo = 0, hi = m;  // P[lo] <= start < P[hi] (P[m] = end of the chunk)
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (s_prefix[mid] <= start) lo = mid; else hi = mid;
+      }
+      schedule[2 * i] = base + lo;
+      schedule[2 * i + 1] = static_cast<int>(start - s_prefix[lo]);
+    }
+    __syncthreads();  // s_prefix is rewritten by the next chunk
     carry += chunk_total;
   }
 
