@@ -1,5 +1,6 @@
 #include "fs.hpp"
 
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -42,9 +43,17 @@ stdfs::path make_temp_dir(const stdfs::path& parent, const std::string& prefix) 
   return stdfs::path(templ);
 }
 
+// NOTES: POSIX nftw, not std::filesystem::remove_all: inside a process that loaded libtorch the
+// latter can bind to libtorch's own exported copy, built against another libstdc++, and crash
+// (seen with torch 2.11 + CUDA 13: SIGSEGV in remove_all).
 void remove_all_quiet(const stdfs::path& path) {
-  std::error_code ec;
-  stdfs::remove_all(path, ec);
+  nftw(
+      path.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) -> int {
+        ::remove(p);
+        return 0;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 bool is_writable_dir(const stdfs::path& dir) {
