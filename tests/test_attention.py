@@ -220,6 +220,21 @@ def test_paged_mqa_logits_batches(B, max_len, num_sms):
     assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)
 
 
+def test_paged_block_table_narrower_than_a_sequence():
+    """A block table too narrow for its longest sequence (a caller error) reads no entry past its width
+    (block 0 stands in): the call completes, and the sequences the table covers are exact."""
+    q, cache, w, ctx, table, max_ctx = make_paged(5, 1, 64, 128, 64, max_len=3000, seed=21, zero_some=False)
+    order = torch.argsort(ctx.cpu(), descending=True)
+    longest, others = int(order[0]), order[1:].to(DEV)
+    if int(ctx[longest]) // 64 == int(ctx[others].max()) // 64:
+        pytest.skip("no sequence needs more blocks than the others")
+    narrow = table[:, : (int(ctx[others].max()) + 63) // 64].clone()
+    got = run_paged(q, cache, w, ctx, narrow, max_ctx, True, torch.float32)
+    torch.cuda.synchronize()
+    ref = reference.paged_mqa_logits(q[others], cache, w[others], ctx[others], narrow[others], max_ctx)
+    assert_logits_match(got[others], ref, True, torch.float32, "covered rows")
+
+
 def test_paged_all_zero_lengths_and_allocation():
     q, cache, w, ctx, table, max_ctx = make_paged(5, 1, 64, 128, 64, seed=9)
     ctx.zero_()

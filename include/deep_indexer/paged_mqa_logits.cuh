@@ -309,31 +309,6 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     using Walker = RangeWalker<kNextN, kContextLens2D>;
     if (warp == kProducerWarp0) {
       // ---------------------------------------------------------- Q producer
-      // NOTES: generation 0's q and weights are loaded from the schedule alone, before the context
-      // lengths arrive (the arrive that publishes the slot info comes after). Its sequence is the
-      // schedule's first item whenever the CTA has work and the schedule matches context_lens.
-      auto load_q = [&](uint32_t slot, int b) {
-        uint8_t* q_dst = q_smem + slot * kL.q_slot_bytes();
-#pragma unroll
-        for (int x = 0; x < kL.q_num_boxes(); ++x)
-          ptx::tma_load_2d(q_dst + x * kL.q_box_rows() * kHeadDim, &tmap_q, &q_full_bar[slot], 0,
-                           b * kN + x * kL.q_box_rows());
-        float* w_dst = weights_smem + slot * kN;
-#pragma unroll
-        for (int i = 0; i < kNextN; ++i)
-          ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
-                         kNumHeads * 4, &q_full_bar[slot]);
-      };
-      bool early = false;
-      {
-        const int* sc = schedule + 2 * blockIdx.x;
-        const int b0 = __ldg(sc), s0 = __ldg(sc + 1), b1 = __ldg(sc + 2), s1 = __ldg(sc + 3);
-        early = b0 < batch_size && (b0 < b1 || (b0 == b1 && s0 < s1));
-        if (early && lane == 0) {
-          ptx::mbar_expect_tx(&q_full_bar[0], static_cast<uint32_t>(kL.q_tx_bytes()));
-          load_q(0, b0);
-        }
-      }
       Walker walker;
       using Item = typename Walker::Item;
       Item cur = walker.first(schedule, static_cast<int>(blockIdx.x), context_lens, batch_size);
@@ -359,21 +334,21 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
           info[0] = b;
 #pragma unroll
           for (int i = 0; i < kNextN; ++i) info[1 + i] = lens[i];
-          if (g == 0 && early) {
-            ptx::mbar_arrive(&q_full_bar[0]);  // loads already in flight
-          } else {
-            ptx::mbar_arrive_expect_tx(&q_full_bar[slot], static_cast<uint32_t>(kL.q_tx_bytes()));
-            load_q(slot, b);
-          }
+          ptx::mbar_arrive_expect_tx(&q_full_bar[slot], static_cast<uint32_t>(kL.q_tx_bytes()));
+          uint8_t* q_dst = q_smem + slot * kL.q_slot_bytes();
+#pragma unroll
+          for (int x = 0; x < kL.q_num_boxes(); ++x)
+            ptx::tma_load_2d(q_dst + x * kL.q_box_rows() * kHeadDim, &tmap_q, &q_full_bar[slot], 0,
+                             b * kN + x * kL.q_box_rows());
+          float* w_dst = weights_smem + slot * kN;
+#pragma unroll
+          for (int i = 0; i < kNextN; ++i)
+            ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
+                           kNumHeads * 4, &q_full_bar[slot]);
         }
         __syncwarp();
         ++g;
         cur = walker.next_sequence(cur);
-      }
-      if (g == 0 && early) {
-        // No generation used the early loads (inconsistent schedule): let them land before exiting.
-        if (lane == 0) ptx::mbar_arrive(&q_full_bar[0]);
-        ptx::mbar_wait(&q_full_bar[0], 0);
       }
     } else {
       // ---------------------------------------------------------- KV producers (the other 3 warps)
@@ -397,17 +372,6 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         }
         return id;
       };
-      // NOTES: the first group's block-table entries are fetched from the schedule alone, in
-      // parallel with the context lengths (one memory round trip less before the first KV load);
-      // entries past the sequence's length are zeroed once the length is known.
-      const int first_b = __ldg(schedule + 2 * blockIdx.x);
-      const int first_g = __ldg(schedule + 2 * blockIdx.x + 1) / kSegsPerGroup;
-      int first_ids = 0;
-      {
-        const int blk = first_g * 32 + static_cast<int>(lane);
-        if (first_b < batch_size && blk < block_table_cols)
-          first_ids = __ldg(block_table + static_cast<int64_t>(first_b) * block_table_stride + blk);
-      }
       auto stage_of = [](int k, uint32_t& st, uint32_t& ph) {
         st = static_cast<uint32_t>(k % kStages);
         ph = static_cast<uint32_t>((k / kStages) & 1);
@@ -415,13 +379,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 
       Group cur = walker.template first_group<kSegsPerGroup>(schedule, static_cast<int>(blockIdx.x), context_lens,
                                                              batch_size);
-      int ids;
-      if (cur.b == first_b && cur.g == first_g) {
-        const int nb = (cur.len / BLOCK_KV) + ((cur.len % BLOCK_KV) != 0 ? 1 : 0);
-        ids = Walker::valid(cur) && first_g * 32 + static_cast<int>(lane) < nb ? first_ids : 0;
-      } else {
-        ids = load_ids(cur);
-      }
+      int ids = load_ids(cur);
       Group nxt = cur;
       if (Walker::valid(cur)) nxt = walker.template next_group<kSegsPerGroup>(cur);
       int ids_next = load_ids(nxt);  // a whole group ahead
