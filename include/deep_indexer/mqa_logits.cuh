@@ -125,8 +125,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   // NOTES: q blocks are dealt in snake order: wave w (gridDim.x blocks) runs forward when w is even
   // and backward when odd, so with the causal pattern (later blocks longer) every CTA's total
   // stays near the mean. Only the last, partial wave yields indices >= num_blocks.
+#ifndef DI_MQA_SNAKE
+#define DI_MQA_SNAKE 1
+#endif
   auto q_block = [&](int it) -> int {
-    const int pos = (it & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+    const int pos = (DI_MQA_SNAKE && (it & 1)) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
     return it * static_cast<int>(gridDim.x) + pos;
   };
 
