@@ -80,9 +80,10 @@ DI_DEVICE void fill_neg_inf_warp(OutT* row, int a, int b, uint32_t lane) {
   const int body = a + head;
   const int nvec = (b - body) / kVec;
   uint4* v = reinterpret_cast<uint4*>(r + body);
+#pragma unroll 1
   for (int i = static_cast<int>(lane); i < nvec; i += 32)
     asm volatile("st.global.cs.v4.b32 [%0], {%1, %1, %1, %1};" ::"l"(v + i), "r"(kWord) : "memory");
-  for (int t = body + nvec * kVec + static_cast<int>(lane); t < b; t += 32) r[t] = static_cast<Bits>(kWord);
+  if (const int t = body + nvec * kVec + static_cast<int>(lane); t < b) r[t] = static_cast<Bits>(kWord);  // tail < kVec
 }
 
 }  // namespace mqa_detail
@@ -159,9 +160,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       // Warps 1..3 (clean only): -inf outside each owned token's range [a, b); the math warpgroups
       // write exactly [a, b) when it is not empty, so the two never touch the same element.
       if (clean) {
+#pragma unroll 1
         for (int it = 0;; ++it) {
           const int blk = q_block(it);
           if (blk >= num_blocks) break;
+#pragma unroll 1
           for (int tb = static_cast<int>(warp) - 1; tb < T2; tb += 3) {
             const int tg = blk * T2 + tb;
             if (tg >= S) break;
