@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A/B runs on the GPU machine after tools/gpu_check.sh has built the extension (same $OUT):
 #   * prefill with the -inf fill fused into the kernel vs the separate pass (DI_MQA_FUSED_CLEAN)
-#   * an experimental kernel variant compiled with extra flags (DI_JIT_EXTRA_FLAGS), e.g. ping-pong
+#   * an experimental kernel variant compiled with extra flags (DI_JIT_EXTRA_FLAGS)
 #   * `bench --compare deep_indexer.baseline` (the plain-PyTorch stand-in) on a few shapes
 # Every run measures the ceilings first, which also brings the GPU to its working clocks (a run that
 # starts cold measured up to 12% slower). Tables go to $OUT/gpu.log; only the comparison writes JSON.
-# env: AB_SHAPES (default "P1 P2 P4"), EXP_FLAGS (default -DDI_MQA_PINGPONG=1), EXP_SHAPES (default "P1 P2"),
+# env: AB_SHAPES (default "P1 P2 P4"), EXP_FLAGS (default -DDI_MQA_SNAKE=0), EXP_SHAPES (default "P1 P2"),
 #      COMPARE_SHAPES (default "P1 D1 D2 D3"); an empty value skips that part.
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
@@ -22,7 +22,7 @@ if [ -n "$AB_SHAPES" ]; then
     DI_MQA_FUSED_CLEAN=$f bench --shapes $AB_SHAPES --json ""
   done
 fi
-EXP_FLAGS=${EXP_FLAGS--DDI_MQA_PINGPONG=1}
+EXP_FLAGS=${EXP_FLAGS--DDI_MQA_SNAKE=0}
 EXP_SHAPES=${EXP_SHAPES-P1 P2}
 if [ -n "$EXP_FLAGS" ] && [ -n "$EXP_SHAPES" ]; then
   log "DI_JIT_EXTRA_FLAGS='$EXP_FLAGS': $EXP_SHAPES"

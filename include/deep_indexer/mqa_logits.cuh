@@ -267,11 +267,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
     for (int i = 0; i < kNumAccum; ++i) acc0[i] = acc1[i] = 0.0f;
 
-#if DI_MQA_PINGPONG
-    // Turn barriers: warpgroup 1 hands warpgroup 0 the first turn; warpgroup 0 takes the one left over at the end.
-    constexpr uint32_t kTurnBar = 1;
-    if (L.double_buffered() && wg == 1) ptx::named_barrier_arrive(kTurnBar, 256);
-#endif
     ptx::PipelineState<kNumKVStages> kv_issue, kv_release;
     for (int it = 0;; ++it) {
       const int blk = q_block(it);
@@ -318,7 +313,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         const int scale_max = SKV - 1;
 
         // Waits for the tile's data, loads its k scales and issues its WGMMAs into `acc`.
-        auto issue_raw = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
             sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
@@ -407,7 +402,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         if constexpr (!L.double_buffered()) {
           // One accumulator set: the other math warpgroups keep the tensor cores busy meanwhile.
           for (int t = 0; t < num_tiles; ++t) {
-            issue_raw(acc0, sc0, t);
+            issue(acc0, sc0, t);
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
             ptx::fence_accum<kNumAccum>(acc0);
@@ -415,17 +410,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             epilogue(acc0, sc0, t);
           }
         } else {
-#if DI_MQA_PINGPONG
-        // Experiment: the two math warpgroups take turns issuing their WGMMAs (named barrier
-        // kTurnBar + w = "warpgroup w may issue"), so one's epilogue runs under the other's MMA.
-        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
-          ptx::named_barrier_sync(kTurnBar + static_cast<uint32_t>(wg), 256);
-          issue_raw(acc, sc, t);
-          ptx::named_barrier_arrive(kTurnBar + static_cast<uint32_t>(wg ^ 1), 256);
-        };
-#else
-        auto& issue = issue_raw;
-#endif
         issue(acc0, sc0, 0);
         ptx::wgmma_commit();
         int t = 0;
@@ -468,9 +452,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(q_empty(qs));
     }
-#if DI_MQA_PINGPONG
-    if (L.double_buffered() && wg == 0) ptx::named_barrier_sync(kTurnBar, 256);
-#endif
   }
 #else
   // sm_90a only.

@@ -45,12 +45,6 @@ DI_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
                : "memory");
 }
 
-// Raises the barrier's expected transaction bytes without arriving (the arrive comes later).
-DI_DEVICE void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-
 DI_DEVICE bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
   uint32_t done;
   asm volatile(
@@ -171,10 +165,6 @@ DI_DEVICE void reg_dealloc() {
 // NOTES: id 0 is __syncthreads(); kernels number their own barriers from 1.
 DI_DEVICE void named_barrier_sync(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
-
-DI_DEVICE void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
 // ---------------------------------------------------------------- pipeline state
