@@ -13,8 +13,11 @@
 
 namespace deep_indexer::sm90 {
 
-inline void print_choice(const std::string& line) {
+// `make_line` builds the message; it runs only under DI_JIT_DEBUG (these heuristics run on every call).
+template <typename F>
+inline void print_choice(F&& make_line) {
   if (!env::get_int(env::kDebug)) return;
+  const std::string line = make_line();
   static std::mutex m;
   static std::set<std::string> printed;
   std::lock_guard<std::mutex> lock(m);
@@ -36,9 +39,11 @@ inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_by
   const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs};
   DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,
                head_dim, out_bytes);
-  print_choice(fmt::format("mqa_logits H={} D={} out={}B: math_wgs={} kv_stages={} threads={} smem={} tokens/CTA={}",
-                           num_heads, head_dim, out_bytes, wgs, l.num_kv_stages, l.num_threads(), l.smem_bytes(),
-                           l.tokens_per_cta()));
+  print_choice([&] {
+    return fmt::format("mqa_logits H={} D={} out={}B: math_wgs={} kv_stages={} threads={} smem={} tokens/CTA={}",
+                       num_heads, head_dim, out_bytes, wgs, l.num_kv_stages, l.num_threads(), l.smem_bytes(),
+                       l.tokens_per_cta());
+  });
   return l;
 }
 
@@ -55,7 +60,9 @@ inline unsigned mqa_logits_grid(const MqaLogitsLayout& l, long long seq_len, int
 inline bool mqa_logits_fused_clean(const MqaLogitsLayout& l, long long seq_len, int num_sms) {
   const int forced = env::get_int("DI_MQA_FUSED_CLEAN", -1);
   const bool fused = forced == 0 || forced == 1 ? forced == 1 : l.num_q_blocks(seq_len) >= num_sms;
-  print_choice(fmt::format("mqa_logits clean S={}: {}", seq_len, fused ? "fused into the kernel" : "separate kernel"));
+  print_choice([&] {
+    return fmt::format("mqa_logits clean S={}: {}", seq_len, fused ? "fused into the kernel" : "separate kernel");
+  });
   return fused;
 }
 
@@ -65,9 +72,11 @@ inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, i
   const PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes);
   DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={}", next_n,
                num_heads, head_dim, block_kv);
-  print_choice(fmt::format("paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: kv_stages={} threads={} smem={}",
-                           next_n, num_heads, head_dim, block_kv, out_bytes, l.num_kv_stages, l.num_threads(),
-                           l.smem_bytes()));
+  print_choice([&] {
+    return fmt::format("paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: kv_stages={} threads={} smem={}",
+                       next_n, num_heads, head_dim, block_kv, out_bytes, l.num_kv_stages, l.num_threads(),
+                       l.smem_bytes());
+  });
   return l;
 }
 
