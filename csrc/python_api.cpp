@@ -55,7 +55,7 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       py::gil_scoped_release release;
       r = PagedMqaLogitsRuntime::precompile(p, arch);
     } else if (op == "paged_mqa_logits_metadata") {
-      PagedMqaMetadataRuntime::Params p{param(params, "next_n")};
+      PagedMqaMetadataRuntime::Params p{param(params, "next_n"), param(params, "small") != 0};
       DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= 4, "precompile: next_n must be in 1..4");
       py::gil_scoped_release release;
       r = PagedMqaMetadataRuntime::precompile(p, arch);

@@ -82,8 +82,8 @@ def variants(
             for n, h, d, b, dt, two_d in itertools.product(nn, hs, dims, bk, dtypes, (0, 1)):
                 add(op, next_n=n, num_heads=h, head_dim=d, block_kv=b, elem_bytes=_ELEM_BYTES[dt], context_lens_2d=two_d)
         elif op == "paged_mqa_logits_metadata":
-            for n in nn:
-                add(op, next_n=n)
+            for n, small in itertools.product(nn, (1, 0)):
+                add(op, next_n=n, small=small)
     return out
 
 

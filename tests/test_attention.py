@@ -244,7 +244,8 @@ def test_paged_all_zero_lengths_and_allocation():
 
 @pytest.mark.parametrize("two_d", [False, True])
 @pytest.mark.parametrize("block_kv", [32, 64])
-@pytest.mark.parametrize("B,num_sms", [(1, 132), (7, 132), (64, 132), (300, 7), (4096, 132), (5, 1), (1, 1000)])
+@pytest.mark.parametrize("B,num_sms", [(1, 132), (7, 132), (64, 132), (300, 7), (1024, 132), (1025, 132), (4096, 132),
+                                       (5000, 132), (5, 1), (1, 1000), (0, 132)])
 def test_paged_metadata_matches_cpu_reference(B, num_sms, block_kv, two_d):
     g = torch.Generator().manual_seed(B * num_sms + block_kv)
     lens = torch.randint(0, 70000, (B, 3) if two_d else (B,), generator=g, dtype=torch.int32)

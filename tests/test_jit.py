@@ -163,7 +163,7 @@ def test_variant_enumeration():
     assert len(jit.variants(ops=["mqa_logits"])) == 4 * 3 * 2
     assert len(jit.variants(ops=["paged_mqa_logits"])) == 4 * 4 * 2 * 2 * 2 * 2
     assert len(jit.variants(ops=["paged_mqa_logits"], head_dims=[32, 64])) == 4 * 4 * 1 * 2 * 2 * 2
-    assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 4
+    assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 4 * 2  # small and general
 
 
 def test_cli_precompile_and_cache(isolated_cache):
@@ -186,9 +186,10 @@ def test_cli_precompile_and_cache(isolated_cache):
 
 def test_python_precompile_api(isolated_cache):
     res = di.precompile(ops=["paged_mqa_logits_metadata"], next_n=[1, 2], arch="sm_90a", jobs=2)
-    assert [r["params"] for r in res] == ["paged_mqa_metadata<next_n=1>", "paged_mqa_metadata<next_n=2>"]
+    assert [r["params"] for r in res] == ["paged_mqa_metadata<next_n=1,small>", "paged_mqa_metadata<next_n=1,any>",
+                                          "paged_mqa_metadata<next_n=2,small>", "paged_mqa_metadata<next_n=2,any>"]
     assert all("error" not in r and r["spill_stores"] == 0 for r in res)
-    assert di.cache_info()["entries"] == 2
+    assert di.cache_info()["entries"] == 4
 
 
 @pytest.mark.skipif(os.environ.get("DI_TEST_ALL_VARIANTS", "1") == "0", reason="DI_TEST_ALL_VARIANTS=0")

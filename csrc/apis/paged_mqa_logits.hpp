@@ -43,7 +43,8 @@ inline at::Tensor get_paged_mqa_logits_metadata(const at::Tensor& context_lens, 
   } else {
     schedule = at::empty({sms + 1, 2}, context_lens.options());
   }
-  PagedMqaMetadataRuntime::launch({width}, context_lens.data_ptr<int>(), static_cast<int>(batch),
+  PagedMqaMetadataRuntime::launch({width, sm90::paged_mqa_metadata_small(batch)}, context_lens.data_ptr<int>(),
+                                  static_cast<int>(batch),
                                   static_cast<int>(sms), schedule.data_ptr<int>(), dev.device, dev.stream);
   return schedule;
 }

@@ -80,6 +80,10 @@ inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, i
   return l;
 }
 
+// Decode metadata: the compact single-chunk kernel for batches it can hold (measured: its critical
+// path is mostly instruction fetch, so less code is faster).
+inline bool paged_mqa_metadata_small(int64_t batch) { return batch <= kPagedMqaMetadataSmallBatch; }
+
 // Padded row stride of the logits the ops allocate: rows start 256-byte aligned (vector stores).
 inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   const int64_t align = 256 / elem_bytes;

@@ -11,21 +11,28 @@ namespace deep_indexer {
 struct PagedMqaMetadataRuntime : jit::KernelRuntime<PagedMqaMetadataRuntime> {
   struct Params {
     int next_n;  // row width of a 2-D context_lens (1 for [B])
+    bool small;  // the single-chunk variant (batch <= kPagedMqaMetadataSmallBatch)
+    int threads() const { return small ? kPagedMqaMetadataSmallThreads : kPagedMqaMetadataThreads; }
   };
   static const char* kernel_name() { return "paged_mqa_logits_metadata"; }
   static const char* header() { return "deep_indexer/paged_mqa_metadata.cuh"; }
-  static std::string name(const Params& p) { return fmt::format("paged_mqa_metadata<next_n={}>", p.next_n); }
+  static std::string name(const Params& p) {
+    return fmt::format("paged_mqa_metadata<next_n={},{}>", p.next_n, p.small ? "small" : "any");
+  }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::paged_mqa_metadata_kernel<{}, {}>", p.next_n, kPagedMqaMetadataThreads);
+    return fmt::format("&deep_indexer::paged_mqa_metadata_kernel<{}, {}, {}>", p.next_n, p.threads(),
+                       p.small ? "false" : "true");
   }
   static unsigned smem_bytes(const Params&) { return 0; }
 
   static void launch(const Params& p, const int* context_lens, int batch_size, int num_sms, int* schedule, int device,
                      CUstream stream) {
+    DI_CHECK(!p.small || batch_size <= kPagedMqaMetadataSmallBatch, "metadata: batch {} too large for the small variant",
+             batch_size);
     const CUfunction f = function(p, device, stream);
     jit::LaunchConfig cfg;
     cfg.grid = 1;
-    cfg.block = kPagedMqaMetadataThreads;
+    cfg.block = static_cast<unsigned>(p.threads());
     jit::launch(f, cfg, stream, context_lens, batch_size, num_sms, schedule);
   }
 };

@@ -50,8 +50,14 @@
 
 #include <deep_indexer/paged_mqa_logits_layout.hpp>
 #include <deep_indexer/ptx.cuh>
+#include <deep_indexer/trace.cuh>
 
 // L2 policy of the KV-cache TMA loads (read once per call).
+// 1: the first block-table entries are loaded from the schedule alone (0 for A/B runs; see the KV producers).
+#ifndef DI_PAGED_EARLY_BT
+#define DI_PAGED_EARLY_BT 1
+#endif
+
 #ifndef DI_PAGED_MQA_KV_CACHE_HINT
 #define DI_PAGED_MQA_KV_CACHE_HINT ::deep_indexer::ptx::kCacheEvictFirst
 #endif
@@ -105,6 +111,12 @@ __device__ __forceinline__ void st_global_if(__nv_bfloat16* ptr, float v, bool p
       "@p st.global.b16 [%0], %1;\n}\n" ::"l"(ptr),
       "h"(bits), "r"(static_cast<uint32_t>(pred))
       : "memory");
+}
+// A read-only load kept where it is written (volatile: ptxas does not sink it towards its use).
+__device__ __forceinline__ int ld_nc_early(const int* ptr) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(ptr));
+  return v;
 }
 __device__ __forceinline__ int warp_broadcast(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
@@ -179,13 +191,13 @@ struct RangeWalker {
     return Item{b, 0, b < limit ? len_of(b) : 0};
   }
 
-  __device__ __forceinline__ Item first(const int* __restrict__ schedule, int cta, const int* __restrict__ ctx_,
-                                        int batch_) {
+  // sched: this CTA's schedule rows c and c + 1: {b0, s0, b_end, s_end}.
+  __device__ __forceinline__ Item first(const int4& sched, const int* __restrict__ ctx_, int batch_) {
     ctx = ctx_;
     batch = batch_;
-    const int b0 = __ldg(schedule + 2 * cta), s0 = __ldg(schedule + 2 * cta + 1);
-    b_end = __ldg(schedule + 2 * cta + 2);
-    s_end = __ldg(schedule + 2 * cta + 3);
+    const int b0 = sched.x, s0 = sched.y;
+    b_end = sched.z;
+    s_end = sched.w;
     limit = min(s_end > 0 ? b_end + 1 : b_end, batch);
     if (b0 >= limit) {
       win_base = 0;
@@ -213,9 +225,8 @@ struct RangeWalker {
   }
   __device__ __forceinline__ static bool valid(const Group& grp) { return grp.s_begin < grp.s_stop; }
   template <int kSegsPerGroup>
-  __device__ __forceinline__ Group first_group(const int* __restrict__ schedule, int cta, const int* __restrict__ ctx_,
-                                               int batch_) {
-    const Item it = first(schedule, cta, ctx_, batch_);
+  __device__ __forceinline__ Group first_group(const int4& sched, const int* __restrict__ ctx_, int batch_) {
+    const Item it = first(sched, ctx_, batch_);
     return make_group<kSegsPerGroup>(it.b, it.s / kSegsPerGroup, it.len, it.s);
   }
   template <int kSegsPerGroup>
@@ -280,8 +291,18 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // A launch with another block size would deadlock (missing warpgroups): fail loudly instead.
   if (blockDim.x != static_cast<uint32_t>(kL.num_threads())) __trap();
 
+  Tracer tr;
+  tr.start();
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
+
+  // NOTES: the producers' schedule rows are loaded before the prologue's barrier, which they do not
+  // need: their latency overlaps the barrier setup.
+  int4 sched = make_int4(0, 0, 0, 0);
+  if (warp >= kProducerWarp0) {
+    const int* row = schedule + 2 * blockIdx.x;
+    sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
+  }
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -302,6 +323,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   }
   grid_dependency_wait();
   __syncthreads();
+  tr.mark<0>();
 
   if (warp >= kProducerWarp0) {
     // ================================================================ producer warpgroup
@@ -311,7 +333,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       // ---------------------------------------------------------- Q producer
       Walker walker;
       using Item = typename Walker::Item;
-      Item cur = walker.first(schedule, static_cast<int>(blockIdx.x), context_lens, batch_size);
+      Item cur = walker.first(sched, context_lens, batch_size);
+      tr.mark<1>(cur.len);
       uint32_t g = 0;
       while (walker.valid(cur)) {
         const int b = cur.b;
@@ -347,9 +370,17 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
                            kNumHeads * 4, &q_full_bar[slot]);
         }
         __syncwarp();
+        tr.mark<2>();
+#ifdef DI_KERNEL_TRACE
+        if (g == 0) {  // when generation 0's q and weights have landed
+          ptx::mbar_wait(&q_full_bar[0], 0);
+          tr.mark<3>();
+        }
+#endif
         ++g;
         cur = walker.next_sequence(cur);
       }
+      if (lane == 0) tr.print("q", 0, static_cast<int>(g));
     } else {
       // ---------------------------------------------------------- KV producers (the other 3 warps)
       // Every KV producer walks all tiles of the range (tile counter k) and issues those with
@@ -377,9 +408,32 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         ph = static_cast<uint32_t>((k / kStages) & 1);
       };
 
-      Group cur = walker.template first_group<kSegsPerGroup>(schedule, static_cast<int>(blockIdx.x), context_lens,
-                                                             batch_size);
+#if DI_PAGED_EARLY_BT
+      // NOTES: the first group's block-table entries are fetched from the schedule alone, in parallel
+      // with the context lengths (one memory round trip less before the first KV load); entries past
+      // the sequence's length are dropped once the length is known.
+      const int first_b = sched.x;
+      const int first_g = sched.y / kSegsPerGroup;
+      int first_ids = 0;
+      {
+        const int blk = first_g * 32 + static_cast<int>(lane);
+        if (first_b < batch_size && blk < block_table_cols)
+          first_ids = ld_nc_early(block_table + static_cast<int64_t>(first_b) * block_table_stride + blk);
+      }
+#endif
+      Group cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
+      tr.mark<1>(cur.len);
+#if DI_PAGED_EARLY_BT
+      int ids;
+      if (cur.b == first_b && cur.g == first_g) {
+        const int nb = (cur.len / BLOCK_KV) + ((cur.len % BLOCK_KV) != 0 ? 1 : 0);
+        ids = Walker::valid(cur) && first_g * 32 + static_cast<int>(lane) < nb ? first_ids : 0;
+      } else {
+        ids = load_ids(cur);
+      }
+#else
       int ids = load_ids(cur);
+#endif
       Group nxt = cur;
       if (Walker::valid(cur)) nxt = walker.template next_group<kSegsPerGroup>(cur);
       int ids_next = load_ids(nxt);  // a whole group ahead
@@ -402,16 +456,27 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
             const bool two = kBlocksPerTile == 2 && (j0 + BLOCK_KV < cur.len);
             uint32_t st, ph;
             stage_of(kt, st, ph);
+            tr.mark<2>(id0 + id1);
+#ifdef DI_TRACE_DELAY_KV
+            if (kt == p) tr.spin_until(DI_TRACE_DELAY_KV);
+#endif
             ptx::mbar_wait(&empty_bar[st], ph ^ 1u);
             if (lane == 0) {
               stage_info[st] = make_int4(gen, cur.b, j0, 0);
               uint8_t* kv_dst = kv_smem + st * kL.kv_tile_bytes();
               float* sc_dst = scales_smem + st * 64;
               const uint32_t tx = kBlocksPerTile == 1 ? kTileTx : (two ? 2 * kBlockTx : kBlockTx);
+#ifdef DI_TRACE_NO_SCALES
+              static_assert(kBlocksPerTile == 1, "trace experiment for 64-token blocks only");
+              ptx::mbar_arrive_expect_tx(&full_bar[st], static_cast<uint32_t>(kL.kv_tile_bytes()));
+              ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, DI_PAGED_MQA_KV_CACHE_HINT);
+              (void)sc_dst;
+#else
               ptx::mbar_arrive_expect_tx(&full_bar[st], tx);
               ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, DI_PAGED_MQA_KV_CACHE_HINT);
               ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
                              BLOCK_KV * 4, &full_bar[st]);
+#endif
               if (two) {
                 ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &full_bar[st], 0, 0, id1,
                                  DI_PAGED_MQA_KV_CACHE_HINT);
@@ -421,6 +486,15 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
               }
             }
             __syncwarp();
+            tr.mark<3>();
+#ifdef DI_KERNEL_TRACE
+            if (kt == p) {  // latency of a plain load from the tile just issued (same pages, L2-bypassing L1)
+              int probe;
+              asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(probe) : "l"(kv_cache + static_cast<int64_t>(id0) *
+                                                                                      block_stride_bytes + 4096));
+              tr.mark<5>(probe);
+            }
+#endif
           }
           k += ntiles;
         }
@@ -431,6 +505,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         nxt = walker.template next_group<kSegsPerGroup>(cur);
         ids_next = load_ids(nxt);
       }
+      tr.mark<4>();
       // One sentinel per math warpgroup (tiles k, k + 1); it carries the number of generations.
       const int num_gens = any ? gen + 1 : 0;
 #pragma unroll
@@ -447,6 +522,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
           __syncwarp();
         }
       }
+      if (lane == 0) tr.print("kv", p, k);
     }
     return;
   }
@@ -603,11 +679,14 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // One tile at a time per WG (the other WGs' WGMMAs and epilogues overlap with it); multi-chunk
   // shapes reuse one accumulator set per chunk.
   float acc[kChunkCols / 2];
+  [[maybe_unused]] int num_tiles = 0;
   while (true) {
     mbar_wait_loop(&full_bar[st], ph);
+    tr.mark<1>();
     const int4 raw = stage_info[st];
     const int4 info = make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
     if (info.x != cur_gen && !switch_generation(info)) break;
+    tr.mark<2>();
     const int key = info.z + row_in_tile;
     const float key_scale = scales_smem[st * 64 + row_in_tile];
     static_for<0, kNumChunks>([&](auto chunk_c) {
@@ -618,8 +697,14 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       if constexpr (c == kNumChunks - 1) release_stage(st);  // keys, scales and info all read
       epilogue_chunk(chunk_c, acc, key, key_scale);
     });
+    tr.mark<3>();
     advance();
+#ifdef DI_KERNEL_TRACE
+    ++num_tiles;
+#endif
   }
+  tr.mark<4>();
+  if (threadIdx.x % 128 == 0) tr.print("math", static_cast<int>(wg), num_tiles);
 }
 
 }  // namespace deep_indexer

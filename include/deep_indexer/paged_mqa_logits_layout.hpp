@@ -153,8 +153,12 @@ constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(int next_n, 
                               out_bytes};
 }
 
-// Metadata kernel launch: one CTA of kPagedMqaMetadataThreads threads, no dynamic shared memory.
+// Metadata kernel launch: one CTA, no dynamic shared memory. Batches of at most
+// kPagedMqaMetadataSmallBatch sequences use the compact single-chunk variant with
+// kPagedMqaMetadataSmallThreads threads (4 sequences each); larger ones the general variant.
 constexpr int kPagedMqaMetadataThreads = 1024;
+constexpr int kPagedMqaMetadataSmallThreads = 256;
+constexpr int kPagedMqaMetadataSmallBatch = 4 * kPagedMqaMetadataSmallThreads;
 
 }  // namespace deep_indexer
 

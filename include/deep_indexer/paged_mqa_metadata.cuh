@@ -9,14 +9,16 @@
 //                 = (b, start_i - P[b])   for the b with P[b] <= start_i < P[b+1]
 //   Output: int32 [num_sms + 1][2].
 //
-// Launch: grid 1, block kNumThreads (1024), no dynamic shared memory. Any batch size (chunks of
-// kNumThreads * 4 sequences with a block-wide scan). No host synchronization; graph-capturable.
+// Launch: grid 1, block kNumThreads, no dynamic shared memory. Any batch size with kMultiChunk (chunks
+// of kNumThreads * 4 sequences with a block-wide scan), else at most kNumThreads * 4. No host synchronization; graph-capturable.
 // Assumes T < 2^31 (i.e. the total number of 256-token segments fits in int32).
 // Ends with griddepcontrol.launch_dependents (a no-op unless the next kernel is launched with
 // programmatic stream serialization; that kernel's griddepcontrol.wait still waits for this grid
 // to complete and flush).
 #pragma once
 #include <cstdint>
+
+#include <deep_indexer/trace.cuh>
 
 namespace deep_indexer {
 
@@ -43,7 +45,9 @@ __device__ __forceinline__ uint32_t first_split_at_or_after(uint32_t x, uint32_t
 
 }  // namespace paged_mqa_metadata_detail
 
-template <int kNextN /* row width of context_lens: 1 for [B] */, int kNumThreads /* e.g. 1024 */>
+// kMultiChunk = false: batch_size <= kNumThreads * 4 (one chunk; the host picks this compact
+// variant for small batches: less code on the critical path, whose instruction fetches dominate).
+template <int kNextN /* row width of context_lens: 1 for [B] */, int kNumThreads /* e.g. 1024 */, bool kMultiChunk>
 __global__ void __launch_bounds__(kNumThreads, 1)
     paged_mqa_metadata_kernel(const int* __restrict__ context_lens, int batch_size, int num_sms,
                               int* __restrict__ schedule /* [num_sms + 1][2] */) {
@@ -53,6 +57,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kItems = 4;  // consecutive sequences per thread
   constexpr int kChunk = kNumThreads * kItems;
   constexpr int kNumWarps = kNumThreads / 32;
+  if (!kMultiChunk && batch_size > kChunk) __trap();  // host contract
 
   __shared__ uint32_t s_warp[kNumWarps];
   __shared__ uint32_t s_total;
@@ -62,6 +67,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int lane = tid & 31;
   const int warp = tid >> 5;
 
+  Tracer tr;
+  tr.start();
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
   // Exclusive block scan of one value per thread; returns the prefix, *total = block sum.
@@ -102,10 +109,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     segs[k] = b < batch_size ? segments_of<kNextN>(context_lens, b) : 0u;
     local += segs[k];
   }
+  tr.mark<0>(static_cast<int>(local));
   uint32_t chunk_total = 0;
   const uint32_t excl0 = block_exclusive_scan(local, &chunk_total);
+  tr.mark<1>();
   uint32_t total = chunk_total;
-  if (batch_size > kChunk) {  // block-uniform
+  if (kMultiChunk && batch_size > kChunk) {  // block-uniform
     uint32_t rest = 0;
     for (int b = kChunk + tid; b < batch_size; b += kNumThreads) rest += segments_of<kNextN>(context_lens, b);
     uint32_t rest_total = 0;
@@ -116,13 +125,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const uint32_t n = static_cast<uint32_t>(num_sms);
   const uint32_t q = total / n;
   const uint32_t r = total % n;
+  tr.mark<2>(static_cast<int>(q + r));
 
   // ---- pass 2: per chunk, the prefix sums go to shared memory and every split starting inside
   // the chunk finds its sequence by binary search (one thread per split: no serial walk over the
   // many splits of a long sequence). The answer is the last j with P[j] <= start, which has
   // segments since P[j + 1] > start.
   uint32_t carry = 0;
-  for (int base = 0; base < batch_size; base += kChunk) {  // block-uniform trip count
+  // block-uniform trip count (one trip, base = 0, for the single-chunk variant, also when batch_size = 0)
+  for (int base = 0; base < (kMultiChunk ? batch_size : 1); base += kChunk) {
     uint32_t excl;
     if (base == 0) {
       excl = excl0;
@@ -143,6 +154,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       p += segs[k];
     }
     __syncthreads();
+    tr.mark<3>();
     const int m = min(kChunk, batch_size - base);
     const uint32_t i_end = first_split_at_or_after(carry + chunk_total, q, r);
     for (uint32_t i = first_split_at_or_after(carry, q, r) + static_cast<uint32_t>(tid); i < i_end; i += kNumThreads) {
@@ -155,9 +167,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       schedule[2 * i] = base + lo;
       schedule[2 * i + 1] = static_cast<int>(start - s_prefix[lo]);
     }
+    tr.mark<4>();
     __syncthreads();  // s_prefix is rewritten by the next chunk
     carry += chunk_total;
   }
+  tr.mark<5>();
 
   // ---- splits that start at T (empty tails): (B, 0)
   for (uint32_t i = first_split_at_or_after(total, q, r) + static_cast<uint32_t>(tid); i <= n; i += kNumThreads) {
@@ -166,6 +180,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  tr.mark<6>();
+  if (tid == 0) tr.print("meta", 0, batch_size);
 }
 
 }  // namespace deep_indexer
