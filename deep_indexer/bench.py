@@ -17,6 +17,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -64,9 +65,15 @@ class Timer:
         props = torch.cuda.get_device_properties(device)
         self.flush_buf = torch.empty(2 * props.L2_cache_size // 4 + 1024, dtype=torch.float32, device=device)
 
-    def __call__(self, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-        for _ in range(warmup):
+    def __call__(self, fn: Callable[[], object], iters: int, warmup: int = 3, warm_s: float = 0.05) -> float:
+        # At least `warm_s` of back-to-back calls first: after an idle gap (a JIT compile, say) the GPU
+        # clocks are low, and a few microsecond-scale calls alone do not bring them back up.
+        t0, n = time.perf_counter(), 0
+        while n < warmup or time.perf_counter() - t0 < warm_s:
             fn()
+            n += 1
+            if n % 8 == 0:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
         times = []
         for _ in range(iters):

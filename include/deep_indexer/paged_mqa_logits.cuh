@@ -31,6 +31,8 @@
 //               KV producer s % P waits parity ((k / S) & 1) ^ 1 before reusing it (S % lcm(W, P) == 0
 //               makes one producer and one WG own each stage).
 //   q_full[x] : count 1 (Q producer) + TMA bytes; generation g is waited with parity (g / 2) & 1.
+//               Math WGs wait for generation 0 before their first tile; in a CTA without work the
+//               Q producer arrives on q_full[0] without loads, with slot_info[0] = -1.
 //   q_empty[x]: count 4W (lane 0 of every math warp, once per generation); the Q producer waits
 //               parity ((g / 2) & 1) ^ 1 before loading generation g into slot g % 2.
 //   Every math WG waits for every generation's q_full in order (also those it has no tile of) and
@@ -304,16 +306,15 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
   }
 
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&empty_bar[s], 4);
-    }
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      ptx::mbar_init(&q_full_bar[x], 1);
-      ptx::mbar_init(&q_empty_bar[x], 4 * kL.num_math_wgs());
+  // Barrier setup spread over warp 0 (lane s: stage s's pair; lanes 30/31: the q slots).
+  static_assert(kStages <= 30, "one lane per stage in the barrier setup");
+  if (warp == 0) {
+    if (lane < static_cast<uint32_t>(kStages)) {
+      ptx::mbar_init(&full_bar[lane], 1);
+      ptx::mbar_init(&empty_bar[lane], 4);
+    } else if (lane >= 30) {
+      ptx::mbar_init(&q_full_bar[lane - 30], 1);
+      ptx::mbar_init(&q_empty_bar[lane - 30], 4 * kL.num_math_wgs());
     }
     ptx::fence_mbar_init();
   }
@@ -335,6 +336,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       using Item = typename Walker::Item;
       Item cur = walker.first(sched, context_lens, batch_size);
       tr.mark<1>(cur.len);
+      if (!walker.valid(cur) && lane == 0) {  // no work: release the math WGs' wait for generation 0
+        slot_info[0] = -1;
+        ptx::mbar_arrive(&q_full_bar[0]);
+      }
       uint32_t g = 0;
       while (walker.valid(cur)) {
         const int b = cur.b;
@@ -546,18 +551,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // including those it has no tile of: waiting for gen h only after gen h - 2 keeps each parity wait
   // within one phase of the barrier, and arriving on q_empty for h only after q_full(h) keeps the
   // arrivals in h's phase. No WGMMA of this WG may be in flight here.
-  auto switch_generation = [&](const int4& info) -> bool {
-    const int gen = info.x;
-    __syncwarp();
-    mbar_arrive_if(&q_empty_bar[cur_gen & 1], cur_gen >= 0 && lane == 0);
-    for (int h = cur_gen + 1; h < gen; ++h) {
-      mbar_wait_loop(&q_full_bar[h & 1], (static_cast<uint32_t>(h) >> 1) & 1u);
-      __syncwarp();
-      mbar_arrive_if(&q_empty_bar[h & 1], lane == 0);
-    }
-    if (info.w & kSentinel) return false;
+  // Reads generation gen's slot info and weights (its q_full has been waited for).
+  auto take_generation = [&](int gen) {
     const uint32_t slot = static_cast<uint32_t>(gen) & 1u;
-    mbar_wait_loop(&q_full_bar[slot], (static_cast<uint32_t>(gen) >> 1) & 1u);
     const int* sinfo = slot_info + slot * 8;
     seq_b = sinfo[0];
 #pragma unroll
@@ -571,8 +567,27 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
           wreg[i][hg] = *reinterpret_cast<const float2*>(wsl + i * kNumHeads + hg * 8 + quad * 2);
     }
     cur_gen = gen;
+  };
+
+  auto switch_generation = [&](const int4& info) -> bool {
+    const int gen = info.x;
+    __syncwarp();
+    mbar_arrive_if(&q_empty_bar[cur_gen & 1], cur_gen >= 0 && lane == 0);
+    for (int h = cur_gen + 1; h < gen; ++h) {
+      mbar_wait_loop(&q_full_bar[h & 1], (static_cast<uint32_t>(h) >> 1) & 1u);
+      __syncwarp();
+      mbar_arrive_if(&q_empty_bar[h & 1], lane == 0);
+    }
+    if (info.w & kSentinel) return false;
+    mbar_wait_loop(&q_full_bar[gen & 1], (static_cast<uint32_t>(gen) >> 1) & 1u);
+    take_generation(gen);
     return true;
   };
+
+  // NOTES: generation 0 is taken before the first KV tile arrives (its q lands well before the KV).
+  // A CTA without work gets a q_full[0] arrival without loads and slot_info[0] = -1 instead.
+  mbar_wait_loop(&q_full_bar[0], 0);
+  if (slot_info[0] >= 0) take_generation(0);
 
   // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited).
   auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage) {

@@ -127,27 +127,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const uint32_t r = total % n;
   tr.mark<2>(static_cast<int>(q + r));
 
-  // ---- pass 2: per chunk, the prefix sums go to shared memory and every split starting inside
-  // the chunk finds its sequence by binary search (one thread per split: no serial walk over the
-  // many splits of a long sequence). The answer is the last j with P[j] <= start, which has
-  // segments since P[j + 1] > start.
-  uint32_t carry = 0;
-  // block-uniform trip count (one trip, base = 0, for the single-chunk variant, also when batch_size = 0)
-  for (int base = 0; base < (kMultiChunk ? batch_size : 1); base += kChunk) {
-    uint32_t excl;
-    if (base == 0) {
-      excl = excl0;
-    } else {
-      local = 0;
-#pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        const int b = base + tid * kItems + k;
-        segs[k] = b < batch_size ? segments_of<kNextN>(context_lens, b) : 0u;
-        local += segs[k];
-      }
-      excl = block_exclusive_scan(local, &chunk_total);
-    }
-    uint32_t p = carry + excl;
+  // ---- pass 2: the prefix sums go to shared memory and every split finds its sequence by binary
+  // search (one thread per split: no serial walk over the many splits of a long sequence). The
+  // answer is the last j with P[j] <= start, which has segments since P[j + 1] > start.
+  if constexpr (!kMultiChunk) {
+    // One chunk: a split starts either inside it or at T (an empty tail: (B, 0)).
+    uint32_t p = excl0;
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       s_prefix[tid * kItems + k] = p;
@@ -155,28 +140,70 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     __syncthreads();
     tr.mark<3>();
-    const int m = min(kChunk, batch_size - base);
-    const uint32_t i_end = first_split_at_or_after(carry + chunk_total, q, r);
-    for (uint32_t i = first_split_at_or_after(carry, q, r) + static_cast<uint32_t>(tid); i < i_end; i += kNumThreads) {
+    for (uint32_t i = static_cast<uint32_t>(tid); i <= n; i += kNumThreads) {
       const uint32_t start = split_start(i, q, r);
-      int lo = 0, hi = m;  // P[lo] <= start < P[hi] (P[m] = end of the chunk)
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (s_prefix[mid] <= start) lo = mid; else hi = mid;
+      int b = batch_size, off = 0;
+      if (start < total) {
+        int lo = 0, hi = batch_size;  // P[lo] <= start < P[hi]
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) >> 1;
+          if (s_prefix[mid] <= start) lo = mid; else hi = mid;
+        }
+        b = lo;
+        off = static_cast<int>(start - s_prefix[lo]);
       }
-      schedule[2 * i] = base + lo;
-      schedule[2 * i + 1] = static_cast<int>(start - s_prefix[lo]);
+      schedule[2 * i] = b;
+      schedule[2 * i + 1] = off;
     }
     tr.mark<4>();
-    __syncthreads();  // s_prefix is rewritten by the next chunk
-    carry += chunk_total;
-  }
-  tr.mark<5>();
+  } else {
+    // Per chunk: the splits starting inside it.
+    uint32_t carry = 0;
+    for (int base = 0; base < batch_size; base += kChunk) {  // block-uniform trip count
+      uint32_t excl;
+      if (base == 0) {
+        excl = excl0;
+      } else {
+        local = 0;
+#pragma unroll
+        for (int k = 0; k < kItems; ++k) {
+          const int b = base + tid * kItems + k;
+          segs[k] = b < batch_size ? segments_of<kNextN>(context_lens, b) : 0u;
+          local += segs[k];
+        }
+        excl = block_exclusive_scan(local, &chunk_total);
+      }
+      uint32_t p = carry + excl;
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        s_prefix[tid * kItems + k] = p;
+        p += segs[k];
+      }
+      __syncthreads();
+      tr.mark<3>();
+      const int m = min(kChunk, batch_size - base);
+      const uint32_t i_end = first_split_at_or_after(carry + chunk_total, q, r);
+      for (uint32_t i = first_split_at_or_after(carry, q, r) + static_cast<uint32_t>(tid); i < i_end; i += kNumThreads) {
+        const uint32_t start = split_start(i, q, r);
+        int lo = 0, hi = m;  // P[lo] <= start < P[hi] (P[m] = end of the chunk)
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) >> 1;
+          if (s_prefix[mid] <= start) lo = mid; else hi = mid;
+        }
+        schedule[2 * i] = base + lo;
+        schedule[2 * i + 1] = static_cast<int>(start - s_prefix[lo]);
+      }
+      tr.mark<4>();
+      __syncthreads();  // s_prefix is rewritten by the next chunk
+      carry += chunk_total;
+    }
+    tr.mark<5>();
 
-  // ---- splits that start at T (empty tails): (B, 0)
-  for (uint32_t i = first_split_at_or_after(total, q, r) + static_cast<uint32_t>(tid); i <= n; i += kNumThreads) {
-    schedule[2 * i] = batch_size;
-    schedule[2 * i + 1] = 0;
+    // ---- splits that start at T (empty tails): (B, 0)
+    for (uint32_t i = first_split_at_or_after(total, q, r) + static_cast<uint32_t>(tid); i <= n; i += kNumThreads) {
+      schedule[2 * i] = batch_size;
+      schedule[2 * i + 1] = 0;
+    }
   }
 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
