@@ -66,10 +66,11 @@ class Timer:
         self.flush_buf = torch.empty(2 * props.L2_cache_size // 4 + 1024, dtype=torch.float32, device=device)
 
     def __call__(self, fn: Callable[[], object], iters: int, warmup: int = 3, warm_s: float = 0.05) -> float:
-        # Short calls (< 0.2 ms: decode) get `warm_s` of back-to-back calls first: after an idle gap (a JIT compile,
-        # say) the GPU clocks are low and a few microsecond-scale calls do not bring them back up. Long
-        # calls get `warmup` calls only: tens of ms of prefill at full tilt reach the board's power cap,
-        # which lowers the clocks by ~10% (measured on H200: P2 1853-1902 us vs 1990-2090 us).
+        # Short calls (< 0.2 ms: decode) get `warm_s` of back-to-back calls first: after an idle gap
+        # (a JIT compile, say) the GPU clocks are low and a few microsecond-scale calls do not bring
+        # them back up. Long calls get `warmup` calls only: tens of ms of prefill at full tilt reach
+        # the board's power cap, which lowers the clocks by ~10% (measured on H200: P2 1853-1902 us
+        # vs 1990-2090 us).
         fn()  # may compile
         torch.cuda.synchronize()
         t0 = time.perf_counter()
