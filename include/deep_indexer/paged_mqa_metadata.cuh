@@ -130,9 +130,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // ---- pass 2: the prefix sums go to shared memory and every split finds its sequence by binary
   // search (one thread per split: no serial walk over the many splits of a long sequence). The
   // answer is the last j with P[j] <= start, which has segments since P[j + 1] > start.
-  if constexpr (!kMultiChunk) {
-    // One chunk: a split starts either inside it or at T (an empty tail: (B, 0)).
-    uint32_t p = excl0;
+  // This thread's prefix sums P[base + tid * kItems + k], starting from p, then a barrier.
+  auto store_prefix = [&](uint32_t p) {
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       s_prefix[tid * kItems + k] = p;
@@ -140,6 +139,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     __syncthreads();
     tr.mark<3>();
+  };
+  if constexpr (!kMultiChunk) {
+    // One chunk: a split starts either inside it or at T (an empty tail: (B, 0)).
+    store_prefix(excl0);
     for (uint32_t i = static_cast<uint32_t>(tid); i <= n; i += kNumThreads) {
       const uint32_t start = split_start(i, q, r);
       int b = batch_size, off = 0;
@@ -173,14 +176,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         excl = block_exclusive_scan(local, &chunk_total);
       }
-      uint32_t p = carry + excl;
-#pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        s_prefix[tid * kItems + k] = p;
-        p += segs[k];
-      }
-      __syncthreads();
-      tr.mark<3>();
+      store_prefix(carry + excl);
       const int m = min(kChunk, batch_size - base);
       const uint32_t i_end = first_split_at_or_after(carry + chunk_total, q, r);
       for (uint32_t i = first_split_at_or_after(carry, q, r) + static_cast<uint32_t>(tid); i < i_end; i += kNumThreads) {
