@@ -55,11 +55,6 @@
 #include <deep_indexer/trace.cuh>
 
 // L2 policy of the KV-cache TMA loads (read once per call).
-// 1: the first block-table entries are loaded from the schedule alone (0 for A/B runs; see the KV producers).
-#ifndef DI_PAGED_EARLY_BT
-#define DI_PAGED_EARLY_BT 1
-#endif
-
 #ifndef DI_PAGED_MQA_KV_CACHE_HINT
 #define DI_PAGED_MQA_KV_CACHE_HINT ::deep_indexer::ptx::kCacheEvictFirst
 #endif
@@ -113,12 +108,6 @@ __device__ __forceinline__ void st_global_if(__nv_bfloat16* ptr, float v, bool p
       "@p st.global.b16 [%0], %1;\n}\n" ::"l"(ptr),
       "h"(bits), "r"(static_cast<uint32_t>(pred))
       : "memory");
-}
-// A read-only load kept where it is written (volatile: ptxas does not sink it towards its use).
-__device__ __forceinline__ int ld_nc_early(const int* ptr) {
-  int v;
-  asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(ptr));
-  return v;
 }
 __device__ __forceinline__ int warp_broadcast(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
@@ -415,32 +404,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         ph = static_cast<uint32_t>((k / kStages) & 1);
       };
 
-#if DI_PAGED_EARLY_BT
-      // NOTES: the first group's block-table entries are fetched from the schedule alone, in parallel
-      // with the context lengths (one memory round trip less before the first KV load); entries past
-      // the sequence's length are dropped once the length is known.
-      const int first_b = sched.x;
-      const int first_g = sched.y / kSegsPerGroup;
-      int first_ids = 0;
-      {
-        const int blk = first_g * 32 + static_cast<int>(lane);
-        if (first_b < batch_size && blk < block_table_cols)
-          first_ids = ld_nc_early(block_table + static_cast<int64_t>(first_b) * block_table_stride + blk);
-      }
-#endif
       Group cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
       tr.mark<1>(cur.len);
-#if DI_PAGED_EARLY_BT
-      int ids;
-      if (cur.b == first_b && cur.g == first_g) {
-        const int nb = (cur.len / BLOCK_KV) + ((cur.len % BLOCK_KV) != 0 ? 1 : 0);
-        ids = Walker::valid(cur) && first_g * 32 + static_cast<int>(lane) < nb ? first_ids : 0;
-      } else {
-        ids = load_ids(cur);
-      }
-#else
       int ids = load_ids(cur);
-#endif
       Group nxt = cur;
       if (Walker::valid(cur)) nxt = walker.template next_group<kSegsPerGroup>(cur);
       int ids_next = load_ids(nxt);  // a whole group ahead
@@ -464,26 +430,16 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
             uint32_t st, ph;
             stage_of(kt, st, ph);
             tr.mark<2>(id0 + id1);
-#ifdef DI_TRACE_DELAY_KV
-            if (kt == p) tr.spin_until(DI_TRACE_DELAY_KV);
-#endif
             ptx::mbar_wait(&empty_bar[st], ph ^ 1u);
             if (lane == 0) {
               stage_info[st] = make_int4(gen, cur.b, j0, 0);
               uint8_t* kv_dst = kv_smem + st * kL.kv_tile_bytes();
               float* sc_dst = scales_smem + st * 64;
               const uint32_t tx = kBlocksPerTile == 1 ? kTileTx : (two ? 2 * kBlockTx : kBlockTx);
-#ifdef DI_TRACE_NO_SCALES
-              static_assert(kBlocksPerTile == 1, "trace experiment for 64-token blocks only");
-              ptx::mbar_arrive_expect_tx(&full_bar[st], static_cast<uint32_t>(kL.kv_tile_bytes()));
-              ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, DI_PAGED_MQA_KV_CACHE_HINT);
-              (void)sc_dst;
-#else
               ptx::mbar_arrive_expect_tx(&full_bar[st], tx);
               ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, DI_PAGED_MQA_KV_CACHE_HINT);
               ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
                              BLOCK_KV * 4, &full_bar[st]);
-#endif
               if (two) {
                 ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &full_bar[st], 0, 0, id1,
                                  DI_PAGED_MQA_KV_CACHE_HINT);

@@ -31,10 +31,6 @@ struct Tracer {
     asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"(ptx::smem_addr(&sink)), "r"(dep) : "memory");
     if (c[I] == 0) c[I] = clock() - c0;
   }
-  __device__ __forceinline__ void spin_until(uint64_t cycles) const {
-    while (clock() - c0 < cycles) {
-    }
-  }
   __device__ __forceinline__ void print(const char* role, int idx, int count) const {
     uint64_t gt1;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt1)::"memory");
