@@ -397,7 +397,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         // runs. Every commit follows its WGMMAs in the same basic block (a commit on a path without
         // WGMMAs makes ptxas add a dummy group, which turns wait_group<1> into a full wait), and
         // every epilogue read follows a wait_group whose only possibly pending group writes the
-        // other accumulator set.
+        // other accumulator set. NOTES: the steps stay written out; folding them into
+        // issue/retire lambdas made nvcc 13.0 segfault (H=16, D=32).
         float sc0[kOwnJ], sc1[kOwnJ];
         if constexpr (!L.double_buffered()) {
           // One accumulator set: the other math warpgroups keep the tensor cores busy meanwhile.
