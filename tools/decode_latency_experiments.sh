@@ -8,10 +8,8 @@ set -uo pipefail
 OUT=${OUT:-$PWD/.out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DI_JIT_CACHE_DIR=${DI_JIT_CACHE_DIR:-/tmp/di_cache}
-if [ "${BUILD:-0}" = 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -e . --no-build-isolation --no-deps >"$OUT/build.log" 2>&1 \
-    || { tail -40 "$OUT/build.log"; exit 1; }
+if [ "${BUILD:-0}" = 1 ]; then  # wheels + build only (no precompile, tests or bench)
+  PRECOMPILE=0 bash tools/gpu_check.sh build || exit 1
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 LOG="$OUT/latency.log"
