@@ -1,8 +1,9 @@
 """`python -m deep_indexer bench`: the SPEC 5 shapes, timed against ceilings measured in the same run.
 
 Method: inputs are drawn once per shape; before every timed call the L2 is flushed by writing a
-buffer twice its size; each call is timed with CUDA events; the median of `--iters` calls is
-reported. Ceilings: device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through
+buffer twice its size (`--flush write`, the default of every recorded result; the dirty lines it leaves
+are written back while the timed call runs) or by reading one (`--flush read`: a clean, cold L2);
+each call is timed with CUDA events; the median of `--iters` calls is reported. Ceilings: device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through
 torch._scaled_mm. Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
 over q + weights + (D + 4) B per key token + 4 B per block-table entry + 4 B per valid logit.
 """
@@ -56,14 +57,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="bench.png", help="chart of the fraction of ceiling per shape ('' to skip)")
     p.add_argument("--compare", default=None, help="an importable module with the same API, run side by side")
     p.add_argument("--no-ceilings", action="store_true", help="skip measuring the ceilings")
+    p.add_argument("--flush", choices=("write", "read"), default="write",
+                   help="L2 flush before each timed call: write a buffer twice the L2 (default) or read one")
 
 
 class Timer:
     """Cold-L2 median timing with CUDA events."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, flush: str = "write"):
+        if flush not in ("write", "read"):
+            raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
         props = torch.cuda.get_device_properties(device)
-        self.flush_buf = torch.empty(2 * props.L2_cache_size // 4 + 1024, dtype=torch.float32, device=device)
+        self.flush = flush
+        self.flush_buf = torch.ones(2 * props.L2_cache_size // 4 + 1024, dtype=torch.float32, device=device)
+        self.flush_sink = torch.empty((), dtype=torch.float32, device=device)
+
+    def flush_l2(self) -> None:
+        if self.flush == "write":
+            self.flush_buf.fill_(1.0)
+        else:  # a read of twice the L2: evicts (and writes back) what is there, leaves clean lines
+            torch.sum(self.flush_buf, dim=0, out=self.flush_sink)
 
     def __call__(self, fn: Callable[[], object], iters: int, warmup: int = 3, warm_s: float = 0.05) -> float:
         # Short calls (< 0.2 ms: decode) get `warm_s` of back-to-back calls first: after an idle gap
@@ -86,7 +99,7 @@ class Timer:
         torch.cuda.synchronize()
         times = []
         for _ in range(iters):
-            self.flush_buf.fill_(1.0)
+            self.flush_l2()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -172,7 +185,7 @@ def run(args) -> dict:
     name = torch.cuda.get_device_name(device)
     anchor_col = 0 if "H200" in name else 1
     other = importlib.import_module(args.compare) if args.compare else None
-    timer = Timer(device)
+    timer = Timer(device, args.flush)
     wanted = args.shapes or ["prefill", "decode", "clean"]
     ids = []
     for s in wanted:
@@ -242,7 +255,7 @@ def run(args) -> dict:
     except OSError:
         commit = ""
     return {"device": name, "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
-            "host": platform.node(), "ceilings": ceil, "compare": args.compare, "results": rows}
+            "host": platform.node(), "flush": args.flush, "ceilings": ceil, "compare": args.compare, "results": rows}
 
 
 def print_table(res: dict) -> None:

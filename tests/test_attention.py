@@ -55,6 +55,25 @@ def test_clean_logits_empty_and_misaligned():
     assert torch.equal(dev[:, 0].cpu(), base[:, 0]) and torch.equal(dev[:, 132].cpu(), base[:, 132])
 
 
+def test_extra_flags_change_the_loaded_kernel(isolated_cache, monkeypatch):
+    # DI_JIT_EXTRA_FLAGS is part of the kernel's identity in the process too, not only on disk:
+    # changing it mid-process must load the other binary (A/B tools rely on this).
+    from deep_indexer import _C
+
+    x = torch.randn(8, 40, device=DEV)
+    ke = torch.full((8,), 5, dtype=torch.int32, device=DEV)
+    monkeypatch.delenv("DI_JIT_EXTRA_FLAGS", raising=False)
+    di.clean_logits(x, None, ke)
+    before = _C.num_loaded_kernels()
+    monkeypatch.setenv("DI_JIT_EXTRA_FLAGS", "-DDI_TEST_UNUSED_MACRO=1")
+    di.clean_logits(x, None, ke)
+    assert _C.num_loaded_kernels() == before + 1
+    assert torch.isinf(x[:, 5:]).all() and torch.isfinite(x[:, :5]).all()
+    monkeypatch.delenv("DI_JIT_EXTRA_FLAGS")
+    di.clean_logits(x, None, ke)
+    assert _C.num_loaded_kernels() == before + 1
+
+
 def test_clean_logits_rejects_bad_inputs():
     x = torch.randn(4, 8, device=DEV)
     ke = torch.full((4,), 3, dtype=torch.int32, device=DEV)

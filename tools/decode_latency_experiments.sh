@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Small-batch decode latency experiments on the GPU machine (after tools/gpu_check.sh has built the
 # extension into the same environment, or with BUILD=1):
-#   * kernel timelines (tools/kernel_trace.py) of each flag set in TRACE_VARIANTS (';'-separated)
-#   * event-timed bench of BENCH_SHAPES under each flag set in BENCH_VARIANTS (';'-separated)
-# Logs go to $OUT/latency.log.
+#   * kernel timelines (tools/kernel_trace.py) of each variant in TRACE_VARIANTS (';'-separated)
+#   * event-timed bench of BENCH_SHAPES under each variant in BENCH_VARIANTS (';'-separated)
+#   * Nsight Compute reports of the logits kernel for each "SHAPE[:VARIANT]" in NCU_RUNS (';'-separated)
+# A variant is either compiler flags (starts with '-': DI_JIT_EXTRA_FLAGS) or environment
+# assignments (e.g. "DI_PAGED_MATH_WGS=4"); an empty variant is the default build.
+# Logs go to $OUT/latency.log (ncu: $OUT/ncu.log).
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
 mkdir -p "$OUT"
@@ -14,16 +17,33 @@ fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 LOG="$OUT/latency.log"
 log() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+# with_variant VARIANT CMD...: runs CMD under the variant's flags or environment
+with_variant() {
+  local v=$1
+  shift
+  if [ "${v:0:1}" = "-" ]; then DI_JIT_EXTRA_FLAGS="$v" "$@"; else env $v "$@"; fi
+}
 TRACE_SHAPES=${TRACE_SHAPES-D1 D2}
 IFS=';' read -ra TV <<<"${TRACE_VARIANTS-}"
 for v in "${TV[@]}"; do
   log "trace [$v]: $TRACE_SHAPES"
-  DI_JIT_EXTRA_FLAGS="$v" python3 tools/kernel_trace.py $TRACE_SHAPES 2>&1 | tee -a "$LOG"
+  with_variant "$v" python3 tools/kernel_trace.py $TRACE_SHAPES 2>&1 | tee -a "$LOG"
 done
 BENCH_SHAPES=${BENCH_SHAPES-D1 D2 D5}
 IFS=';' read -ra BV <<<"${BENCH_VARIANTS-}"
 for v in "${BV[@]}"; do
   log "bench [$v]: $BENCH_SHAPES"
-  DI_JIT_EXTRA_FLAGS="$v" python3 -m deep_indexer bench --shapes $BENCH_SHAPES --json "" --png "" 2>&1 | grep -v '^\[' | tee -a "$LOG"
+  with_variant "$v" python3 -m deep_indexer bench --shapes $BENCH_SHAPES --json "" --png "" 2>&1 | grep -v '^\[' | tee -a "$LOG"
+done
+IFS=';' read -ra NR <<<"${NCU_RUNS-}"
+for r in "${NR[@]}"; do
+  shape=${r%%:*}
+  v=""
+  [ "$shape" != "$r" ] && v=${r#*:}
+  log "ncu $shape [$v]" | tee -a "$OUT/ncu.log"
+  with_variant "$v" python3 tools/profile_shape.py "$shape" >/dev/null 2>&1  # JIT outside the profiler
+  with_variant "$v" ncu --clock-control none --kernel-name regex:paged_mqa_logits_kernel --launch-skip 2 \
+    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats python3 tools/profile_shape.py "$shape" >>"$OUT/ncu.log" 2>&1
 done
 log "done"

@@ -9,8 +9,10 @@ entry/exit %globaltimer and %clock64 marks (include/deep_indexer/trace.cuh):
     q    : 0 after __syncthreads, 1 first sequence known (schedule + context_lens), 2 first q issued,
            3 first q landed (the traced build waits for it)
     kv   : 0 after __syncthreads, 1 first group known, 2 first block-table ids in, 3 first tile issued, 4 walk done,
-           5 a plain load from the first tile's block returned
-    math : 0 after __syncthreads, 1 first tile full, 2 q ready, 3 first tile done, 4 last tile done
+           5 a plain load from the first tile's block returned, 6 total wait for free stages
+    math : 0 after __syncthreads, 1 first tile full, 2 q ready, 3 first tile done, 4 last tile done,
+           5 total wait for full stages
+A shape is a benchmark id (D1..D7) or B:next_n:avg[:H].
 The report gives, per role and mark, the median and max over CTAs in ns (clock64 converted with the
 clock rate measured from the same records), the spread of CTA starts and the kernel span.
 """
@@ -90,12 +92,14 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    timer = bench.Timer(dev)
-    flush = timer.flush_buf
+    timer = bench.Timer(dev, "read")
     res = {}
     for sid in args.shapes:
-        B, nn, avg = bench.DECODE_SHAPES[sid]
-        x = bench.decode_inputs(B, nn, avg, 64, 128, 64, dev)
+        if sid in bench.DECODE_SHAPES:
+            (B, nn, avg), H = bench.DECODE_SHAPES[sid], 64
+        else:
+            B, nn, avg, H = ([int(v) for v in sid.split(":")] + [64])[:4]
+        x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
         meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
         run = lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
                                               x["block_table"], meta, x["max_context_len"], False)
@@ -103,11 +107,11 @@ def main() -> int:
         capture(lambda: [run() for _ in range(3)] + [run_meta() for _ in range(3)])  # compile + warm up
         metas = []
         for _ in range(3):
-            flush.fill_(1.0)
+            timer.flush_l2()
             metas.append(analyse(capture(run_meta)))
         runs = []
         for _ in range(3):
-            flush.fill_(1.0)
+            timer.flush_l2()
             runs.append(analyse(capture(run)))
         saved = os.dup(1)  # event time of the traced build (printf included), its output dropped
         with open(os.devnull, "wb") as null:

@@ -1,5 +1,6 @@
 // Every SM90 launch heuristic in one place. DI_JIT_DEBUG=1 prints each choice once per shape.
 #pragma once
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -66,16 +67,30 @@ inline bool mqa_logits_fused_clean(const MqaLogitsLayout& l, long long seq_len, 
   return fused;
 }
 
-// Decode: the deepest KV ring that fits.
+// Decode math warpgroups: the layout's default by N = next_n * H, or DI_PAGED_MATH_WGS (2..4) for tuning.
+inline int paged_mqa_math_wgs() {
+  const int forced = env::get_int("DI_PAGED_MATH_WGS");
+  return forced >= 2 && forced <= 4 ? forced : 0;
+}
+
+// Decode KV ring depth: kPagedKVStages (~100 KB of 64-token tiles in flight per SM) or
+// DI_PAGED_KV_STAGES, rounded down to the ring's granularity, never deeper than what fits. Measured
+// on H200 (tools/ab_decode.py, 2026-11-22): 12 stages against the deepest ring (21-24) took 75.0 vs
+// 79.0 us on B=64 ctx 32K, 24.2-24.6 vs 25.4 us on D2 and 77.3 vs 78.8 on D5; D3/D4/D6/D7 within noise.
+constexpr int kPagedKVStages = 12;
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
                                                     int out_bytes) {
-  const PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes);
-  DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={}", next_n,
-               num_heads, head_dim, block_kv);
+  PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, paged_mqa_math_wgs());
+  const int want = env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages);
+  const int g = l.stage_granularity();
+  if (l.num_kv_stages > 0) l.num_kv_stages = std::min(l.num_kv_stages, std::max(g, want / g * g));
+  DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={} ({} math WGs)",
+               next_n, num_heads, head_dim, block_kv, l.num_math_wgs());
   print_choice([&] {
-    return fmt::format("paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: kv_stages={} threads={} smem={}",
-                       next_n, num_heads, head_dim, block_kv, out_bytes, l.num_kv_stages, l.num_threads(),
-                       l.smem_bytes());
+    return fmt::format(
+        "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: math_wgs={} kv_stages={} threads={} smem={}{}",
+        next_n, num_heads, head_dim, block_kv, out_bytes, l.num_math_wgs(), l.num_kv_stages, l.num_threads(),
+        l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "");
   });
   return l;
 }

@@ -49,14 +49,16 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
   static const char* kernel_name() { return "paged_mqa_logits"; }
   static const char* header() { return "deep_indexer/paged_mqa_logits.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},ctx{}d,{}>", p.next_n, p.num_heads,
-                       p.head_dim, p.block_kv, p.layout().num_kv_stages, p.context_lens_2d ? 2 : 1,
-                       p.elem_bytes == 4 ? "float32" : "bfloat16");
+    const PagedMqaLogitsLayout l = p.layout();
+    return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},wgs={},ctx{}d,{}>", p.next_n,
+                       p.num_heads, p.head_dim, p.block_kv, l.num_kv_stages, l.num_math_wgs(),
+                       p.context_lens_2d ? 2 : 1, p.elem_bytes == 4 ? "float32" : "bfloat16");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::paged_mqa_logits_kernel<{}, {}, {}, {}, {}, {}, {}>", p.next_n, p.num_heads,
-                       p.head_dim, p.block_kv, p.layout().num_kv_stages, p.context_lens_2d ? "true" : "false",
-                       out_type_name(p.elem_bytes));
+    const PagedMqaLogitsLayout l = p.layout();
+    return fmt::format("&deep_indexer::paged_mqa_logits_kernel<{}, {}, {}, {}, {}, {}, {}, {}>", p.next_n,
+                       p.num_heads, p.head_dim, p.block_kv, l.num_kv_stages, l.num_math_wgs(),
+                       p.context_lens_2d ? "true" : "false", out_type_name(p.elem_bytes));
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "../utils/env.hpp"
 #include "runtime.hpp"
 
 namespace deep_indexer::jit {
@@ -35,12 +36,15 @@ struct KernelRuntime {
   }
 
   // The loaded CUfunction for `p` on `device` (compiling / loading on first use). Hot path: the
-  // kernel is found by its short name (which encodes every template argument) in a per-runtime map.
+  // kernel is found by its short name (which encodes every template argument) plus the current
+  // DI_JIT_EXTRA_FLAGS (also part of the disk cache key) in a per-runtime map.
   template <typename Params>
   static CUfunction function(const Params& p, int device, CUstream stream) {
     static std::mutex mutex;
     static std::unordered_map<std::string, std::shared_ptr<Kernel>> by_name;
-    const std::string name = Derived::name(p);
+    std::string name = Derived::name(p);
+    if (const char* extra = std::getenv(env::kExtraFlags); extra != nullptr && extra[0] != '\0')
+      name.append(" ").append(extra);
     std::shared_ptr<Kernel> kernel;
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -48,7 +52,7 @@ struct KernelRuntime {
       if (it != by_name.end()) kernel = it->second;
     }
     if (!kernel) {
-      kernel = get_kernel(name, generate(p), stream);
+      kernel = get_kernel(Derived::name(p), generate(p), stream);
       std::lock_guard<std::mutex> lock(mutex);
       by_name.emplace(name, kernel);
     }

@@ -127,9 +127,11 @@ KernelMap& kernel_map() {
 
 std::shared_ptr<Kernel> get_kernel(const std::string& name, const std::string& source, CUstream stream) {
   KernelMap& map = kernel_map();
+  // One entry per (source, DI_JIT_EXTRA_FLAGS): the flags change the binary.
+  const std::string key = source + "\n// DI_JIT_EXTRA_FLAGS=" + env::get_str(env::kExtraFlags);
   {
     std::lock_guard<std::mutex> lock(map.mutex);
-    auto it = map.kernels.find(source);
+    auto it = map.kernels.find(key);
     if (it != map.kernels.end()) return it->second;
   }
   DI_CHECK(!is_capturing(stream),
@@ -140,7 +142,7 @@ std::shared_ptr<Kernel> get_kernel(const std::string& name, const std::string& s
   // Compile outside the map lock (the compiler de-duplicates concurrent builds of one key).
   auto kernel = std::make_shared<Kernel>(Compiler::instance().build(name, source));
   std::lock_guard<std::mutex> lock(map.mutex);
-  return map.kernels.emplace(source, std::move(kernel)).first->second;
+  return map.kernels.emplace(key, std::move(kernel)).first->second;
 }
 
 size_t num_loaded_kernels() {

@@ -231,10 +231,10 @@ struct RangeWalker {
 
 }  // namespace paged_mqa_detail
 
-template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, bool kContextLens2D,
-          typename OutT /* float or __nv_bfloat16 */>
+template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
+          bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */>
 __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
-                                                       static_cast<int>(sizeof(OutT))}
+                                                       static_cast<int>(sizeof(OutT)), kNumMathWGs}
                                       .num_threads(),
                                   1)
     paged_mqa_logits_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_kv,
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   using namespace paged_mqa_detail;
   static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
   constexpr PagedMqaLogitsLayout kL{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
-                                    static_cast<int>(sizeof(OutT))};
+                                    static_cast<int>(sizeof(OutT)), kNumMathWGs};
   static_assert(kL.valid(), "unsupported paged_mqa_logits configuration");
 
   constexpr int kStages = kNumKVStages;
@@ -261,7 +261,6 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   constexpr uint32_t kTileTx = static_cast<uint32_t>(kL.kv_tile_bytes() + kL.scales_bytes_per_stage());
   constexpr uint32_t kBlockTx = static_cast<uint32_t>(BLOCK_KV * kHeadDim + BLOCK_KV * 4);
   constexpr int kSentinel = 1;
-  constexpr int kNumMathWGs = kL.num_math_wgs();
   constexpr uint32_t kProducerWarp0 = 4 * kNumMathWGs;  // producer warpgroup: q loader + KV producers
   constexpr int kNumKVProducers = kL.num_kv_producers();
 
@@ -305,7 +304,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       ptx::mbar_init(&q_full_bar[x], 1);
-      ptx::mbar_init(&q_empty_bar[x], 4 * kL.num_math_wgs());
+      ptx::mbar_init(&q_empty_bar[x], 4 * kNumMathWGs);
     }
     ptx::fence_mbar_init();
   }
@@ -430,7 +429,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
             uint32_t st, ph;
             stage_of(kt, st, ph);
             tr.mark<2>(id0 + id1);
+            const uint64_t t_wait = tr.now();
             ptx::mbar_wait(&empty_bar[st], ph ^ 1u);
+            tr.add_since<6>(t_wait);
             if (lane == 0) {
               stage_info[st] = make_int4(gen, cur.b, j0, 0);
               uint8_t* kv_dst = kv_smem + st * kL.kv_tile_bytes();
@@ -654,7 +655,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   float acc[kChunkCols / 2];
   [[maybe_unused]] int num_tiles = 0;
   while (true) {
+    const uint64_t t_wait = tr.now();
     mbar_wait_loop(&full_bar[st], ph);
+    tr.add_since<5>(t_wait);
     tr.mark<1>();
     const int4 raw = stage_info[st];
     const int4 info = make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));

@@ -3,8 +3,8 @@
 // the device code (constexpr) read the same numbers from here.
 //
 // Host usage:
-//   PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, 0, out_bytes};
-//   l.num_kv_stages = paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes);
+//   PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs);
+//   (math_wgs 0: the default for N = next_n * num_heads; num_kv_stages: the deepest ring that fits)
 //   if (!l.valid()) -> unsupported shape
 //   grid  = num_sms (== schedule rows - 1), one CTA per SM, persistent
 //   block = l.num_threads()
@@ -13,7 +13,8 @@
 //            box {head_dim, l.q_box_rows()}, swizzle = head_dim bytes (128B for D=128, 64B for D=64)
 //   tmap_kv: 3-D {head_dim, block_kv, num_blocks} uint8/fp8, strides {head_dim, kv_cache.stride(0)} bytes,
 //            box {head_dim, block_kv, 1}, swizzle = head_dim bytes
-//   kernel template args: <next_n, num_heads, head_dim, block_kv, l.num_kv_stages, context_lens_2d, OutT>
+//   kernel template args: <next_n, num_heads, head_dim, block_kv, l.num_kv_stages, l.num_math_wgs(),
+//                          context_lens_2d, OutT>
 //
 // Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
 // segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. Tile k of a CTA's
@@ -41,6 +42,7 @@ struct PagedMqaLogitsLayout {
   int block_kv;       // 32, 64 (tokens per paged-cache block)
   int num_kv_stages;  // even, 2..kMaxKVStages (pick with paged_mqa_max_kv_stages)
   int out_bytes;      // 4 (float) or 2 (bf16)
+  int math_wgs = 0;   // math warpgroups, 2..4; 0: default_math_wgs()
 
   static constexpr int kSplitKV = 256;       // tokens per scheduled segment (metadata contract)
   static constexpr int kTileTokens = 64;     // WGMMA M: tokens per tile
@@ -54,7 +56,8 @@ struct PagedMqaLogitsLayout {
   constexpr DI_HOST_DEVICE int tile_tokens() const { return kTileTokens; }
   // Math warpgroups (tile k -> WG k % num_math_wgs()): more of them for small N, where the per-tile
   // latency of one WG (WGMMA + epilogue) would otherwise limit the memory pipeline.
-  constexpr DI_HOST_DEVICE int num_math_wgs() const { return n_total() <= 64 ? 4 : (n_total() <= 128 ? 3 : 2); }
+  constexpr DI_HOST_DEVICE int default_math_wgs() const { return n_total() <= 64 ? 4 : (n_total() <= 128 ? 3 : 2); }
+  constexpr DI_HOST_DEVICE int num_math_wgs() const { return math_wgs != 0 ? math_wgs : default_math_wgs(); }
   constexpr DI_HOST_DEVICE int num_threads() const { return (num_math_wgs() + 1) * 128; }  // + 1 producer WG
   // Producer warpgroup: warp 0 loads q + weights, warps 1..num_kv_producers() issue the KV tiles
   // (tile k -> producer k % P). Fewer tiles per second are needed where N is large.
@@ -91,8 +94,13 @@ struct PagedMqaLogitsLayout {
   // q of one sequence is loaded with q_num_boxes() TMA boxes of q_box_rows() rows (<= 256 each).
   constexpr DI_HOST_DEVICE int q_num_boxes() const { return (n_total() + 255) / 256; }
   constexpr DI_HOST_DEVICE int q_box_rows() const { return n_total() / q_num_boxes(); }
-  // Head weights live in registers for small N, otherwise they are read from shared memory.
-  constexpr DI_HOST_DEVICE bool weights_in_regs() const { return n_total() <= 192; }
+  // Head weights live in registers (n_total() / 4 per thread) for small N when they fit next to the
+  // accumulators with kMathRegsOther to spare, otherwise they are read from shared memory (ptxas
+  // spilled multi-chunk shapes, N > 192, that passed the register count alone).
+  static constexpr int kMathRegsOther = 40;  // addresses, loop state, partial sums (from ptxas reports)
+  constexpr DI_HOST_DEVICE bool weights_in_regs() const {
+    return n_total() <= 192 && chunk_cols() / 2 + n_total() / 4 + kMathRegsOther <= math_regs();
+  }
 
   // ---------------------------------------------------------------- shared memory
   constexpr DI_HOST_DEVICE int swizzle_bytes() const { return head_dim; }  // 128B or 64B swizzle
@@ -123,9 +131,10 @@ struct PagedMqaLogitsLayout {
            (out_bytes == 4 || out_bytes == 2);
   }
   constexpr DI_HOST_DEVICE bool valid() const {
-    return shape_supported() && num_kv_stages >= stage_granularity() && num_kv_stages <= kMaxKVStages &&
+    return shape_supported() && num_math_wgs() >= 2 && num_math_wgs() <= 4 && num_kv_stages >= stage_granularity() && num_kv_stages <= kMaxKVStages &&
            num_kv_stages % stage_granularity() == 0 &&
            producer_regs() + num_math_wgs() * math_regs() <= (num_math_wgs() + 1) * launch_regs() &&
+           chunk_cols() / 2 + kMathRegsOther <= math_regs() &&  // the accumulators fit
            // swizzle atoms: every q slot / KV tile / q box / chunk start on a 1024-byte boundary
            q_slot_bytes() % 1024 == 0 && kv_tile_bytes() % 1024 == 0 && (q_box_rows() * head_dim) % 1024 == 0 &&
            (chunk_cols() * head_dim) % 1024 == 0 && (block_kv * head_dim) % 1024 == 0 &&
@@ -137,20 +146,20 @@ struct PagedMqaLogitsLayout {
 // Deepest KV ring (a multiple of stage_granularity(), <= kMaxKVStages) that fits in shared memory;
 // 0 if the shape is unsupported.
 constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, int head_dim, int block_kv,
-                                                   int out_bytes) {
-  const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes}.stage_granularity();
+                                                   int out_bytes, int math_wgs = 0) {
+  const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes, math_wgs}.stage_granularity();
   for (int s = PagedMqaLogitsLayout::kMaxKVStages / w * w; s >= w; s -= w) {
-    const PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, s, out_bytes};
+    const PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, s, out_bytes, math_wgs};
     if (l.valid()) return s;
   }
   return 0;
 }
 
 constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(int next_n, int num_heads, int head_dim,
-                                                                  int block_kv, int out_bytes) {
+                                                                  int block_kv, int out_bytes, int math_wgs = 0) {
   return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv,
-                              paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes),
-                              out_bytes};
+                              paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs),
+                              out_bytes, math_wgs};
 }
 
 // Metadata kernel launch: one CTA, no dynamic shared memory. Batches of at most

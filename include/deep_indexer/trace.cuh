@@ -31,6 +31,12 @@ struct Tracer {
     asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"(ptx::smem_addr(&sink)), "r"(dep) : "memory");
     if (c[I] == 0) c[I] = clock() - c0;
   }
+  // Accumulating marks (total cycles of a repeated wait, say): now() - since is added to mark I.
+  __device__ __forceinline__ uint64_t now() const { return clock(); }
+  template <int I>
+  __device__ __forceinline__ void add_since(uint64_t since) {
+    c[I] += clock() - since;
+  }
   __device__ __forceinline__ void print(const char* role, int idx, int count) const {
     uint64_t gt1;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt1)::"memory");
@@ -44,6 +50,9 @@ struct Tracer {
            static_cast<unsigned long long>(clock() - c0));
   }
 #else
+  __device__ __forceinline__ uint64_t now() const { return 0; }
+  template <int I>
+  __device__ __forceinline__ void add_since(uint64_t) {}
   __device__ __forceinline__ void start() {}
   template <int I>
   __device__ __forceinline__ void mark(int = 0) {}

@@ -1,0 +1,70 @@
+"""In-process A/B timing of decode kernel variants chosen by environment switches.
+
+    python3 tools/ab_decode.py --variants "DI_PAGED_MATH_WGS=3;DI_PAGED_MATH_WGS=4" D3 D4 64:1:32768:128
+    python3 tools/ab_decode.py --variants ";DI_JIT_EXTRA_FLAGS=-DX=1 -DY,DI_PAGED_MATH_WGS=4" D3
+
+A shape is a benchmark id (D1..D7) or B:next_n:avg[:H] (D = 128, block 64). The inputs are drawn once
+per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
+median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
+The switches are read per call by the extension (getenv), so setting os.environ is enough.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+import deep_indexer as di
+from deep_indexer import bench
+
+
+def parse_shape(s: str):
+    if s in bench.DECODE_SHAPES:
+        B, nn, avg = bench.DECODE_SHAPES[s]
+        return s, B, nn, avg, 64
+    parts = [int(x) for x in s.split(":")]
+    B, nn, avg = parts[:3]
+    return s, B, nn, avg, parts[3] if len(parts) > 3 else 64
+
+
+def parse_variant(v: str) -> dict:
+    return dict(kv.strip().split("=", 1) for kv in v.split(",") if "=" in kv)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("shapes", nargs="+")
+    p.add_argument("--variants", required=True, help="';'-separated variants, each ','-separated NAME=VALUE assignments ('' = default)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--flush", choices=("write", "read"), default="read", help="L2 flush (see deep_indexer.bench)")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    timer = bench.Timer(dev, a.flush)
+    variants = a.variants.split(";")
+    keys = sorted({k for v in variants for k in parse_variant(v)})
+    for s in a.shapes:
+        sid, B, nn, avg, H = parse_shape(s)
+        x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
+        meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
+        run = lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
+                                              x["block_table"], meta, x["max_context_len"], False)
+        times = {v: [] for v in variants}
+        for _ in range(a.rounds):
+            for v in variants:
+                for k in keys:
+                    os.environ.pop(k, None)
+                os.environ.update(parse_variant(v))
+                times[v].append(timer(run, iters=a.iters))
+        for k in keys:
+            os.environ.pop(k, None)
+        for v in variants:
+            t = times[v]
+            print(f"{sid:>16} B={B} next_n={nn} H={H} [{v or 'default'}]: median {statistics.median(t):7.1f} us  "
+                  f"rounds {' '.join(f'{u:.1f}' for u in t)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
