@@ -650,34 +650,97 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     }
   };
 
-  // One tile at a time per WG (the other WGs' WGMMAs and epilogues overlap with it); multi-chunk
-  // shapes reuse one accumulator set per chunk.
-  float acc[kChunkCols / 2];
   [[maybe_unused]] int num_tiles = 0;
-  while (true) {
-    const uint64_t t_wait = tr.now();
-    mbar_wait_loop(&full_bar[st], ph);
-    tr.add_since<5>(t_wait);
-    tr.mark<1>();
-    const int4 raw = stage_info[st];
-    const int4 info = make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
-    if (info.x != cur_gen && !switch_generation(info)) break;
-    tr.mark<2>();
-    const int key = info.z + row_in_tile;
-    const float key_scale = scales_smem[st * 64 + row_in_tile];
-    static_for<0, kNumChunks>([&](auto chunk_c) {
-      constexpr int c = decltype(chunk_c)::value;
-      issue_chunk(chunk_c, acc, st);
-      ptx::wgmma_wait<0>();
-      ptx::fence_accum<kChunkCols / 2>(acc);
-      if constexpr (c == kNumChunks - 1) release_stage(st);  // keys, scales and info all read
-      epilogue_chunk(chunk_c, acc, key, key_scale);
-    });
-    tr.mark<3>();
-    advance();
+  if constexpr (kL.pipeline_tiles()) {
+    // Two tiles in flight: the WGMMA of the WG's next tile is issued before the epilogue of the
+    // current one. NOTES: every program point has a fixed number of WGMMA groups in flight (one at the
+    // inner loop's head, none at the outer loop's), else ptxas serializes the WGMMAs. A generation
+    // switch (and the sentinel) first finishes the tile in flight, which uses the old q / weights / rows.
+    static_assert(kNumChunks == 1, "pipelined tiles: one chunk");
+    using Chunk0 = std::integral_constant<int, 0>;
+    float acc2[2][kChunkCols / 2];
+    struct Pending {
+      uint32_t st;
+      int key;
+      float scale;
+    };
+    auto next_info = [&]() {
+      const uint64_t t_wait = tr.now();
+      mbar_wait_loop(&full_bar[st], ph);
+      tr.add_since<5>(t_wait);
+      const int4 raw = stage_info[st];
+      return make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
+    };
+    auto start_tile = [&](auto slot_c, const int4& info) -> Pending {
+      const Pending p{st, info.z + row_in_tile, scales_smem[st * 64 + row_in_tile]};
+      issue_chunk(Chunk0{}, acc2[decltype(slot_c)::value], st);
+      advance();
 #ifdef DI_KERNEL_TRACE
-    ++num_tiles;
+      ++num_tiles;
 #endif
+      return p;
+    };
+    auto finish_tile = [&](auto slot_c, const Pending& p) {
+      constexpr int x = decltype(slot_c)::value;
+      ptx::fence_accum<kChunkCols / 2>(acc2[x]);
+      release_stage(p.st);
+      epilogue_chunk(Chunk0{}, acc2[x], p.key, p.scale);
+    };
+    using Slot0 = std::integral_constant<int, 0>;
+    using Slot1 = std::integral_constant<int, 1>;
+    int4 info = next_info();
+    while (info.x == cur_gen || switch_generation(info)) {
+      Pending p0 = start_tile(Slot0{}, info), p1;
+      while (true) {
+        info = next_info();
+        if (info.x != cur_gen) {
+          ptx::wgmma_wait<0>();
+          finish_tile(Slot0{}, p0);
+          break;
+        }
+        p1 = start_tile(Slot1{}, info);
+        ptx::wgmma_wait<1>();
+        finish_tile(Slot0{}, p0);
+        info = next_info();
+        if (info.x != cur_gen) {
+          ptx::wgmma_wait<0>();
+          finish_tile(Slot1{}, p1);
+          break;
+        }
+        p0 = start_tile(Slot0{}, info);
+        ptx::wgmma_wait<1>();
+        finish_tile(Slot1{}, p1);
+      }
+    }
+  } else {
+    // One tile at a time per WG (the other WGs' WGMMAs and epilogues overlap with it); multi-chunk
+    // shapes reuse one accumulator set per chunk.
+    float acc[kChunkCols / 2];
+    while (true) {
+      const uint64_t t_wait = tr.now();
+      mbar_wait_loop(&full_bar[st], ph);
+      tr.add_since<5>(t_wait);
+      tr.mark<1>();
+      const int4 raw = stage_info[st];
+      const int4 info = make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
+      if (info.x != cur_gen && !switch_generation(info)) break;
+      tr.mark<2>();
+      const int key = info.z + row_in_tile;
+      const float key_scale = scales_smem[st * 64 + row_in_tile];
+      static_for<0, kNumChunks>([&](auto chunk_c) {
+        constexpr int c = decltype(chunk_c)::value;
+        issue_chunk(chunk_c, acc, st);
+        ptx::wgmma_wait<0>();
+        ptx::fence_accum<kChunkCols / 2>(acc);
+        if constexpr (c == kNumChunks - 1) release_stage(st);  // keys, scales and info all read
+        epilogue_chunk(chunk_c, acc, key, key_scale);
+      });
+      tr.mark<3>();
+      advance();
+#ifdef DI_KERNEL_TRACE
+      ++num_tiles;
+#endif
+    }
   }
   tr.mark<4>();
   if (threadIdx.x % 128 == 0) tr.print("math", static_cast<int>(wg), num_tiles);

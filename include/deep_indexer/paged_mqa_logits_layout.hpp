@@ -102,6 +102,16 @@ struct PagedMqaLogitsLayout {
     return n_total() <= 192 && chunk_cols() / 2 + n_total() / 4 + kMathRegsOther <= math_regs();
   }
 
+  // Two tiles in flight per math WG (double-buffered accumulators): the epilogue of tile k runs
+  // while the WGMMA of the WG's next tile computes. Single-chunk shapes whose two accumulator sets
+  // fit next to the weights (in practice: 2 math WGs for N <= 128, 3 for N <= 64).
+  constexpr DI_HOST_DEVICE bool pipeline_tiles() const {
+#ifdef DI_PAGED_NO_TILE_PIPELINE  // A/B switch for the kernel (DI_JIT_EXTRA_FLAGS); the host does not depend on it
+    return false;
+#endif
+    return num_chunks() == 1 && n_total() <= 128 && chunk_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
+  }
+
   // ---------------------------------------------------------------- shared memory
   constexpr DI_HOST_DEVICE int swizzle_bytes() const { return head_dim; }  // 128B or 64B swizzle
   constexpr DI_HOST_DEVICE int q_slot_bytes() const { return n_total() * head_dim; }
