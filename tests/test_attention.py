@@ -231,6 +231,25 @@ def test_paged_mqa_logits_all_configs(next_n, H, D, block_kv, two_d):
         assert_logits_match(got, ref, clean, dtype, f"next_n={next_n} H={H} D={D} block={block_kv} 2d={two_d}")
 
 
+@pytest.mark.parametrize("wgs,next_n,H", [(2, 2, 64), (2, 1, 128), (2, 4, 32), (3, 1, 64), (3, 2, 16), (4, 2, 64)])
+@pytest.mark.parametrize("num_sms", [None, 5])
+def test_paged_math_wg_override(wgs, next_n, H, num_sms, monkeypatch):
+    """DI_PAGED_MATH_WGS: other warpgroup counts, including two tiles in flight per warpgroup (2 WGs
+    for N <= 128, 3 for N <= 64); few SMs make every CTA switch sequences many times mid-pipeline."""
+    monkeypatch.setenv("DI_PAGED_MATH_WGS", str(wgs))
+    q, cache, w, ctx, table, max_ctx = make_paged(64, next_n, H, 128, 64, max_len=3000,
+                                                  seed=wgs * 100 + next_n * 10 + H)
+    got = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32, num_sms=num_sms)
+    assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)
+
+
+def test_paged_math_wg_override_that_cannot_fit(monkeypatch):
+    monkeypatch.setenv("DI_PAGED_MATH_WGS", "4")  # 4 WGs cannot hold N = 256 accumulators
+    q, cache, w, ctx, table, max_ctx = make_paged(3, 4, 64, 128, 64, max_len=100, seed=3)
+    with pytest.raises(ValueError, match=r"unsupported configuration next_n=4 H=64 D=128 block_kv=64 \(4 math WGs\)"):
+        run_paged(q, cache, w, ctx, table, max_ctx, False, torch.float32)
+
+
 @pytest.mark.parametrize("B,max_len,num_sms", [(1, 40000, None), (64, 9000, None), (3, 5, 7), (33, 3000, 1),
                                                (100, 2000, 300), (4096, 300, None)])
 def test_paged_mqa_logits_batches(B, max_len, num_sms):

@@ -9,7 +9,7 @@
 //     in row-major order; segments are walked as 64-token tiles, numbered k = 0, 1, ... per CTA.
 //     Sequences met in the walk are numbered "generations" g = 0, 1, ...; generation g's q and
 //     weights live in q slot g % 2.
-//   * W = layout.num_math_wgs() math warpgroups (4 for N = next_n*H <= 64, 3 for N <= 128, else 2)
+//   * W = layout.num_math_wgs() math warpgroups (3 for N = next_n*H <= 128, else 2; DI_PAGED_MATH_WGS)
 //     followed by one producer warpgroup (setmaxnreg: layout.math_regs() / producer_regs()):
 //       producer warp 0 ("Q producer"): for every generation g, waits q_empty[g % 2], stores the
 //               sequence id and row lengths L(b, i) into the slot info, TMA-loads the next_n*H q rows
@@ -24,10 +24,13 @@
 //   * Math WG k % W takes tile k: WGMMA m64 x N_chunk x k32 (A = 64 keys, B = q rows, both K-major
 //     swizzled; N processed in equal chunks of whole tokens <= 256 columns), then relu, head
 //     weights, in-thread head sum, quad reduce-scatter with shuffles, key scale, predicated stores.
+//     With layout.pipeline_tiles() (N <= 64 by default) a WG keeps two tiles in flight: the WGMMA
+//     of its next tile is issued before the epilogue of the current one (double-buffered accumulators).
 //
 // Barrier protocol (every parity wait is provably at most one phase away from the barrier):
 //   full[s]   : count 1 (KV producer arrive.expect_tx) + TMA bytes; WG s % W waits parity (k / S) & 1.
-//   empty[s]  : count 4 (lane 0 of each warp of WG s % W once its WGMMA reading the stage is done);
+//   empty[s]  : count 4 (lane 0 of each warp of WG s % W once its WGMMA reading the stage is done,
+//               i.e. after the epilogue of the previous tile when two tiles are in flight);
 //               KV producer s % P waits parity ((k / S) & 1) ^ 1 before reusing it (S % lcm(W, P) == 0
 //               makes one producer and one WG own each stage).
 //   q_full[x] : count 1 (Q producer) + TMA bytes; generation g is waited with parity (g / 2) & 1.
