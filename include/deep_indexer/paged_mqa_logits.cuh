@@ -689,30 +689,26 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       release_stage(p.st);
       epilogue_chunk(Chunk0{}, acc2[x], p.key, p.scale);
     };
+    int4 info = next_info();
+    // The tile in flight is in slot a (pa): start the next tile in slot b (pb), then finish a. At the
+    // end of the generation only finishes a and returns false (nothing in flight).
+    auto pipeline_step = [&](auto a, auto b, const Pending& pa, Pending& pb) -> bool {
+      info = next_info();
+      if (info.x != cur_gen) {
+        ptx::wgmma_wait<0>();
+        finish_tile(a, pa);
+        return false;
+      }
+      pb = start_tile(b, info);
+      ptx::wgmma_wait<1>();
+      finish_tile(a, pa);
+      return true;
+    };
     using Slot0 = std::integral_constant<int, 0>;
     using Slot1 = std::integral_constant<int, 1>;
-    int4 info = next_info();
     while (info.x == cur_gen || switch_generation(info)) {
       Pending p0 = start_tile(Slot0{}, info), p1;
-      while (true) {
-        info = next_info();
-        if (info.x != cur_gen) {
-          ptx::wgmma_wait<0>();
-          finish_tile(Slot0{}, p0);
-          break;
-        }
-        p1 = start_tile(Slot1{}, info);
-        ptx::wgmma_wait<1>();
-        finish_tile(Slot0{}, p0);
-        info = next_info();
-        if (info.x != cur_gen) {
-          ptx::wgmma_wait<0>();
-          finish_tile(Slot1{}, p1);
-          break;
-        }
-        p0 = start_tile(Slot0{}, info);
-        ptx::wgmma_wait<1>();
-        finish_tile(Slot1{}, p1);
+      while (pipeline_step(Slot0{}, Slot1{}, p0, p1) && pipeline_step(Slot1{}, Slot0{}, p1, p0)) {
       }
     }
   } else {
