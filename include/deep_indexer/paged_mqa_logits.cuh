@@ -290,7 +290,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   const uint32_t lane = ptx::lane_idx();
 
   // NOTES: the producers' schedule rows are loaded before the prologue's barrier, which they do not
-  // need: their latency overlaps the barrier setup.
+  // need: their latency overlaps the barrier setup. No launch sets programmatic stream serialization
+  // (PDL), so grid_dependency_wait() is a no-op; a launch that does must move this load after it.
   int4 sched = make_int4(0, 0, 0, 0);
   if (warp >= kProducerWarp0) {
     const int* row = schedule + 2 * blockIdx.x;
