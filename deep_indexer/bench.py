@@ -1,10 +1,10 @@
 """`python -m deep_indexer bench`: the SPEC 5 shapes, timed against ceilings measured in the same run.
 
 Method: inputs are drawn once per shape; before every timed call the L2 is flushed by writing a
-buffer twice its size (`--flush write`, the default of every recorded result; the dirty lines it leaves
-are written back while the timed call runs) or by reading one (`--flush read`: a clean, cold L2);
-each call is timed with CUDA events; the median of `--iters` calls is reported. Ceilings: device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through
-torch._scaled_mm. Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
+buffer twice its size (`--flush write`, the default of every recorded result; the dirty lines it
+leaves are written back while the timed call runs) or by reading one (`--flush read`: a clean, cold
+L2); each call is timed with CUDA events; the median of `--iters` calls is reported. Ceilings:
+device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through torch._scaled_mm. Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
 over q + weights + (D + 4) B per key token + 4 B per block-table entry + 4 B per valid logit.
 """
 from __future__ import annotations
@@ -39,6 +39,18 @@ DECODE_SHAPES = {  # id: (B, next_n, avg context)
     "D6": (64, 3, 32768),
     "D7": (64, 4, 32768),
 }
+
+
+def decode_shape(spec: str) -> tuple:
+    """(B, next_n, avg context, H) of a decode shape id (D1..D7, H = 64) or of 'B:next_n:avg[:H]'."""
+    if spec in DECODE_SHAPES:
+        return (*DECODE_SHAPES[spec], 64)
+    parts = [int(v) for v in spec.split(":")]
+    if len(parts) not in (3, 4):
+        raise ValueError(f"decode shape must be D1..D7 or B:next_n:avg[:H], got {spec!r}")
+    return tuple(parts) if len(parts) == 4 else (*parts, 64)
+
+
 # The anchor (SPEC 5): DeepGEMM on H200 / H100, microseconds.
 ANCHOR_US = {
     "P1": (232, 233), "P2": (1840, 1820), "P3": (4195, 4030), "P4": (578, 606), "P5": (17098, 16127),

@@ -20,15 +20,6 @@ import deep_indexer as di
 from deep_indexer import bench
 
 
-def parse_shape(s: str):
-    if s in bench.DECODE_SHAPES:
-        B, nn, avg = bench.DECODE_SHAPES[s]
-        return s, B, nn, avg, 64
-    parts = [int(x) for x in s.split(":")]
-    B, nn, avg = parts[:3]
-    return s, B, nn, avg, parts[3] if len(parts) > 3 else 64
-
-
 def parse_variant(v: str) -> dict:
     return dict(kv.strip().split("=", 1) for kv in v.split(",") if "=" in kv)
 
@@ -45,8 +36,8 @@ def main() -> None:
     timer = bench.Timer(dev, a.flush)
     variants = a.variants.split(";")
     keys = sorted({k for v in variants for k in parse_variant(v)})
-    for s in a.shapes:
-        sid, B, nn, avg, H = parse_shape(s)
+    for sid in a.shapes:
+        B, nn, avg, H = bench.decode_shape(sid)
         x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
         meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
         run = lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],

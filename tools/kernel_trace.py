@@ -95,10 +95,7 @@ def main() -> int:
     timer = bench.Timer(dev, "read")
     res = {}
     for sid in args.shapes:
-        if sid in bench.DECODE_SHAPES:
-            (B, nn, avg), H = bench.DECODE_SHAPES[sid], 64
-        else:
-            B, nn, avg, H = ([int(v) for v in sid.split(":")] + [64])[:4]
+        B, nn, avg, H = bench.decode_shape(sid)
         x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
         meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
         run = lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],

@@ -105,8 +105,9 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
   PagedMqaLogitsRuntime::launch(
       {params, q.data_ptr(), kv_cache.data_ptr<uint8_t>(), num_blocks, kv_cache.stride(0), weights.data_ptr<float>(),
        weights.stride(0), context_lens.data_ptr<int>(), block_table.data_ptr<int>(), block_table.stride(0),
-       static_cast<int>(std::min<int64_t>(block_table.size(1), INT_MAX)), schedule.data_ptr<int>(), static_cast<int>(schedule.size(0) - 1), logits.data_ptr(), logits.stride(0),
-       static_cast<int>(B), static_cast<int>(max_context_len)},
+       static_cast<int>(std::min<int64_t>(block_table.size(1), INT_MAX)), schedule.data_ptr<int>(),
+       static_cast<int>(schedule.size(0) - 1), logits.data_ptr(), logits.stride(0), static_cast<int>(B),
+       static_cast<int>(max_context_len)},
       dev.device, dev.stream);
   if (clean_logits) {
     // [B] lengths: row (b, i) keeps j < ctx[b] - next_n + i + 1 (clean_logits' next_n grouping);

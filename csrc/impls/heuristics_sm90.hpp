@@ -80,10 +80,9 @@ inline int paged_mqa_math_wgs() {
 constexpr int kPagedKVStages = 12;
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
                                                     int out_bytes) {
-  PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, paged_mqa_math_wgs());
-  const int want = env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages);
-  const int g = l.stage_granularity();
-  if (l.num_kv_stages > 0) l.num_kv_stages = std::min(l.num_kv_stages, std::max(g, want / g * g));
+  const PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes,
+                                                       paged_mqa_math_wgs(),
+                                                       env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages));
   DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={} ({} math WGs)",
                next_n, num_heads, head_dim, block_kv, l.num_math_wgs());
   print_choice([&] {

@@ -654,6 +654,24 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     }
   };
 
+  // The next tile of this WG: waits for its stage, returns its info (warp-uniform fields broadcast).
+  auto next_info = [&]() {
+    const uint64_t t_wait = tr.now();
+    mbar_wait_loop(&full_bar[st], ph);
+    tr.add_since<5>(t_wait);
+    const int4 raw = stage_info[st];
+    return make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
+  };
+  // What the epilogue of the tile in stage `st` needs once the stage may be handed back.
+  struct Tile {
+    uint32_t st;
+    int key;
+    float scale;
+  };
+  auto this_tile = [&](const int4& info) {
+    return Tile{st, info.z + row_in_tile, scales_smem[st * 64 + row_in_tile]};
+  };
+
   [[maybe_unused]] int num_tiles = 0;
   if constexpr (kL.pipeline_tiles()) {
     // Two tiles in flight: the WGMMA of the WG's next tile is issued before the epilogue of the
@@ -663,37 +681,25 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     static_assert(kNumChunks == 1, "pipelined tiles: one chunk");
     using Chunk0 = std::integral_constant<int, 0>;
     float acc2[2][kChunkCols / 2];
-    struct Pending {
-      uint32_t st;
-      int key;
-      float scale;
-    };
-    auto next_info = [&]() {
-      const uint64_t t_wait = tr.now();
-      mbar_wait_loop(&full_bar[st], ph);
-      tr.add_since<5>(t_wait);
-      const int4 raw = stage_info[st];
-      return make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
-    };
-    auto start_tile = [&](auto slot_c, const int4& info) -> Pending {
-      const Pending p{st, info.z + row_in_tile, scales_smem[st * 64 + row_in_tile]};
+    auto start_tile = [&](auto slot_c, const int4& info) {
+      const Tile t = this_tile(info);
       issue_chunk(Chunk0{}, acc2[decltype(slot_c)::value], st);
       advance();
 #ifdef DI_KERNEL_TRACE
       ++num_tiles;
 #endif
-      return p;
+      return t;
     };
-    auto finish_tile = [&](auto slot_c, const Pending& p) {
+    auto finish_tile = [&](auto slot_c, const Tile& t) {
       constexpr int x = decltype(slot_c)::value;
       ptx::fence_accum<kChunkCols / 2>(acc2[x]);
-      release_stage(p.st);
-      epilogue_chunk(Chunk0{}, acc2[x], p.key, p.scale);
+      release_stage(t.st);
+      epilogue_chunk(Chunk0{}, acc2[x], t.key, t.scale);
     };
     int4 info = next_info();
     // The tile in flight is in slot a (pa): start the next tile in slot b (pb), then finish a. At the
     // end of the generation only finishes a and returns false (nothing in flight).
-    auto pipeline_step = [&](auto a, auto b, const Pending& pa, Pending& pb) -> bool {
+    auto pipeline_step = [&](auto a, auto b, const Tile& pa, Tile& pb) -> bool {
       info = next_info();
       if (info.x != cur_gen) {
         ptx::wgmma_wait<0>();
@@ -708,7 +714,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     using Slot0 = std::integral_constant<int, 0>;
     using Slot1 = std::integral_constant<int, 1>;
     while (info.x == cur_gen || switch_generation(info)) {
-      Pending p0 = start_tile(Slot0{}, info), p1;
+      Tile p0 = start_tile(Slot0{}, info), p1;
       while (pipeline_step(Slot0{}, Slot1{}, p0, p1) && pipeline_step(Slot1{}, Slot0{}, p1, p0)) {
       }
     }
@@ -717,23 +723,18 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     // shapes reuse one accumulator set per chunk.
     float acc[kChunkCols / 2];
     while (true) {
-      const uint64_t t_wait = tr.now();
-      mbar_wait_loop(&full_bar[st], ph);
-      tr.add_since<5>(t_wait);
+      const int4 info = next_info();
       tr.mark<1>();
-      const int4 raw = stage_info[st];
-      const int4 info = make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
       if (info.x != cur_gen && !switch_generation(info)) break;
       tr.mark<2>();
-      const int key = info.z + row_in_tile;
-      const float key_scale = scales_smem[st * 64 + row_in_tile];
+      const Tile t = this_tile(info);
       static_for<0, kNumChunks>([&](auto chunk_c) {
         constexpr int c = decltype(chunk_c)::value;
-        issue_chunk(chunk_c, acc, st);
+        issue_chunk(chunk_c, acc, t.st);
         ptx::wgmma_wait<0>();
         ptx::fence_accum<kChunkCols / 2>(acc);
-        if constexpr (c == kNumChunks - 1) release_stage(st);  // keys, scales and info all read
-        epilogue_chunk(chunk_c, acc, key, key_scale);
+        if constexpr (c == kNumChunks - 1) release_stage(t.st);  // keys, scales and info all read
+        epilogue_chunk(chunk_c, acc, t.key, t.scale);
       });
       tr.mark<3>();
       advance();

@@ -3,8 +3,10 @@
 // the device code (constexpr) read the same numbers from here.
 //
 // Host usage:
-//   PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs);
-//   (math_wgs 0: the default for N = next_n * num_heads; num_kv_stages: the deepest ring that fits)
+//   PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs,
+//                                                  max_stages);
+//   (math_wgs 0: the default for N = next_n * num_heads; num_kv_stages: the deepest ring that fits,
+//   at most max_stages rounded down to the ring's granularity)
 //   if (!l.valid()) -> unsupported shape
 //   grid  = num_sms (== schedule rows - 1), one CTA per SM, persistent
 //   block = l.num_threads()
@@ -40,7 +42,7 @@ struct PagedMqaLogitsLayout {
   int num_heads;      // 16, 32, 64, 128
   int head_dim;       // 64, 128
   int block_kv;       // 32, 64 (tokens per paged-cache block)
-  int num_kv_stages;  // even, 2..kMaxKVStages (pick with paged_mqa_max_kv_stages)
+  int num_kv_stages;  // a multiple of stage_granularity(), <= kMaxKVStages (pick with paged_mqa_max_kv_stages)
   int out_bytes;      // 4 (float) or 2 (bf16)
   int math_wgs = 0;   // math warpgroups, 2..4; 0: default_math_wgs()
 
@@ -142,7 +144,8 @@ struct PagedMqaLogitsLayout {
            (out_bytes == 4 || out_bytes == 2);
   }
   constexpr DI_HOST_DEVICE bool valid() const {
-    return shape_supported() && num_math_wgs() >= 2 && num_math_wgs() <= 4 && num_kv_stages >= stage_granularity() && num_kv_stages <= kMaxKVStages &&
+    return shape_supported() && num_math_wgs() >= 2 && num_math_wgs() <= 4 &&
+           num_kv_stages >= stage_granularity() && num_kv_stages <= kMaxKVStages &&
            num_kv_stages % stage_granularity() == 0 &&
            producer_regs() + num_math_wgs() * math_regs() <= (num_math_wgs() + 1) * launch_regs() &&
            chunk_cols() / 2 + kMathRegsOther <= math_regs() &&  // the accumulators fit
@@ -154,23 +157,25 @@ struct PagedMqaLogitsLayout {
   }
 };
 
-// Deepest KV ring (a multiple of stage_granularity(), <= kMaxKVStages) that fits in shared memory;
-// 0 if the shape is unsupported.
+// Deepest KV ring that fits in shared memory: a multiple of stage_granularity(), at most max_stages
+// (and kMaxKVStages) rounded down to such a multiple, at least one granule; 0 if the shape is unsupported.
 constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, int head_dim, int block_kv,
-                                                   int out_bytes, int math_wgs = 0) {
+                                                   int out_bytes, int math_wgs = 0,
+                                                   int max_stages = PagedMqaLogitsLayout::kMaxKVStages) {
   const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes, math_wgs}.stage_granularity();
-  for (int s = PagedMqaLogitsLayout::kMaxKVStages / w * w; s >= w; s -= w) {
+  const int cap = max_stages < PagedMqaLogitsLayout::kMaxKVStages ? max_stages : PagedMqaLogitsLayout::kMaxKVStages;
+  for (int s = (cap / w > 1 ? cap / w : 1) * w; s >= w; s -= w) {
     const PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, s, out_bytes, math_wgs};
     if (l.valid()) return s;
   }
   return 0;
 }
 
-constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(int next_n, int num_heads, int head_dim,
-                                                                  int block_kv, int out_bytes, int math_wgs = 0) {
-  return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv,
-                              paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs),
-                              out_bytes, math_wgs};
+constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(
+    int next_n, int num_heads, int head_dim, int block_kv, int out_bytes, int math_wgs = 0,
+    int max_stages = PagedMqaLogitsLayout::kMaxKVStages) {
+  const int stages = paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs, max_stages);
+  return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, stages, out_bytes, math_wgs};
 }
 
 // Metadata kernel launch: one CTA, no dynamic shared memory. Batches of at most
