@@ -185,6 +185,18 @@ def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, 
             "max_context_len": int(lens.max()), "bytes": nbytes}
 
 
+def decode_case(spec: str, device) -> tuple:
+    """Inputs of a decode shape (see decode_shape; D = 128, block 64) and a call of the logits op on
+    them with their schedule (for the tools: profiling, timelines, A/B)."""
+    import deep_indexer as di
+
+    B, nn, avg, H = decode_shape(spec)
+    x = decode_inputs(B, nn, avg, H, 128, 64, device)
+    meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
+    return x, lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
+                                              x["block_table"], meta, x["max_context_len"], False)
+
+
 def run(args) -> dict:
     import deep_indexer as di
 

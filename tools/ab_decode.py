@@ -16,7 +16,6 @@ import statistics
 
 import torch
 
-import deep_indexer as di
 from deep_indexer import bench
 
 
@@ -38,10 +37,7 @@ def main() -> None:
     keys = sorted({k for v in variants for k in parse_variant(v)})
     for sid in a.shapes:
         B, nn, avg, H = bench.decode_shape(sid)
-        x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
-        meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
-        run = lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
-                                              x["block_table"], meta, x["max_context_len"], False)
+        _, run = bench.decode_case(sid, dev)
         times = {v: [] for v in variants}
         for _ in range(a.rounds):
             for v in variants:

@@ -96,10 +96,7 @@ def main() -> int:
     res = {}
     for sid in args.shapes:
         B, nn, avg, H = bench.decode_shape(sid)
-        x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
-        meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
-        run = lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
-                                              x["block_table"], meta, x["max_context_len"], False)
+        x, run = bench.decode_case(sid, dev)
         run_meta = lambda: di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
         capture(lambda: [run() for _ in range(3)] + [run_meta() for _ in range(3)])  # compile + warm up
         metas = []

@@ -18,11 +18,7 @@ def main(sid: str, calls: int = 4) -> None:
         x = bench.prefill_inputs(S, SKV, pat, 64, 128, dev)
         run = lambda: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
     else:
-        B, nn, avg = bench.DECODE_SHAPES[sid]
-        x = bench.decode_inputs(B, nn, avg, 64, 128, 64, dev)
-        meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
-        run = lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
-                                              x["block_table"], meta, x["max_context_len"], False)
+        _, run = bench.decode_case(sid, dev)
     for _ in range(calls):
         run()
     torch.cuda.synchronize()
