@@ -185,6 +185,26 @@ def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, 
             "max_context_len": int(lens.max()), "bytes": nbytes}
 
 
+def prefill_shape(spec: str) -> tuple:
+    """(S, SKV, pattern, H, D) of a prefill shape id (P1..P5, H = 64, D = 128) or of 'S:SKV:pattern[:H[:D]]'."""
+    if spec in PREFILL_SHAPES:
+        return (*PREFILL_SHAPES[spec], 64, 128)
+    parts = spec.split(":")
+    if len(parts) not in (3, 4, 5) or parts[2] not in ("causal", "cp"):
+        raise ValueError(f"prefill shape must be P1..P5 or S:SKV:causal|cp[:H[:D]], got {spec!r}")
+    rest = [int(v) for v in parts[3:]]
+    return (int(parts[0]), int(parts[1]), parts[2], *(rest + [64, 128][len(rest):]))
+
+
+def prefill_case(spec: str, device) -> tuple:
+    """Inputs of a prefill shape (see prefill_shape) and a call of fp8_mqa_logits (fp32, clean) on them."""
+    import deep_indexer as di
+
+    S, SKV, pattern, H, D = prefill_shape(spec)
+    x = prefill_inputs(S, SKV, pattern, H, D, device)
+    return x, lambda: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
+
+
 def decode_case(spec: str, device) -> tuple:
     """Inputs of a decode shape (see decode_shape; D = 128, block 64) and a call of the logits op on
     them with their schedule (for the tools: profiling, timelines, A/B)."""

@@ -139,6 +139,29 @@ def test_mqa_logits_all_configs(H, D, dtype, clean, monkeypatch):
             assert_logits_match(got, ref, clean, dtype, f"H={H} D={D} {pattern} fused_clean={fused}")
 
 
+@pytest.mark.parametrize("H,D", MQA_CONFIGS)
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_mqa_logits_epilogue_forms(H, D, split, monkeypatch):
+    # Both epilogue forms on every (H, D): relu on the CUDA cores (0) and the linear half of relu
+    # on the tensor cores from fp8 pieces of sum_h w q (1). q spans a wide dynamic range and the
+    # weights both signs, so that the pieces' residuals matter; every element is held to a bound.
+    monkeypatch.setenv("DI_MQA_SPLIT_RELU", split)
+    for S, SKV, seed in ((77, 1299, 1), (5, 65, 2), (130, 700, 3)):
+        q, kv, w, ks, ke = make_prefill(S, SKV, H, D, "random", seed=seed * 1000 + H * D)
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        wide = torch.randn(S, H, D, device=DEV, generator=g) * torch.exp(2 * torch.randn(S, H, 1, device=DEV, generator=g))
+        q = wide.clamp(-448, 448).to(torch.float8_e4m3fn)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = poisoned((S, SKV), dtype, pad=1)
+            di.fp8_mqa_logits(q, kv, w, ks, ke, True, logits_dtype=dtype, out=out)
+            ref = reference.mqa_logits(q, kv, w, ks, ke)
+            assert_logits_match(out, ref, True, dtype, f"H={H} D={D} S={S} split_relu={split}")
+            if dtype == torch.float32:
+                valid = torch.isfinite(ref)
+                err = (out.float() - ref.to(DEV).float())[valid].abs().max()
+                assert err <= 1e-3 * ref[valid].abs().max(), f"H={H} D={D} S={S}: max error {float(err):.3g}"
+
+
 @pytest.mark.parametrize("S,SKV,pattern", [(1, 1, "causal"), (1, 300, "random"), (3, 64, "causal"), (5, 65, "random"),
                                            (129, 4097, "causal"), (256, 2048, "cp"), (300, 3000, "packed"),
                                            (1000, 777, "random"), (2048, 8192, "causal")])

@@ -32,18 +32,30 @@ inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   return forced == 2 || forced == 3 ? forced : MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 
+// Prefill epilogue form (MqaLogitsLayout::split_relu): the linear half of relu on the tensor cores
+// costs mma_n() / 128 - 1 more MMA (6% for H >= 64, 12% for H = 32, 25% for H = 16) and saves one
+// of the two CUDA-core instructions per (pair, head). Measured on H200 (tools/ab.py, S = 4096,
+// SKV = 32768 causal, 2026-11-22): H=64 D=128 1736 vs 2121 us, H=128 3475 vs 3902, H=32 D=64 927 vs
+// 1032, H=32 D=128 1151 vs 1248, but H=16 D=128 660 vs 611. DI_MQA_SPLIT_RELU=0/1 forces it.
+inline bool mqa_logits_split_relu(int num_heads, int /*head_dim*/) {
+  const int forced = env::get_int("DI_MQA_SPLIT_RELU", -1);
+  return forced == 0 || forced == 1 ? forced == 1 : num_heads >= 32;
+}
+
 // Prefill: the deepest KV ring that fits, capped at 16 (one CTA per SM; 4-12 stages measured
 // within 1% of each other on H200).
 inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes) {
   const int wgs = mqa_logits_math_wgs(num_heads, head_dim);
-  const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs), 16);
-  const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs};
+  const bool split = mqa_logits_split_relu(num_heads, head_dim);
+  const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split), 16);
+  const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs, split};
   DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,
                head_dim, out_bytes);
   print_choice([&] {
-    return fmt::format("mqa_logits H={} D={} out={}B: math_wgs={} kv_stages={} threads={} smem={} tokens/CTA={}",
-                       num_heads, head_dim, out_bytes, wgs, l.num_kv_stages, l.num_threads(), l.smem_bytes(),
-                       l.tokens_per_cta());
+    return fmt::format(
+        "mqa_logits H={} D={} out={}B: math_wgs={} kv_stages={} threads={} smem={} tokens/CTA={} split_relu={}",
+        num_heads, head_dim, out_bytes, wgs, l.num_kv_stages, l.num_threads(), l.smem_bytes(), l.tokens_per_cta(),
+        split ? 1 : 0);
   });
   return l;
 }
@@ -75,7 +87,7 @@ inline int paged_mqa_math_wgs() {
 
 // Decode KV ring depth: kPagedKVStages (~100 KB of 64-token tiles in flight per SM) or
 // DI_PAGED_KV_STAGES, rounded down to the ring's granularity, never deeper than what fits. Measured
-// on H200 (tools/ab_decode.py, 2026-11-22): 12 stages against the deepest ring (21-24) took 75.0 vs
+// on H200 (tools/ab.py, 2026-11-22): 12 stages against the deepest ring (21-24) took 75.0 vs
 // 79.0 us on B=64 ctx 32K, 24.2-24.6 vs 25.4 us on D2 and 77.3 vs 78.8 on D5; D3/D4/D6/D7 within noise.
 constexpr int kPagedKVStages = 12;
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,

@@ -18,13 +18,13 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
   static const char* header() { return "deep_indexer/mqa_logits.cuh"; }
   static std::string name(const Params& p) {
     const MqaLogitsLayout l = p.layout();
-    return fmt::format("mqa_logits<H={},D={},wgs={},stages={},{}>", p.num_heads, p.head_dim, l.num_math_wgs(),
-                       l.num_kv_stages, p.elem_bytes == 4 ? "float32" : "bfloat16");
+    return fmt::format("mqa_logits<H={},D={},wgs={},stages={},{}{}>", p.num_heads, p.head_dim, l.num_math_wgs(),
+                       l.num_kv_stages, p.elem_bytes == 4 ? "float32" : "bfloat16", l.split_relu ? ",split_relu" : "");
   }
   static std::string instantiation(const Params& p) {
     const MqaLogitsLayout l = p.layout();
-    return fmt::format("&deep_indexer::mqa_logits_kernel_wgs<{}, {}, {}, {}, {}>", p.num_heads, p.head_dim,
-                       l.num_kv_stages, out_type_name(p.elem_bytes), l.num_math_wgs());
+    return fmt::format("&deep_indexer::mqa_logits_kernel_wgs<{}, {}, {}, {}, {}, {}>", p.num_heads, p.head_dim,
+                       l.num_kv_stages, out_type_name(p.elem_bytes), l.num_math_wgs(), l.split_relu);
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 

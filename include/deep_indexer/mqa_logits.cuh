@@ -86,16 +86,99 @@ DI_DEVICE void fill_neg_inf_warp(OutT* row, int a, int b, uint32_t lane) {
   if (const int t = body + nvec * kVec + static_cast<int>(lane); t < b) r[t] = static_cast<Bits>(kWord);  // tail < kVec
 }
 
+// split_relu: writes the MqaLogitsLayout::kLinearPieces fp8 pieces of q~[t] = sum_h w[t, h] q[t, h, :]
+// for the warpgroup's T tokens into rows 128.. of its q tile `q_tile` (row 128 + 8 (t / 2) + 2 p +
+// t % 2, swizzled like the TMA rows). Piece p is e4m3(r_p / sigma_p) with r_0 = q~, r_{p+1} = r_p -
+// sigma_p piece_p and sigma_p = max_d |r_p[d]| / 448, kept as float bits in amax[t][p] (zero on
+// entry). Tokens >= num_valid get zero pieces (their q rows may never have been loaded). All 128
+// threads of the warpgroup call it; it ends with the rows visible to the async proxy (WGMMA).
+template <int H, int D, int T>
+DI_DEVICE void build_linear_rows(uint8_t* q_tile, const float* w, uint32_t* amax, int num_valid, int tid,
+                                 uint32_t barrier_id) {
+  constexpr int kP = MqaLogitsLayout::kLinearPieces;
+  constexpr int kWords = D / 4;  // 32-bit words (4 fp8) per q row
+  constexpr int kCols = T * kWords;
+  constexpr int kColsPerThread = kCols >= 128 ? kCols / 128 : 1;
+  constexpr int kSplit = kCols >= 128 ? 1 : 128 / kCols;  // lanes sharing a column's head sum
+  constexpr int kHeads = H / kSplit;
+  static_assert((kCols % 128 == 0 || 128 % kCols == 0) && kSplit <= 32 && kHeads * kSplit == H, "bad split");
+  using Sw = ptx::SwizzleMode<D>;
+  constexpr float kInvMax = 1.0f / 448.0f;
+
+  float r[kColsPerThread][4];
+  int tok[kColsPerThread], word[kColsPerThread];
+#pragma unroll
+  for (int cc = 0; cc < kColsPerThread; ++cc) {
+    const int col = kCols >= 128 ? tid + 128 * cc : tid / kSplit;
+    tok[cc] = col / kWords;
+    word[cc] = col % kWords;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (tok[cc] < num_valid) {
+      const int h0 = (tid % kSplit) * kHeads;
+#pragma unroll 8
+      for (int hh = 0; hh < kHeads; ++hh) {
+        const int row = tok[cc] * H + h0 + hh;
+        const uint32_t bits = *reinterpret_cast<const uint32_t*>(q_tile + Sw::swizzle(row * D + 4 * word[cc]));
+        const float wt = w[tok[cc] * H + h0 + hh];
+        const float4 f = ptx::e4m3x4_to_float4(bits);
+        v.x = fmaf(wt, f.x, v.x);
+        v.y = fmaf(wt, f.y, v.y);
+        v.z = fmaf(wt, f.z, v.z);
+        v.w = fmaf(wt, f.w, v.w);
+      }
+    }
+#pragma unroll
+    for (int m = 1; m < kSplit; m <<= 1) {
+      v.x += __shfl_xor_sync(0xffffffffu, v.x, m);
+      v.y += __shfl_xor_sync(0xffffffffu, v.y, m);
+      v.z += __shfl_xor_sync(0xffffffffu, v.z, m);
+      v.w += __shfl_xor_sync(0xffffffffu, v.w, m);
+    }
+    r[cc][0] = v.x;
+    r[cc][1] = v.y;
+    r[cc][2] = v.z;
+    r[cc][3] = v.w;
+  }
+  const bool writer = kSplit == 1 || tid % kSplit == 0;
+#pragma unroll
+  for (int p = 0; p < kP; ++p) {
+#pragma unroll
+    for (int cc = 0; cc < kColsPerThread; ++cc) {
+      const float m = fmaxf(fmaxf(fabsf(r[cc][0]), fabsf(r[cc][1])), fmaxf(fabsf(r[cc][2]), fabsf(r[cc][3])));
+      if (writer && m > 0.0f) atomicMax(amax + tok[cc] * kP + p, __float_as_uint(m));  // |x| bits order like x
+    }
+    ptx::named_barrier_sync(barrier_id, 128);
+#pragma unroll
+    for (int cc = 0; cc < kColsPerThread; ++cc) {
+      const float m = __uint_as_float(amax[tok[cc] * kP + p]);
+      const float inv = m > 0.0f ? 448.0f / m : 0.0f;
+      const float sigma = m * kInvMax;
+      const uint32_t bits =
+          ptx::float4_to_e4m3x4(make_float4(r[cc][0] * inv, r[cc][1] * inv, r[cc][2] * inv, r[cc][3] * inv));
+      const float4 back = ptx::e4m3x4_to_float4(bits);
+      r[cc][0] = fmaf(-sigma, back.x, r[cc][0]);
+      r[cc][1] = fmaf(-sigma, back.y, r[cc][1]);
+      r[cc][2] = fmaf(-sigma, back.z, r[cc][2]);
+      r[cc][3] = fmaf(-sigma, back.w, r[cc][3]);
+      const int row = MqaLogitsLayout::kQRowsPerTile + 8 * (tok[cc] / 2) + 2 * p + tok[cc] % 2;
+      if (writer) *reinterpret_cast<uint32_t*>(q_tile + Sw::swizzle(row * D + 4 * word[cc])) = bits;
+    }
+  }
+  ptx::fence_proxy_async();
+  ptx::named_barrier_sync(barrier_id, 128);
+}
+
 }  // namespace mqa_detail
 
 // The kernel body; kMathWGs = 0 picks the layout's default number of math warpgroups.
-template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs>
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu>
 DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k, const float* __restrict__ k_scale,
                                const float* __restrict__ weights, int64_t weights_stride, const int* __restrict__ ks,
                                const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S,
                                int SKV, int clean) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs};
+  constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs,
+                              kSplitRelu};
   static_assert(L.valid(), "unsupported mqa_logits configuration");
   static_assert(sizeof(OutT) == 4 || sizeof(OutT) == 2, "OutT must be float or __nv_bfloat16");
 
@@ -105,12 +188,15 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr int T2 = L.tokens_per_cta();  // tokens per q block
   constexpr int G = H / 8;                // 8-column accumulator groups per token
   constexpr int kBlockKV = L.block_kv();
-  constexpr int kNumAccum = ptx::WgmmaFp8<128>::kNumAccum;  // 64
+  using Mma = ptx::WgmmaFp8<L.mma_n()>;
+  constexpr int kNumAccum = Mma::kNumAccum;  // 64 (+ 4 per token pair with split_relu)
+  constexpr int kP = MqaLogitsLayout::kLinearPieces;
   constexpr int kKSteps = D / 32;
-  constexpr uint32_t kQTileBytes = L.q_tile_bytes();
+  constexpr uint32_t kQBoxBytes = L.q_box_bytes();  // what one q TMA load delivers (rows 0..127)
   constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
   constexpr int kNumMathWarps = L.num_math_wgs() * 4;
-  static_assert(kNumAccum == 64 && G >= 1 && T >= 1, "layout assumptions");
+  static_assert(kNumAccum == 64 + L.linear_rows() / 2 && G >= 1 && T >= 1, "layout assumptions");
+  static_assert(!kSplitRelu || kP == 4, "split_relu: piece p of a token pair sits in quad p's columns");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((MqaLogitsLayout::kAlign - (ptx::smem_addr(smem_raw) & (MqaLogitsLayout::kAlign - 1))) &
@@ -218,13 +304,17 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         const int tg = tok0 + i / H;
         winfo[i] = tg < S ? __ldg(weights + static_cast<int64_t>(tg) * weights_stride + (i % H)) : 0.0f;
       }
+      if constexpr (kSplitRelu) {
+        uint32_t* amax = reinterpret_cast<uint32_t*>(info + L.info_offset_amax());
+        for (int i = lane; i < T2 * kP; i += 32) amax[i] = 0u;
+      }
       __syncwarp();
       if (lane == 0) {
         // q tiles only when there is work, and only for warpgroups with a valid token.
         uint32_t bytes = 0;
 #pragma unroll
         for (int w = 0; w < L.num_math_wgs(); ++w)
-          if (num_tiles > 0 && tok0 + w * T < S) bytes += kQTileBytes;
+          if (num_tiles > 0 && tok0 + w * T < S) bytes += kQBoxBytes;
         ptx::mbar_arrive_expect_tx(q_full(qs), bytes);
 #pragma unroll
         for (int w = 0; w < L.num_math_wgs(); ++w)
@@ -287,9 +377,20 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
           for (int g = 0; g < 16; ++g) {
             const float2 w2 = *reinterpret_cast<const float2*>(winfo + 8 * g + 2 * quad);
-            wreg[2 * g] = w2.x;
-            wreg[2 * g + 1] = w2.y;
+            wreg[2 * g] = kSplitRelu ? 0.5f * w2.x : w2.x;  // w relu(x) = (w / 2) |x| + (w / 2) x
+            wreg[2 * g + 1] = kSplitRelu ? 0.5f * w2.y : w2.y;
           }
+        }
+        // split_relu: the linear rows, and coef[t] = sigma / 2 of the piece in this quad's columns.
+        float coef[kSplitRelu ? T : 1];
+        if constexpr (kSplitRelu) {
+          uint32_t* amax = reinterpret_cast<uint32_t*>(smem + L.offset_info(qs) + L.info_offset_amax()) + wg * T * kP;
+          const int num_valid = min(T, S - (blk * T2 + wg * T));
+          mqa_detail::build_linear_rows<H, D, T>(
+              smem + L.offset_q(qs, wg), reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * T * H,
+              amax, num_valid, static_cast<int>(threadIdx.x % 128), 1 + wg);
+#pragma unroll
+          for (int tok = 0; tok < T; ++tok) coef[tok] = 0.5f * (__uint_as_float(amax[tok * kP + quad]) * (1.0f / 448.0f));
         }
         // Ranges and output rows of the owned tokens.
         int rlo[kOwnTok], rhi[kOwnTok];
@@ -323,13 +424,22 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           ptx::wgmma_fence();
 #pragma unroll
           for (int k = 0; k < kKSteps; ++k)
-            ptx::WgmmaFp8<128>::mma(acc, desc_k + 2 * k, desc_q + 2 * k, k > 0);  // +32 B per k step
+            Mma::mma(acc, desc_k + 2 * k, desc_q + 2 * k, k > 0);  // +32 B per k step
         };
 
         // Retires the KV stage of the tile whose WGMMAs have completed.
         auto release = [&]() {
           if (lane == 0) ptx::mbar_arrive(kv_empty(kv_release.index));
           kv_release.advance();
+        };
+
+        // Per element: relu(x), or |x| with split_relu (a free FFMA operand modifier; the weights
+        // are halved) plus, per (token, row), the linear half from the token's piece columns
+        // (column 128 + 8 (t / 2) + 2 quad + t % 2 holds piece `quad` of token t).
+        auto relu_part = [](float x) { return kSplitRelu ? fabsf(x) : fmaxf(x, 0.0f); };
+        auto linear_part = [&](const float(&acc)[kNumAccum], int tok, int j, float s) {
+          if constexpr (kSplitRelu) return fmaf(coef[tok], acc[4 * (16 + tok / 2) + 2 * j + tok % 2], s);
+          return s;
         };
 
         // relu, head weights, head reduction, k scale, store.
@@ -346,12 +456,12 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
                 for (int gg = 0; gg < G; ++gg) {
                   const int g = tok * G + gg;
-                  const float x0 = fmaxf(acc[4 * g + 2 * j], 0.0f);
-                  const float x1 = fmaxf(acc[4 * g + 2 * j + 1], 0.0f);
+                  const float x0 = relu_part(acc[4 * g + 2 * j]);
+                  const float x1 = relu_part(acc[4 * g + 2 * j + 1]);
                   s0 = gg == 0 ? wreg[2 * g] * x0 : fmaf(wreg[2 * g], x0, s0);
                   s1 = gg == 0 ? wreg[2 * g + 1] * x1 : fmaf(wreg[2 * g + 1], x1, s1);
                 }
-                part[j + 2 * tok] = s0 + s1;
+                part[j + 2 * tok] = linear_part(acc, tok, j, s0 + s1);
               } else {
                 float s = 0.0f;
 #pragma unroll
@@ -359,11 +469,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
                   const int g = tok * G + gg;
 #pragma unroll
                   for (int c = 0; c < 2; ++c) {
-                    const float x = fmaxf(acc[4 * g + 2 * j + c], 0.0f);
+                    const float x = relu_part(acc[4 * g + 2 * j + c]);
                     s = (gg == 0 && c == 0) ? wreg[2 * g + c] * x : fmaf(wreg[2 * g + c], x, s);
                   }
                 }
-                part[j + 2 * tok] = s;
+                part[j + 2 * tok] = linear_part(acc, tok, j, s);
               }
             }
           }
@@ -466,20 +576,22 @@ __global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVSta
                       const float* __restrict__ k_scale, const float* __restrict__ weights,
                       int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
                       OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int clean) {
-  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 0>(tmap_q, tmap_k, k_scale, weights, weights_stride, ks, ke,
-                                                              logits, logits_stride, S, SKV, clean);
+  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 0, false>(tmap_q, tmap_k, k_scale, weights, weights_stride,
+                                                                     ks, ke, logits, logits_stride, S, SKV, clean);
 }
 
-// Same kernel with an explicit number of math warpgroups (2 or 3); the host must then use
-// MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs} for threads, shared memory and q blocks.
-template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs>
-__global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), kMathWGs}.num_threads(), 1)
+// Same kernel with an explicit number of math warpgroups (2 or 3) and epilogue form; the host must
+// then use MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs, kSplitRelu} for threads, shared
+// memory and q blocks.
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu = false>
+__global__ void __launch_bounds__(
+    MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), kMathWGs, kSplitRelu}.num_threads(), 1)
     mqa_logits_kernel_wgs(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
                           const float* __restrict__ k_scale, const float* __restrict__ weights,
                           int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
                           OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int clean) {
-  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs>(tmap_q, tmap_k, k_scale, weights, weights_stride,
-                                                                     ks, ke, logits, logits_stride, S, SKV, clean);
+  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs, kSplitRelu>(
+      tmap_q, tmap_k, k_scale, weights, weights_stride, ks, ke, logits, logits_stride, S, SKV, clean);
 }
 
 }  // namespace deep_indexer

@@ -20,7 +20,8 @@
 //   num_threads()      128 * (1 + num_math_wgs()) = 384 (512 for H = 128): warpgroup 0 is the
 //                      TMA producer.
 //   num_kv_stages      depth of the KV ring (template parameter kNumKVStages).
-//   q_tile_bytes()     128 * D, kv_tile_bytes() 64 * D.
+//   q_tile_bytes()     mma_n() * D rounded up to 1024 (q_box_bytes() = 128 * D of it come by TMA),
+//                      kv_tile_bytes() 64 * D.
 //   info_bytes()       per q stage: block header {lo, num_tiles}, per-token clamped ranges and
 //                      the block's weights, written by the producer.
 //   offset_*()         offsets from the 1024-aligned base of dynamic shared memory:
@@ -31,6 +32,15 @@
 //   smem_bytes()       dynamic shared memory to request at launch (includes kAlign bytes of slack
 //                      so the kernel can align its base to 1024 bytes). Set
 //                      CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to this value.
+//   split_relu         (6th field) relu(x) = (x + |x|) / 2 with the linear half on the tensor cores:
+//                      each math warpgroup appends linear_rows() rows to its q tile, holding
+//                      kLinearPieces fp8 pieces of q~[t] = sum_h w[t, h] q[t, h, :] per token (each
+//                      piece with its own per-token scale, the residual of the previous ones); the
+//                      WGMMA N grows to mma_n() = 128 + linear_rows() and the epilogue needs one
+//                      FFMA (|x| is a free operand modifier) instead of max + FFMA per element.
+//                      Row 128 + 8 (t / 2) + 2 p + (t % 2) holds piece p of token t, so that an
+//                      accumulator column's token depends on its register only and its piece on
+//                      the lane's quad (p = quad).
 //   max_kv_stages(H, D, out_bytes)  (static) the largest stage count that fits kMaxSmem (capped
 //                      at kMaxKVStages) for the default number of math warpgroups; valid() requires
 //                      2 <= num_kv_stages <= that. 6-8 stages are plenty (measured: 4, 8 and 12
@@ -47,6 +57,7 @@ struct MqaLogitsLayout {
   int num_kv_stages;  // KV ring depth
   int out_bytes;      // 4 (float32 logits) or 2 (bfloat16 logits); does not change the layout
   int math_wgs = 0;   // math warpgroups per CTA (2 or 3); 0 = default_math_wgs(H, D). Leave it out.
+  bool split_relu = false;  // linear half of relu on the tensor cores (see above)
 
   static constexpr int kMaxSmem = 232448;  // 227 KB opt-in dynamic shared memory on SM90
   static constexpr int kQRowsPerTile = 128;
@@ -56,6 +67,7 @@ struct MqaLogitsLayout {
   static constexpr int kAlign = 1024;        // alignment of every tile (one 128B-swizzle atom)
   static constexpr int kInfoHeaderBytes = 256;  // {lo, num_tiles} at 0, int2 ranges at 16
   static constexpr int kMaxKVStages = 32;
+  static constexpr int kLinearPieces = 4;  // = lanes per quad: piece p sits in quad p's columns
 
   // ---- geometry
   DI_HOST_DEVICE constexpr int q_rows_per_tile() const { return kQRowsPerTile; }
@@ -68,6 +80,9 @@ struct MqaLogitsLayout {
     return math_wgs == 0 ? default_math_wgs(num_heads, head_dim) : math_wgs;
   }
   DI_HOST_DEVICE constexpr int tokens_per_cta() const { return num_math_wgs() * block_q(); }
+  // Extra B rows per math warpgroup: an 8-row group per pair of tokens (4 pieces x 2 tokens).
+  DI_HOST_DEVICE constexpr int linear_rows() const { return split_relu ? 8 * ((block_q() + 1) / 2) : 0; }
+  DI_HOST_DEVICE constexpr int mma_n() const { return kQRowsPerTile + linear_rows(); }
   // setmaxnreg values: 2 math warpgroups double-buffer their accumulators (232 registers), 3 do not.
   DI_HOST_DEVICE constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
   DI_HOST_DEVICE constexpr int math_regs() const { return num_math_wgs() == 2 ? 232 : 160; }
@@ -83,10 +98,11 @@ struct MqaLogitsLayout {
   }
 
   // ---- shared memory
-  DI_HOST_DEVICE constexpr int q_tile_bytes() const { return kQRowsPerTile * head_dim; }
+  DI_HOST_DEVICE constexpr int q_tile_bytes() const { return align_up(mma_n() * head_dim, kAlign); }
+  DI_HOST_DEVICE constexpr int q_box_bytes() const { return q_box_rows() * head_dim; }
   DI_HOST_DEVICE constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
   DI_HOST_DEVICE constexpr int info_bytes() const {
-    return align_up(kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads, 128);
+    return align_up(info_offset_amax() + (split_relu ? 4 * kLinearPieces * tokens_per_cta() : 0), 128);
   }
   DI_HOST_DEVICE constexpr int offset_q(int stage, int wg) const {
     return (stage * num_math_wgs() + wg) * q_tile_bytes();
@@ -99,9 +115,12 @@ struct MqaLogitsLayout {
   }
   // Inside one info block: int lo (union start), int num_tiles, then int2 {lo, hi} per token of the
   // q block (clamped to [0, SKV]; empty when hi <= lo; (0, 0) for tokens >= S), then the weights
-  // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S).
+  // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S), then
+  // (split_relu) the pieces' per-token max |value| as float bits [tokens_per_cta()][kLinearPieces],
+  // zeroed by the producer and raised by the math warpgroups' shared-memory atomics.
   DI_HOST_DEVICE constexpr int info_offset_ranges() const { return 16; }
   DI_HOST_DEVICE constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
+  DI_HOST_DEVICE constexpr int info_offset_amax() const { return kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads; }
   DI_HOST_DEVICE constexpr int offset_barriers() const { return offset_info(kNumQStages); }
   DI_HOST_DEVICE constexpr int num_barriers() const { return 2 * kNumQStages + 2 * num_kv_stages; }
   DI_HOST_DEVICE constexpr int offset_q_full(int s) const { return offset_barriers() + 8 * s; }
@@ -117,17 +136,18 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE static constexpr bool supported_shape(int h, int d) {
     return (h == 16 || h == 32 || h == 64 || h == 128) && (d == 32 || d == 64 || d == 128);
   }
-  DI_HOST_DEVICE static constexpr int max_kv_stages(int h, int d, int out_bytes, int math_wgs = 0) {
+  DI_HOST_DEVICE static constexpr int max_kv_stages(int h, int d, int out_bytes, int math_wgs = 0,
+                                                    bool split_relu = false) {
     int best = 0;
     if (!supported_shape(h, d) || (out_bytes != 2 && out_bytes != 4)) return 0;
     for (int s = 1; s <= kMaxKVStages; ++s)
-      if (MqaLogitsLayout{h, d, s, out_bytes, math_wgs}.smem_bytes() <= kMaxSmem) best = s;
+      if (MqaLogitsLayout{h, d, s, out_bytes, math_wgs, split_relu}.smem_bytes() <= kMaxSmem) best = s;
     return best;
   }
   DI_HOST_DEVICE constexpr bool valid() const {
     return supported_shape(num_heads, head_dim) && (out_bytes == 2 || out_bytes == 4) && num_kv_stages >= 2 &&
            num_kv_stages <= kMaxKVStages && smem_bytes() <= kMaxSmem &&
-           (num_math_wgs() == 2 || num_math_wgs() == 3) && tokens_per_cta() <= 32 &&
+           (num_math_wgs() == 2 || num_math_wgs() == 3) && tokens_per_cta() <= 32 && mma_n() <= 256 &&
            info_offset_ranges() + 8 * tokens_per_cta() <= info_offset_weights() &&
            kThreadsPerWG * producer_regs() + num_math_wgs() * kThreadsPerWG * math_regs() <= 65536 &&
            // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)

@@ -135,7 +135,33 @@ struct SwizzleMode {
   static constexpr uint32_t kGroupStride = 8 * kRowBytes;
   // Required alignment of the tile base (one full swizzle atom).
   static constexpr uint32_t kAlign = 8 * kRowBytes < 1024 ? 8 * kRowBytes : 1024;
+  // Where byte `off` of the unswizzled tile (row * kRowBytes + column) lies: the 16-byte chunk
+  // index (bits 4..) is XORed with the row bits 7.. (TMA's 32B/64B/128B swizzle patterns).
+  static constexpr uint32_t kChunkMask = (kRowBytes / 16 - 1) << 4;
+  DI_DEVICE static constexpr uint32_t swizzle(uint32_t off) { return off ^ ((off >> 3) & kChunkMask); }
 };
+
+// ---------------------------------------------------------------- fp8 (e4m3) conversions
+// Byte i of `bits` <-> element i (cvt packs its first f32 operand into the upper byte).
+DI_DEVICE float4 e4m3x4_to_float4(uint32_t bits) {
+  uint32_t lo, hi;
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(bits));
+  float f0, f1, f2, f3;
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}" : "=f"(f0), "=f"(f1) : "r"(lo));
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}" : "=f"(f2), "=f"(f3) : "r"(hi));
+  return make_float4(f0, f1, f2, f3);
+}
+// Round to nearest, saturating to +-448.
+DI_DEVICE uint32_t float4_to_e4m3x4(float4 v) {
+  uint32_t bits;
+  asm("{\n.reg .b16 a, b;\ncvt.rn.satfinite.e4m3x2.f32 a, %2, %1;\ncvt.rn.satfinite.e4m3x2.f32 b, %4, %3;\n"
+      "mov.b32 %0, {a, b};\n}"
+      : "=r"(bits)
+      : "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
+  return bits;
+}
 
 // Shared-memory matrix descriptor for a K-major swizzled tile with `kRowBytes`-byte rows, started
 // at `ptr` (which may be offset by a multiple of 32 bytes inside a row to step along K).

@@ -1,9 +1,11 @@
-"""In-process A/B timing of decode kernel variants chosen by environment switches.
+"""In-process A/B timing of kernel variants chosen by environment switches.
 
-    python3 tools/ab_decode.py --variants "DI_PAGED_MATH_WGS=3;DI_PAGED_MATH_WGS=4" D3 D4 64:1:32768:128
-    python3 tools/ab_decode.py --variants ";DI_JIT_EXTRA_FLAGS=-DX=1 -DY,DI_PAGED_MATH_WGS=4" D3
+    python3 tools/ab.py --variants "DI_PAGED_MATH_WGS=3;DI_PAGED_MATH_WGS=4" D3 D4 64:1:32768:128
+    python3 tools/ab.py --variants ";DI_JIT_EXTRA_FLAGS=-DX=1 -DY,DI_PAGED_MATH_WGS=4" D3
+    python3 tools/ab.py --variants "DI_MQA_SPLIT_RELU=0;DI_MQA_SPLIT_RELU=1" P1 P2 4096:32768:causal:32:64
 
-A shape is a benchmark id (D1..D7) or B:next_n:avg[:H] (D = 128, block 64). The inputs are drawn once
+A shape is a benchmark id (P1..P5, D1..D7), S:SKV:causal|cp[:H[:D]] (prefill, fp32, clean) or
+B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean). The inputs are drawn once
 per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
 median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
 The switches are read per call by the extension (getenv), so setting os.environ is enough.
@@ -36,8 +38,15 @@ def main() -> None:
     variants = a.variants.split(";")
     keys = sorted({k for v in variants for k in parse_variant(v)})
     for sid in a.shapes:
-        B, nn, avg, H = bench.decode_shape(sid)
-        _, run = bench.decode_case(sid, dev)
+        prefill = sid in bench.PREFILL_SHAPES or sid.count(":") >= 2 and not sid.split(":")[2].isdigit()
+        if prefill:
+            S, SKV, pattern, H, D = bench.prefill_shape(sid)
+            what = f"S={S} SKV={SKV} {pattern} H={H} D={D}"
+            _, run = bench.prefill_case(sid, dev)
+        else:
+            B, nn, avg, H = bench.decode_shape(sid)
+            what = f"B={B} next_n={nn} H={H}"
+            _, run = bench.decode_case(sid, dev)
         times = {v: [] for v in variants}
         for _ in range(a.rounds):
             for v in variants:
@@ -49,7 +58,7 @@ def main() -> None:
             os.environ.pop(k, None)
         for v in variants:
             t = times[v]
-            print(f"{sid:>16} B={B} next_n={nn} H={H} [{v or 'default'}]: median {statistics.median(t):7.1f} us  "
+            print(f"{sid:>16} {what} [{v or 'default'}]: median {statistics.median(t):7.1f} us  "
                   f"rounds {' '.join(f'{u:.1f}' for u in t)}", flush=True)
 
 
