@@ -187,6 +187,24 @@ def paged_mqa_logits(
     return out
 
 
+def split_relu_pieces(q_tilde: torch.Tensor, num_pieces: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' split_relu decomposition (include/deep_indexer/split_relu.cuh), for tests and study:
+    fp32 rows q~ [T, D] -> (pieces [num_pieces, T, D] float8_e4m3fn, scales [num_pieces, T] fp32) with
+    q~ ~= sum_p scales[p, :, None] * pieces[p]. Piece p is e4m3(r_p / sigma_p) (saturating), r_0 = q~,
+    r_{p+1} = r_p - sigma_p piece_p, sigma_p = max_d |r_p| / 448 (0 for an all-zero row)."""
+    r = q_tilde.float().clone()
+    pieces, scales = [], []
+    for _ in range(num_pieces):
+        amax = r.abs().amax(dim=-1, keepdim=True)
+        inv = torch.where(amax > 0, 448.0 / amax, torch.zeros_like(amax))
+        p = (r * inv).clamp(-448, 448).to(FP8)
+        sigma = amax * (1.0 / 448.0)
+        r = r - sigma * p.float()
+        pieces.append(p)
+        scales.append(sigma.squeeze(-1))
+    return torch.stack(pieces), torch.stack(scales)
+
+
 def clean_logits(
     logits: torch.Tensor,
     cu_seq_len_k_start: torch.Tensor | None,

@@ -266,6 +266,30 @@ def test_paged_math_wg_override(wgs, next_n, H, num_sms, monkeypatch):
     assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)
 
 
+SPLIT_CONFIGS = [(n, h, 128, 64) for n in (1, 2, 3, 4) for h in (16, 32, 64, 128)] + \
+    [(2, 64, 64, 32), (3, 128, 64, 32), (4, 16, 64, 32), (1, 128, 64, 64)]
+
+
+@pytest.mark.parametrize("next_n,H,D,block_kv", SPLIT_CONFIGS)
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_paged_epilogue_forms(next_n, H, D, block_kv, split, monkeypatch):
+    """Both decode epilogue forms (DI_PAGED_SPLIT_RELU: relu on the CUDA cores, or its linear half
+    from per-sequence fp8 pieces of sum_h w q on the tensor cores). 5 SMs: every CTA switches sequences
+    (and rebuilds its pieces) many times; q spans a wide dynamic range; every element is bounded."""
+    monkeypatch.setenv("DI_PAGED_SPLIT_RELU", split)
+    q, cache, w, ctx, table, max_ctx = make_paged(24, next_n, H, D, block_kv, max_len=700,
+                                                  seed=next_n * 100 + H + D + block_kv)
+    g = torch.Generator().manual_seed(H + next_n)
+    wide = torch.randn(q.shape, generator=g) * torch.exp(2 * torch.randn(*q.shape[:3], 1, generator=g))
+    q = wide.clamp(-448, 448).to(DEV).to(torch.float8_e4m3fn)
+    got = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32, num_sms=5)
+    ref = reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx)
+    assert_logits_match(got, ref, True, torch.float32, f"next_n={next_n} H={H} D={D} split_relu={split}")
+    valid = torch.isfinite(ref)
+    err = (got.float() - ref.to(DEV).float())[valid].abs().max()
+    assert err <= 1e-3 * ref[valid].abs().max(), f"max error {float(err):.3g}"
+
+
 def test_paged_math_wg_override_that_cannot_fit(monkeypatch):
     monkeypatch.setenv("DI_PAGED_MATH_WGS", "4")  # 4 WGs cannot hold N = 256 accumulators
     q, cache, w, ctx, table, max_ctx = make_paged(3, 4, 64, 128, 64, max_len=100, seed=3)

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from conftest import calc_diff
 from deep_indexer import quant, reference
 
 FP8 = torch.float8_e4m3fn
@@ -509,3 +510,27 @@ def test_clean_and_quant_validation():
         quant.write_paged_kv_cache(kv_cache, torch.randn(2, 16), torch.zeros(2, dtype=torch.int32))
     with pytest.raises(TypeError, match=r"^slot_mapping"):
         quant.write_paged_kv_cache(kv_cache, torch.randn(2, 32), torch.zeros(2))
+
+
+@pytest.mark.parametrize("spread", [0.0, 2.0, 6.0])
+def test_split_relu_pieces_reconstruct_and_give_the_logits(spread):
+    # The kernels' relu(x) = (|x| + x) / 2 form with the linear half from 4 fp8 pieces of
+    # q~ = sum_h w q: the pieces rebuild q~ to ~2^-16 of its largest entry, and the logits so formed
+    # match the direct formula far below the kernels' tolerance, also for wide dynamic ranges.
+    g = torch.Generator().manual_seed(int(spread * 10))
+    T, H, D, N = 6, 64, 128, 300
+    q = (torch.randn(T, H, D, generator=g) * torch.exp(spread * torch.randn(T, H, 1, generator=g))).clamp(-448, 448)
+    q = q.to(torch.float8_e4m3fn).double()
+    k = torch.randn(N, D, generator=g).to(torch.float8_e4m3fn).double()
+    w = torch.randn(T, H, generator=g).double()
+    q_tilde = torch.einsum("th,thd->td", w, q).float()
+    pieces, scales = reference.split_relu_pieces(q_tilde)
+    rebuilt = (scales[:, :, None].double() * pieces.double()).sum(0)
+    err = (rebuilt - q_tilde.double()).abs().amax(-1) / q_tilde.double().abs().amax(-1)
+    assert float(err.max()) < 2.0 ** -13, float(err.max())
+    x = torch.einsum("thd,nd->thn", q, k)
+    direct = (w[:, :, None] * x.clamp(min=0)).sum(1)
+    split = 0.5 * ((w[:, :, None] * x.abs()).sum(1) + rebuilt @ k.T)
+    assert calc_diff(split, direct) < 1e-9
+    zero_p, zero_s = reference.split_relu_pieces(torch.zeros(2, D))
+    assert not zero_p.float().any() and not zero_s.any()

@@ -90,18 +90,36 @@ inline int paged_mqa_math_wgs() {
 // on H200 (tools/ab.py, 2026-11-22): 12 stages against the deepest ring (21-24) took 75.0 vs
 // 79.0 us on B=64 ctx 32K, 24.2-24.6 vs 25.4 us on D2 and 77.3 vs 78.8 on D5; D3/D4/D6/D7 within noise.
 constexpr int kPagedKVStages = 12;
+// Decode epilogue form (split_relu.cuh): its second, small WGMMA per chunk lengthens each WG's serial
+// WGMMA -> epilogue chain, so it pays only where the epilogue is long and WGs are many. Measured on
+// H200 (tools/ab.py, 5 rounds, 2026-11-22): 3 WGs, N = 128: D3 93.2 vs 94.9 us, B=64 next_n=1 H=128
+// 93.7 vs 95.1; 2 WGs, N >= 192: D6 128.9 vs 127.1, D7 166.7 vs 160.6 (slower). Default: on for
+// 3+ WGs with one tile in flight (N = 128) where the extra accumulators fit; DI_PAGED_SPLIT_RELU=0/1
+// forces it (1 on a pipelined shape turns the tile pipeline off).
+inline bool paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int block_kv, int out_bytes) {
+  const int forced = env::get_int("DI_PAGED_SPLIT_RELU", -1);
+  if (forced == 0 || forced == 1) return forced == 1;
+  const int wgs = paged_mqa_math_wgs();
+  const PagedMqaLogitsLayout plain = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs);
+  const PagedMqaLogitsLayout split = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs,
+                                                           kPagedKVStages, true);
+  return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && split.valid();
+}
+
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
                                                     int out_bytes) {
-  const PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes,
-                                                       paged_mqa_math_wgs(),
-                                                       env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages));
+  const PagedMqaLogitsLayout l = make_paged_mqa_layout(
+      next_n, num_heads, head_dim, block_kv, out_bytes, paged_mqa_math_wgs(),
+      env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages),
+      paged_mqa_split_relu(next_n, num_heads, head_dim, block_kv, out_bytes));
   DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={} ({} math WGs)",
                next_n, num_heads, head_dim, block_kv, l.num_math_wgs());
   print_choice([&] {
     return fmt::format(
-        "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: math_wgs={} kv_stages={} threads={} smem={}{}",
+        "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: math_wgs={} kv_stages={} threads={} smem={}{}{}{}",
         next_n, num_heads, head_dim, block_kv, out_bytes, l.num_math_wgs(), l.num_kv_stages, l.num_threads(),
-        l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "");
+        l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "", l.pipeline_tiles() ? " pipeline_tiles" : "",
+        l.split_relu ? " split_relu" : "");
   });
   return l;
 }

@@ -50,15 +50,16 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
   static const char* header() { return "deep_indexer/paged_mqa_logits.cuh"; }
   static std::string name(const Params& p) {
     const PagedMqaLogitsLayout l = p.layout();
-    return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},wgs={},ctx{}d,{}>", p.next_n,
+    return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},wgs={},ctx{}d,{}{}>", p.next_n,
                        p.num_heads, p.head_dim, p.block_kv, l.num_kv_stages, l.num_math_wgs(),
-                       p.context_lens_2d ? 2 : 1, p.elem_bytes == 4 ? "float32" : "bfloat16");
+                       p.context_lens_2d ? 2 : 1, p.elem_bytes == 4 ? "float32" : "bfloat16",
+                       l.split_relu ? ",split_relu" : "");
   }
   static std::string instantiation(const Params& p) {
     const PagedMqaLogitsLayout l = p.layout();
-    return fmt::format("&deep_indexer::paged_mqa_logits_kernel<{}, {}, {}, {}, {}, {}, {}, {}>", p.next_n,
+    return fmt::format("&deep_indexer::paged_mqa_logits_kernel<{}, {}, {}, {}, {}, {}, {}, {}, {}>", p.next_n,
                        p.num_heads, p.head_dim, p.block_kv, l.num_kv_stages, l.num_math_wgs(),
-                       p.context_lens_2d ? "true" : "false", out_type_name(p.elem_bytes));
+                       p.context_lens_2d ? "true" : "false", out_type_name(p.elem_bytes), l.split_relu);
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 

@@ -33,6 +33,7 @@
 
 #include <deep_indexer/mqa_logits_layout.hpp>
 #include <deep_indexer/ptx.cuh>
+#include <deep_indexer/split_relu.cuh>
 
 namespace deep_indexer {
 
@@ -86,88 +87,6 @@ DI_DEVICE void fill_neg_inf_warp(OutT* row, int a, int b, uint32_t lane) {
   if (const int t = body + nvec * kVec + static_cast<int>(lane); t < b) r[t] = static_cast<Bits>(kWord);  // tail < kVec
 }
 
-// split_relu: writes the MqaLogitsLayout::kLinearPieces fp8 pieces of q~[t] = sum_h w[t, h] q[t, h, :]
-// for the warpgroup's T tokens into rows 128.. of its q tile `q_tile` (row 128 + 8 (t / 2) + 2 p +
-// t % 2, swizzled like the TMA rows). Piece p is e4m3(r_p / sigma_p) with r_0 = q~, r_{p+1} = r_p -
-// sigma_p piece_p and sigma_p = max_d |r_p[d]| / 448, kept as float bits in amax[t][p] (zero on
-// entry). Tokens >= num_valid get zero pieces (their q rows may never have been loaded). All 128
-// threads of the warpgroup call it; it ends with the rows visible to the async proxy (WGMMA).
-template <int H, int D, int T>
-DI_DEVICE void build_linear_rows(uint8_t* q_tile, const float* w, uint32_t* amax, int num_valid, int tid,
-                                 uint32_t barrier_id) {
-  constexpr int kP = MqaLogitsLayout::kLinearPieces;
-  constexpr int kWords = D / 4;  // 32-bit words (4 fp8) per q row
-  constexpr int kCols = T * kWords;
-  constexpr int kColsPerThread = kCols >= 128 ? kCols / 128 : 1;
-  constexpr int kSplit = kCols >= 128 ? 1 : 128 / kCols;  // lanes sharing a column's head sum
-  constexpr int kHeads = H / kSplit;
-  static_assert((kCols % 128 == 0 || 128 % kCols == 0) && kSplit <= 32 && kHeads * kSplit == H, "bad split");
-  using Sw = ptx::SwizzleMode<D>;
-  constexpr float kInvMax = 1.0f / 448.0f;
-
-  float r[kColsPerThread][4];
-  int tok[kColsPerThread], word[kColsPerThread];
-#pragma unroll
-  for (int cc = 0; cc < kColsPerThread; ++cc) {
-    const int col = kCols >= 128 ? tid + 128 * cc : tid / kSplit;
-    tok[cc] = col / kWords;
-    word[cc] = col % kWords;
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (tok[cc] < num_valid) {
-      const int h0 = (tid % kSplit) * kHeads;
-#pragma unroll 8
-      for (int hh = 0; hh < kHeads; ++hh) {
-        const int row = tok[cc] * H + h0 + hh;
-        const uint32_t bits = *reinterpret_cast<const uint32_t*>(q_tile + Sw::swizzle(row * D + 4 * word[cc]));
-        const float wt = w[tok[cc] * H + h0 + hh];
-        const float4 f = ptx::e4m3x4_to_float4(bits);
-        v.x = fmaf(wt, f.x, v.x);
-        v.y = fmaf(wt, f.y, v.y);
-        v.z = fmaf(wt, f.z, v.z);
-        v.w = fmaf(wt, f.w, v.w);
-      }
-    }
-#pragma unroll
-    for (int m = 1; m < kSplit; m <<= 1) {
-      v.x += __shfl_xor_sync(0xffffffffu, v.x, m);
-      v.y += __shfl_xor_sync(0xffffffffu, v.y, m);
-      v.z += __shfl_xor_sync(0xffffffffu, v.z, m);
-      v.w += __shfl_xor_sync(0xffffffffu, v.w, m);
-    }
-    r[cc][0] = v.x;
-    r[cc][1] = v.y;
-    r[cc][2] = v.z;
-    r[cc][3] = v.w;
-  }
-  const bool writer = kSplit == 1 || tid % kSplit == 0;
-#pragma unroll
-  for (int p = 0; p < kP; ++p) {
-#pragma unroll
-    for (int cc = 0; cc < kColsPerThread; ++cc) {
-      const float m = fmaxf(fmaxf(fabsf(r[cc][0]), fabsf(r[cc][1])), fmaxf(fabsf(r[cc][2]), fabsf(r[cc][3])));
-      if (writer && m > 0.0f) atomicMax(amax + tok[cc] * kP + p, __float_as_uint(m));  // |x| bits order like x
-    }
-    ptx::named_barrier_sync(barrier_id, 128);
-#pragma unroll
-    for (int cc = 0; cc < kColsPerThread; ++cc) {
-      const float m = __uint_as_float(amax[tok[cc] * kP + p]);
-      const float inv = m > 0.0f ? 448.0f / m : 0.0f;
-      const float sigma = m * kInvMax;
-      const uint32_t bits =
-          ptx::float4_to_e4m3x4(make_float4(r[cc][0] * inv, r[cc][1] * inv, r[cc][2] * inv, r[cc][3] * inv));
-      const float4 back = ptx::e4m3x4_to_float4(bits);
-      r[cc][0] = fmaf(-sigma, back.x, r[cc][0]);
-      r[cc][1] = fmaf(-sigma, back.y, r[cc][1]);
-      r[cc][2] = fmaf(-sigma, back.z, r[cc][2]);
-      r[cc][3] = fmaf(-sigma, back.w, r[cc][3]);
-      const int row = MqaLogitsLayout::kQRowsPerTile + 8 * (tok[cc] / 2) + 2 * p + tok[cc] % 2;
-      if (writer) *reinterpret_cast<uint32_t*>(q_tile + Sw::swizzle(row * D + 4 * word[cc])) = bits;
-    }
-  }
-  ptx::fence_proxy_async();
-  ptx::named_barrier_sync(barrier_id, 128);
-}
-
 }  // namespace mqa_detail
 
 // The kernel body; kMathWGs = 0 picks the layout's default number of math warpgroups.
@@ -190,13 +109,13 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr int kBlockKV = L.block_kv();
   using Mma = ptx::WgmmaFp8<L.mma_n()>;
   constexpr int kNumAccum = Mma::kNumAccum;  // 64 (+ 4 per token pair with split_relu)
-  constexpr int kP = MqaLogitsLayout::kLinearPieces;
+  constexpr int kP = split_relu::kPieces;
   constexpr int kKSteps = D / 32;
   constexpr uint32_t kQBoxBytes = L.q_box_bytes();  // what one q TMA load delivers (rows 0..127)
   constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
   constexpr int kNumMathWarps = L.num_math_wgs() * 4;
   static_assert(kNumAccum == 64 + L.linear_rows() / 2 && G >= 1 && T >= 1, "layout assumptions");
-  static_assert(!kSplitRelu || kP == 4, "split_relu: piece p of a token pair sits in quad p's columns");
+  static_assert(!kSplitRelu || kP == MqaLogitsLayout::kLinearPieces, "one piece count");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((MqaLogitsLayout::kAlign - (ptx::smem_addr(smem_raw) & (MqaLogitsLayout::kAlign - 1))) &
@@ -386,11 +305,12 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         if constexpr (kSplitRelu) {
           uint32_t* amax = reinterpret_cast<uint32_t*>(smem + L.offset_info(qs) + L.info_offset_amax()) + wg * T * kP;
           const int num_valid = min(T, S - (blk * T2 + wg * T));
-          mqa_detail::build_linear_rows<H, D, T>(
-              smem + L.offset_q(qs, wg), reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * T * H,
-              amax, num_valid, static_cast<int>(threadIdx.x % 128), 1 + wg);
+          uint8_t* q_tile = smem + L.offset_q(qs, wg);
+          split_relu::build_pieces<H, D, T, T>(q_tile, q_tile + L.q_box_bytes(),
+                                               reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * T * H,
+                                               amax, num_valid, static_cast<int>(threadIdx.x % 128), 1 + wg);
 #pragma unroll
-          for (int tok = 0; tok < T; ++tok) coef[tok] = 0.5f * (__uint_as_float(amax[tok * kP + quad]) * (1.0f / 448.0f));
+          for (int tok = 0; tok < T; ++tok) coef[tok] = 0.5f * split_relu::piece_scale(amax[tok * kP + quad]);
         }
         // Ranges and output rows of the owned tokens.
         int rlo[kOwnTok], rhi[kOwnTok];
@@ -444,6 +364,13 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
         // relu, head weights, head reduction, k scale, store.
         auto epilogue = [&](const float(&acc)[kNumAccum], const float(&sc)[kOwnJ], int t) {
+#ifdef DI_MQA_MMA_ONLY  // experiment (DI_JIT_EXTRA_FLAGS): the WGMMAs and pipeline without the epilogue's work
+          float keep = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kNumAccum; i += 16) keep += acc[i];
+          if (keep == 1234.5f) mqa_detail::store_out(obase[0] + t, keep * sc[0]);
+          return;
+#endif
           constexpr int V = 2 * T;
           float part[V];
 #pragma unroll

@@ -26,6 +26,9 @@
 //     weights, in-thread head sum, quad reduce-scatter with shuffles, key scale, predicated stores.
 //     With layout.pipeline_tiles() (N <= 64 by default) a WG keeps two tiles in flight: the WGMMA
 //     of its next tile is issued before the epilogue of the current one (double-buffered accumulators).
+//     With layout.split_relu (the default for N = 128; split_relu.cuh) the epilogue takes |x| instead of
+//     relu(x) and adds the linear half from a second WGMMA per chunk (N = linear_cols()) over fp8
+//     pieces of sum_h w q, which each math WG builds for itself when it switches sequences.
 //
 // Barrier protocol (every parity wait is provably at most one phase away from the barrier):
 //   full[s]   : count 1 (KV producer arrive.expect_tx) + TMA bytes; WG s % W waits parity (k / S) & 1.
@@ -55,6 +58,7 @@
 
 #include <deep_indexer/paged_mqa_logits_layout.hpp>
 #include <deep_indexer/ptx.cuh>
+#include <deep_indexer/split_relu.cuh>
 #include <deep_indexer/trace.cuh>
 
 // L2 policy of the KV-cache TMA loads (read once per call).
@@ -235,9 +239,9 @@ struct RangeWalker {
 }  // namespace paged_mqa_detail
 
 template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
-          bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */>
+          bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */, bool kSplitRelu = false>
 __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
-                                                       static_cast<int>(sizeof(OutT)), kNumMathWGs}
+                                                       static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu}
                                       .num_threads(),
                                   1)
     paged_mqa_logits_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_kv,
@@ -249,7 +253,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   using namespace paged_mqa_detail;
   static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
   constexpr PagedMqaLogitsLayout kL{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
-                                    static_cast<int>(sizeof(OutT)), kNumMathWGs};
+                                    static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu};
   static_assert(kL.valid(), "unsupported paged_mqa_logits configuration");
 
   constexpr int kStages = kNumKVStages;
@@ -258,6 +262,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   constexpr int kNumChunks = kL.num_chunks();
   constexpr int kChunkCols = kL.chunk_cols();
   constexpr int kHG = kNumHeads / 8;  // 8-column groups per token
+  constexpr int kLinCols = kL.linear_cols();  // split_relu: WGMMA N of a chunk's pieces
   constexpr bool kWeightsInRegs = kL.weights_in_regs();
   constexpr int kBlocksPerTile = kL.blocks_per_tile();
   constexpr int kBlocksPerSeg = kL.blocks_per_segment();
@@ -271,6 +276,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   uint8_t* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* q_smem = smem + kL.q_offset();
   uint8_t* kv_smem = smem + kL.kv_offset();
+  uint8_t* pieces_smem = smem + kL.pieces_offset();
+  uint32_t* amax_smem = reinterpret_cast<uint32_t*>(smem + kL.amax_offset());
   float* scales_smem = reinterpret_cast<float*>(smem + kL.scales_offset());
   float* weights_smem = reinterpret_cast<float*>(smem + kL.weights_offset());
   int4* stage_info = reinterpret_cast<int4*>(smem + kL.stage_info_offset());
@@ -505,6 +512,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   const int row_in_tile = static_cast<int>(warp_in_wg * 16 + (lane >> 2) + (hi ? 8 : 0));
 
   float2 wreg[kWeightsInRegs ? kNextN : 1][kWeightsInRegs ? kHG : 1];
+  // split_relu: this WG's pieces of the current sequence, coef[i] = sigma of piece `quad` of token i.
+  [[maybe_unused]] uint8_t* my_pieces = pieces_smem + wg * kL.pieces_bytes_per_wg();
+  [[maybe_unused]] uint32_t* my_amax = amax_smem + wg * kNextN * split_relu::kPieces;
+  float coef[kSplitRelu ? kNextN : 1];
   int row_len[kNextN];
   int seq_b = 0;
   int cur_gen = -1;  // generation whose q / weights this WG uses; every WG walks all generations in order
@@ -529,6 +540,17 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         for (int hg = 0; hg < kHG; ++hg)
           wreg[i][hg] = *reinterpret_cast<const float2*>(wsl + i * kNumHeads + hg * 8 + quad * 2);
     }
+    if constexpr (kSplitRelu) {  // no WGMMA of this WG is in flight: its pieces may be rewritten
+      const int tid = static_cast<int>(threadIdx.x % 128);
+      if (tid < kNextN * split_relu::kPieces) my_amax[tid] = 0u;
+      ptx::named_barrier_sync(1 + wg, 128);
+      static_assert(kL.pieces_chunk_bytes() == split_relu::rows_per_chunk(kTPC) * kHeadDim, "pieces layout");
+      split_relu::build_pieces<kNumHeads, kHeadDim, kNextN, kTPC>(q_smem + slot * kL.q_slot_bytes(), my_pieces,
+                                                                  weights_smem + slot * kN, my_amax, kNextN, tid,
+                                                                  1 + wg);
+#pragma unroll
+      for (int i = 0; i < kNextN; ++i) coef[i] = split_relu::piece_scale(my_amax[i * split_relu::kPieces + quad]);
+    }
     cur_gen = gen;
   };
 
@@ -552,7 +574,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   mbar_wait_loop(&q_full_bar[0], 0);
   if (slot_info[0] >= 0) take_generation(0);
 
-  // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited).
+  // split_relu: the linear half's accumulators (columns: token 2 g + c of the chunk, piece `quad`).
+  float acc_lin[kSplitRelu ? kLinCols / 2 : 1];
+
+  // WGMMA of chunk c of the tile in stage `stage` into acc (and acc_lin; committed, not waited).
   auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage) {
     constexpr int c = decltype(chunk_c)::value;
     constexpr int tok0 = c * kTPC;
@@ -567,11 +592,24 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 32; ++kk)
       Mma::mma(acc, desc_a + static_cast<uint64_t>(kk * 2), desc_b + static_cast<uint64_t>(kk * 2), kk > 0);
+    if constexpr (kSplitRelu) {
+      ptx::fence_accum<kLinCols / 2>(acc_lin);
+      const uint64_t desc_p = ptx::make_kmajor_desc<kHeadDim>(my_pieces + c * kL.pieces_chunk_bytes());
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 32; ++kk)
+        ptx::WgmmaFp8<kLinCols>::mma(acc_lin, desc_a + static_cast<uint64_t>(kk * 2),
+                                     desc_p + static_cast<uint64_t>(kk * 2), kk > 0);
+    }
     ptx::wgmma_commit();
   };
 
+  // Per element: relu(x), or with split_relu |x| (a free FFMA operand modifier) plus, per (token, row),
+  // the linear half sigma_p * (piece_p . k) from acc_lin; the sum is then halved with the key scale.
+  auto relu_part = [](float x) { return kSplitRelu ? fabsf(x) : fmaxf(x, 0.0f); };
+
   // Epilogue of chunk c: relu, head weights, head sum, quad reduce-scatter, key scale, stores.
   auto epilogue_chunk = [&](auto chunk_c, const float* acc, int key, float key_scale) {
+    if constexpr (kSplitRelu) key_scale *= 0.5f;
     constexpr int c = decltype(chunk_c)::value;
     constexpr int tok0 = c * kTPC;
     constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
@@ -594,9 +632,14 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         const int g = t * kHG + hg;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          part[j][t][0] = fmaf(w.x, fmaxf(acc[4 * g + 2 * j + 0], 0.0f), part[j][t][0]);
-          part[j][t][1] = fmaf(w.y, fmaxf(acc[4 * g + 2 * j + 1], 0.0f), part[j][t][1]);
+          part[j][t][0] = fmaf(w.x, relu_part(acc[4 * g + 2 * j + 0]), part[j][t][0]);
+          part[j][t][1] = fmaf(w.y, relu_part(acc[4 * g + 2 * j + 1]), part[j][t][1]);
         }
+      }
+      if constexpr (kSplitRelu) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          part[j][t][0] = fmaf(coef[tok0 + t], acc_lin[4 * (t / 2) + 2 * j + t % 2], part[j][t][0]);
       }
     }
     // quad reduce-scatter, step 1 (lane ^ 2): keep row r0 + 8*hi, all tokens
@@ -678,7 +721,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     // current one. NOTES: every program point has a fixed number of WGMMA groups in flight (one at the
     // inner loop's head, none at the outer loop's), else ptxas serializes the WGMMAs. A generation
     // switch (and the sentinel) first finishes the tile in flight, which uses the old q / weights / rows.
-    static_assert(kNumChunks == 1, "pipelined tiles: one chunk");
+    static_assert(kNumChunks == 1 && !kSplitRelu, "pipelined tiles: one chunk, relu on the CUDA cores");
     using Chunk0 = std::integral_constant<int, 0>;
     float acc2[2][kChunkCols / 2];
     auto start_tile = [&](auto slot_c, const int4& info) {
@@ -733,6 +776,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         issue_chunk(chunk_c, acc, t.st);
         ptx::wgmma_wait<0>();
         ptx::fence_accum<kChunkCols / 2>(acc);
+        if constexpr (kSplitRelu) ptx::fence_accum<kLinCols / 2>(acc_lin);
         if constexpr (c == kNumChunks - 1) release_stage(t.st);  // keys, scales and info all read
         epilogue_chunk(chunk_c, acc, t.key, t.scale);
       });

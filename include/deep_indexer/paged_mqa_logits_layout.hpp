@@ -16,7 +16,7 @@
 //   tmap_kv: 3-D {head_dim, block_kv, num_blocks} uint8/fp8, strides {head_dim, kv_cache.stride(0)} bytes,
 //            box {head_dim, block_kv, 1}, swizzle = head_dim bytes
 //   kernel template args: <next_n, num_heads, head_dim, block_kv, l.num_kv_stages, l.num_math_wgs(),
-//                          context_lens_2d, OutT>
+//                          context_lens_2d, OutT, l.split_relu>
 //
 // Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
 // segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. Tile k of a CTA's
@@ -26,10 +26,12 @@
 // to align the dynamic shared-memory base):
 //   [q slots]      2 x (next_n*H rows x D bytes), TMA-swizzled (double-buffered across sequences)
 //   [kv stages]    S x (64 tokens x D bytes), TMA-swizzled; a BLOCK_KV=32 tile is 2 stacked blocks
+//   [pieces]       (split_relu) W x (num_chunks x linear_cols() rows x D bytes), swizzled, 1024-aligned per WG
 //   [scales]       S x 64 fp32
 //   [weights]      2 x next_n*H fp32
 //   [stage info]   S x int4 {generation, sequence, first token, flags}
 //   [slot info]    2 x 8 int {sequence, row lengths L_0..L_{next_n-1}}
+//   [amax]         (split_relu) W x next_n x 4 uint32
 //   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (uint64 mbarriers)
 #pragma once
 
@@ -45,6 +47,7 @@ struct PagedMqaLogitsLayout {
   int num_kv_stages;  // a multiple of stage_granularity(), <= kMaxKVStages (pick with paged_mqa_max_kv_stages)
   int out_bytes;      // 4 (float) or 2 (bf16)
   int math_wgs = 0;   // math warpgroups, 2..4; 0: default_math_wgs()
+  bool split_relu = false;  // linear half of relu on the tensor cores (split_relu.cuh); not with pipeline_tiles()
 
   static constexpr int kSplitKV = 256;       // tokens per scheduled segment (metadata contract)
   static constexpr int kTileTokens = 64;     // WGMMA M: tokens per tile
@@ -112,8 +115,17 @@ struct PagedMqaLogitsLayout {
 #ifdef DI_PAGED_NO_TILE_PIPELINE  // A/B switch for the kernel (DI_JIT_EXTRA_FLAGS); the host does not depend on it
     return false;
 #endif
-    return num_chunks() == 1 && n_total() <= 128 && chunk_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
+    return !split_relu && num_chunks() == 1 && n_total() <= 128 &&
+           chunk_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
   }
+  // split_relu: per chunk, a second WGMMA (N = linear_cols()) of the KV tile with the chunk's q~ pieces,
+  // which every math WG builds for itself per sequence (its own copy: no cross-WG synchronization).
+  constexpr DI_HOST_DEVICE int linear_cols() const {
+    return split_relu ? 8 * ((tokens_per_chunk() + 1) / 2) : 0;
+  }
+  // Chunks' pieces back to back (whole 8-row swizzle atoms: what split_relu::build_pieces writes).
+  constexpr DI_HOST_DEVICE int pieces_chunk_bytes() const { return linear_cols() * head_dim; }
+  constexpr DI_HOST_DEVICE int pieces_bytes_per_wg() const { return align1024(num_chunks() * pieces_chunk_bytes()); }
 
   // ---------------------------------------------------------------- shared memory
   constexpr DI_HOST_DEVICE int swizzle_bytes() const { return head_dim; }  // 128B or 64B swizzle
@@ -123,18 +135,27 @@ struct PagedMqaLogitsLayout {
   constexpr DI_HOST_DEVICE int weights_slot_bytes() const { return n_total() * 4; }
   constexpr DI_HOST_DEVICE int q_offset() const { return 0; }
   constexpr DI_HOST_DEVICE int kv_offset() const { return q_offset() + 2 * q_slot_bytes(); }
-  constexpr DI_HOST_DEVICE int scales_offset() const { return kv_offset() + num_kv_stages * kv_tile_bytes(); }
+  constexpr DI_HOST_DEVICE int pieces_offset() const { return kv_offset() + num_kv_stages * kv_tile_bytes(); }
+  constexpr DI_HOST_DEVICE int scales_offset() const {
+    return pieces_offset() + num_math_wgs() * pieces_bytes_per_wg();
+  }
   constexpr DI_HOST_DEVICE int weights_offset() const {
     return scales_offset() + num_kv_stages * scales_bytes_per_stage();
   }
   constexpr DI_HOST_DEVICE int stage_info_offset() const { return weights_offset() + 2 * weights_slot_bytes(); }
   constexpr DI_HOST_DEVICE int slot_info_offset() const { return stage_info_offset() + num_kv_stages * 16; }
-  constexpr DI_HOST_DEVICE int barrier_offset() const { return slot_info_offset() + 2 * 32; }
+  // split_relu: per math WG, the pieces' max |value| (float bits) [next_n][4]
+  constexpr DI_HOST_DEVICE int amax_offset() const { return slot_info_offset() + 2 * 32; }
+  constexpr DI_HOST_DEVICE int barrier_offset() const {
+    return amax_offset() + (split_relu ? num_math_wgs() * next_n * 16 : 0);
+  }
   constexpr DI_HOST_DEVICE int num_barriers() const { return 2 * num_kv_stages + 4; }
   constexpr DI_HOST_DEVICE int smem_used_bytes() const { return barrier_offset() + num_barriers() * 8; }
   constexpr DI_HOST_DEVICE int smem_bytes() const { return smem_used_bytes() + kSmemAlignSlack; }
   // Bytes one sequence's q + weights TMA brings in (expect_tx of q_full).
   constexpr DI_HOST_DEVICE int q_tx_bytes() const { return q_slot_bytes() + weights_slot_bytes(); }
+
+  static constexpr DI_HOST_DEVICE int align1024(int x) { return (x + 1023) / 1024 * 1024; }
 
   // ---------------------------------------------------------------- checks
   constexpr DI_HOST_DEVICE bool shape_supported() const {
@@ -148,7 +169,8 @@ struct PagedMqaLogitsLayout {
            num_kv_stages >= stage_granularity() && num_kv_stages <= kMaxKVStages &&
            num_kv_stages % stage_granularity() == 0 &&
            producer_regs() + num_math_wgs() * math_regs() <= (num_math_wgs() + 1) * launch_regs() &&
-           chunk_cols() / 2 + kMathRegsOther <= math_regs() &&  // the accumulators fit
+           chunk_cols() / 2 + linear_cols() / 2 + kMathRegsOther <= math_regs() &&  // the accumulators fit
+           (!split_relu || next_n * 4 <= 128) && pieces_offset() % 1024 == 0 &&
            // swizzle atoms: every q slot / KV tile / q box / chunk start on a 1024-byte boundary
            q_slot_bytes() % 1024 == 0 && kv_tile_bytes() % 1024 == 0 && (q_box_rows() * head_dim) % 1024 == 0 &&
            (chunk_cols() * head_dim) % 1024 == 0 && (block_kv * head_dim) % 1024 == 0 &&
@@ -161,11 +183,12 @@ struct PagedMqaLogitsLayout {
 // (and kMaxKVStages) rounded down to such a multiple, at least one granule; 0 if the shape is unsupported.
 constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, int head_dim, int block_kv,
                                                    int out_bytes, int math_wgs = 0,
-                                                   int max_stages = PagedMqaLogitsLayout::kMaxKVStages) {
+                                                   int max_stages = PagedMqaLogitsLayout::kMaxKVStages,
+                                                   bool split_relu = false) {
   const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes, math_wgs}.stage_granularity();
   const int cap = max_stages < PagedMqaLogitsLayout::kMaxKVStages ? max_stages : PagedMqaLogitsLayout::kMaxKVStages;
   for (int s = (cap / w > 1 ? cap / w : 1) * w; s >= w; s -= w) {
-    const PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, s, out_bytes, math_wgs};
+    const PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, s, out_bytes, math_wgs, split_relu};
     if (l.valid()) return s;
   }
   return 0;
@@ -173,9 +196,10 @@ constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, 
 
 constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(
     int next_n, int num_heads, int head_dim, int block_kv, int out_bytes, int math_wgs = 0,
-    int max_stages = PagedMqaLogitsLayout::kMaxKVStages) {
-  const int stages = paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs, max_stages);
-  return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, stages, out_bytes, math_wgs};
+    int max_stages = PagedMqaLogitsLayout::kMaxKVStages, bool split_relu = false) {
+  const int stages =
+      paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs, max_stages, split_relu);
+  return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, stages, out_bytes, math_wgs, split_relu};
 }
 
 // Metadata kernel launch: one CTA, no dynamic shared memory. Batches of at most
