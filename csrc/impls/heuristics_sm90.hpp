@@ -92,10 +92,11 @@ inline int paged_mqa_math_wgs() {
 constexpr int kPagedKVStages = 12;
 // Decode epilogue form (split_relu.cuh): its second, small WGMMA per chunk lengthens each WG's serial
 // WGMMA -> epilogue chain, so it pays only where the epilogue is long and WGs are many. Measured on
-// H200 (tools/ab.py, 5 rounds, 2026-11-22): 3 WGs, N = 128: D3 93.2 vs 94.9 us, B=64 next_n=1 H=128
-// 93.7 vs 95.1; 2 WGs, N >= 192: D6 128.9 vs 127.1, D7 166.7 vs 160.6 (slower). Default: on for
-// 3+ WGs with one tile in flight (N = 128) where the extra accumulators fit; DI_PAGED_SPLIT_RELU=0/1
-// forces it (1 on a pipelined shape turns the tile pipeline off).
+// H200 (tools/ab.py, 5-7 rounds, 2026-11-22), N = 128 with 3 WGs: D3 92.6 vs 95.2 and 93.2 vs 94.9 us,
+// B=64 next_n=1 H=128 91.3 vs 91.3 and 93.7 vs 95.1, but next_n=4 H=32 (16 pieces columns) 108.2 vs
+// 102.4; N >= 192 with 2 WGs: D6 128.9 vs 127.1, D7 166.7 vs 160.6. Default: on for 3+ WGs with one
+// tile in flight and one 8-column pieces group per chunk (next_n <= 2, N = 128) where the extra
+// accumulators fit; DI_PAGED_SPLIT_RELU=0/1 forces it (1 on a pipelined shape turns that pipeline off).
 inline bool paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int block_kv, int out_bytes) {
   const int forced = env::get_int("DI_PAGED_SPLIT_RELU", -1);
   if (forced == 0 || forced == 1) return forced == 1;
@@ -103,7 +104,7 @@ inline bool paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int bl
   const PagedMqaLogitsLayout plain = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs);
   const PagedMqaLogitsLayout split = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs,
                                                            kPagedKVStages, true);
-  return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && split.valid();
+  return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && split.linear_cols() == 8 && split.valid();
 }
 
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,

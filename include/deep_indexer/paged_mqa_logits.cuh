@@ -26,7 +26,7 @@
 //     weights, in-thread head sum, quad reduce-scatter with shuffles, key scale, predicated stores.
 //     With layout.pipeline_tiles() (N <= 64 by default) a WG keeps two tiles in flight: the WGMMA
 //     of its next tile is issued before the epilogue of the current one (double-buffered accumulators).
-//     With layout.split_relu (the default for N = 128; split_relu.cuh) the epilogue takes |x| instead of
+//     With layout.split_relu (the default for N = 128, next_n <= 2; split_relu.cuh) the epilogue takes |x| instead of
 //     relu(x) and adds the linear half from a second WGMMA per chunk (N = linear_cols()) over fp8
 //     pieces of sum_h w q, which each math WG builds for itself when it switches sequences.
 //
