@@ -90,21 +90,28 @@ inline int paged_mqa_math_wgs() {
 // on H200 (tools/ab.py, 2026-11-22): 12 stages against the deepest ring (21-24) took 75.0 vs
 // 79.0 us on B=64 ctx 32K, 24.2-24.6 vs 25.4 us on D2 and 77.3 vs 78.8 on D5; D3/D4/D6/D7 within noise.
 constexpr int kPagedKVStages = 12;
-// Decode epilogue form (split_relu.cuh): its second, small WGMMA per chunk lengthens each WG's serial
-// WGMMA -> epilogue chain, so it pays only where the epilogue is long and WGs are many. Measured on
-// H200 (tools/ab.py, 5-7 rounds, 2026-11-22), N = 128 with 3 WGs: D3 92.6 vs 95.2 and 93.2 vs 94.9 us,
-// B=64 next_n=1 H=128 91.3 vs 91.3 and 93.7 vs 95.1, but next_n=4 H=32 (16 pieces columns) 108.2 vs
-// 102.4; N >= 192 with 2 WGs: D6 128.9 vs 127.1, D7 166.7 vs 160.6. Default: on for 3+ WGs with one
-// tile in flight and one 8-column pieces group per chunk (next_n <= 2, N = 128) where the extra
-// accumulators fit; DI_PAGED_SPLIT_RELU=0/1 forces it (1 on a pipelined shape turns that pipeline off).
-inline bool paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int block_kv, int out_bytes) {
-  const int forced = env::get_int("DI_PAGED_SPLIT_RELU", -1);
-  if (forced == 0 || forced == 1) return forced == 1;
+// Decode epilogue form (split_relu.cuh; PagedMqaLogitsLayout::split_relu 0, 1 or 2). Form 1's second,
+// small WGMMA per chunk lengthens each WG's serial WGMMA -> epilogue chain, so it pays only where the
+// epilogue is long and WGs are many. Measured on H200 (tools/ab.py, 5-7 rounds, 2026-11-22), form 1
+// against 0, N = 128 with 3 WGs: D3 92.6 vs 95.2 and 93.2 vs 94.9 us, B=64 next_n=1 H=128 91.3 vs 91.3
+// and 93.7 vs 95.1, but next_n=4 H=32 (16 pieces columns) 108.2 vs 102.4; N >= 192 with 2 WGs: D6 128.9
+// vs 127.1, D7 166.7 vs 160.6. Default: form 2 (one WGMMA) where it fits, else 1, for 3+ WGs with one
+// tile in flight and one 8-column pieces group (next_n <= 2, N = 128); otherwise 0.
+// DI_PAGED_SPLIT_RELU=0/1/2 forces a form (2 falls back to 1 where it does not fit; 1 or 2 on a
+// pipelined shape turns the two-tile pipeline off).
+inline int paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int block_kv, int out_bytes) {
   const int wgs = paged_mqa_math_wgs();
+  auto fits = [&](int form) {
+    return make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, kPagedKVStages, form).valid();
+  };
+  const int forced = env::get_int("DI_PAGED_SPLIT_RELU", -1);
+  if (forced == 0 || forced == 1) return forced;
+  if (forced == 2) return fits(2) ? 2 : 1;
   const PagedMqaLogitsLayout plain = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs);
-  const PagedMqaLogitsLayout split = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs,
-                                                           kPagedKVStages, true);
-  return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && split.linear_cols() == 8 && split.valid();
+  const PagedMqaLogitsLayout one = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs,
+                                                         kPagedKVStages, 1);
+  if (plain.pipeline_tiles() || plain.num_math_wgs() < 3 || one.linear_cols() != 8) return 0;
+  return fits(2) ? 2 : (one.valid() ? 1 : 0);
 }
 
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
@@ -120,7 +127,7 @@ inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, i
         "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: math_wgs={} kv_stages={} threads={} smem={}{}{}{}",
         next_n, num_heads, head_dim, block_kv, out_bytes, l.num_math_wgs(), l.num_kv_stages, l.num_threads(),
         l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "", l.pipeline_tiles() ? " pipeline_tiles" : "",
-        l.split_relu ? " split_relu" : "");
+        l.split_relu ? fmt::format(" split_relu={}", l.split_relu) : std::string());
   });
   return l;
 }
