@@ -95,7 +95,9 @@ constexpr int kPagedKVStages = 12;
 // epilogue is long and WGs are many. Measured on H200 (tools/ab.py, 5-7 rounds, 2026-11-22), form 1
 // against 0, N = 128 with 3 WGs: D3 92.6 vs 95.2 and 93.2 vs 94.9 us, B=64 next_n=1 H=128 91.3 vs 91.3
 // and 93.7 vs 95.1, but next_n=4 H=32 (16 pieces columns) 108.2 vs 102.4; N >= 192 with 2 WGs: D6 128.9
-// vs 127.1, D7 166.7 vs 160.6. Default: form 2 (one WGMMA) where it fits, else 1, for 3+ WGs with one
+// vs 127.1, D7 166.7 vs 160.6. Forms 0 / 1 / 2 on another machine (7 rounds): D3 91.7 / 91.4 / 89.2,
+// H=128 next_n=1 88.8 / 89.4 / 88.8, B=64 next_n=2 ctx 8K 27.5 / 28.7 / 27.3.
+// Default: form 2 (one WGMMA) where it fits, else 1, for 3+ WGs with one
 // tile in flight and one 8-column pieces group (next_n <= 2, N = 128); otherwise 0.
 // DI_PAGED_SPLIT_RELU=0/1/2 forces a form (2 falls back to 1 where it does not fit; 1 or 2 on a
 // pipelined shape turns the two-tile pipeline off).
