@@ -149,8 +149,8 @@ def test_mqa_logits_epilogue_forms(H, D, split, monkeypatch):
     for S, SKV, seed in ((77, 1299, 1), (5, 65, 2), (130, 700, 3)):
         q, kv, w, ks, ke = make_prefill(S, SKV, H, D, "random", seed=seed * 1000 + H * D)
         g = torch.Generator(device=DEV).manual_seed(seed)
-        wide = torch.randn(S, H, D, device=DEV, generator=g) * torch.exp(2 * torch.randn(S, H, 1, device=DEV, generator=g))
-        q = wide.clamp(-448, 448).to(torch.float8_e4m3fn)
+        spread = torch.exp(2 * torch.randn(S, H, 1, device=DEV, generator=g))  # per-head magnitudes
+        q = (torch.randn(S, H, D, device=DEV, generator=g) * spread).clamp(-448, 448).to(torch.float8_e4m3fn)
         for dtype in (torch.float32, torch.bfloat16):
             out = poisoned((S, SKV), dtype, pad=1)
             di.fp8_mqa_logits(q, kv, w, ks, ke, True, logits_dtype=dtype, out=out)

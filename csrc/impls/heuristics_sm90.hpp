@@ -103,17 +103,16 @@ constexpr int kPagedKVStages = 12;
 // pipelined shape turns the two-tile pipeline off).
 inline int paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int block_kv, int out_bytes) {
   const int wgs = paged_mqa_math_wgs();
-  auto fits = [&](int form) {
-    return make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, kPagedKVStages, form).valid();
+  auto layout = [&](int form) {
+    return make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, kPagedKVStages, form);
   };
   const int forced = env::get_int("DI_PAGED_SPLIT_RELU", -1);
   if (forced == 0 || forced == 1) return forced;
-  if (forced == 2) return fits(2) ? 2 : 1;
+  if (forced == 2) return layout(2).valid() ? 2 : 1;
   const PagedMqaLogitsLayout plain = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs);
-  const PagedMqaLogitsLayout one = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs,
-                                                         kPagedKVStages, 1);
+  const PagedMqaLogitsLayout one = layout(1);
   if (plain.pipeline_tiles() || plain.num_math_wgs() < 3 || one.linear_cols() != 8) return 0;
-  return fits(2) ? 2 : (one.valid() ? 1 : 0);
+  return layout(2).valid() ? 2 : (one.valid() ? 1 : 0);
 }
 
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
@@ -126,7 +125,8 @@ inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, i
                next_n, num_heads, head_dim, block_kv, l.num_math_wgs());
   print_choice([&] {
     return fmt::format(
-        "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: math_wgs={} kv_stages={} threads={} smem={}{}{}{}",
+        "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: math_wgs={} kv_stages={} threads={} "
+        "smem={}{}{}{}",
         next_n, num_heads, head_dim, block_kv, out_bytes, l.num_math_wgs(), l.num_kv_stages, l.num_threads(),
         l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "", l.pipeline_tiles() ? " pipeline_tiles" : "",
         l.split_relu ? fmt::format(" split_relu={}", l.split_relu) : std::string());

@@ -303,12 +303,13 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         // split_relu: the linear rows, and coef[t] = sigma / 2 of the piece in this quad's columns.
         float coef[kSplitRelu ? T : 1];
         if constexpr (kSplitRelu) {
-          uint32_t* amax = reinterpret_cast<uint32_t*>(smem + L.offset_info(qs) + L.info_offset_amax()) + wg * T * kP;
+          uint32_t* amax =
+              reinterpret_cast<uint32_t*>(smem + L.offset_info(qs) + L.info_offset_amax()) + wg * T * kP;
           const int num_valid = min(T, S - (blk * T2 + wg * T));
           uint8_t* q_tile = smem + L.offset_q(qs, wg);
-          split_relu::build_pieces<H, D, T, T>(q_tile, q_tile + L.q_box_bytes(),
-                                               reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * T * H,
-                                               amax, num_valid, static_cast<int>(threadIdx.x % 128), 1 + wg);
+          const float* wts = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * T * H;
+          split_relu::build_pieces<H, D, T, T>(q_tile, q_tile + L.q_box_bytes(), wts, amax, num_valid,
+                                               static_cast<int>(threadIdx.x % 128), 1 + wg);
 #pragma unroll
           for (int tok = 0; tok < T; ++tok) coef[tok] = 0.5f * split_relu::piece_scale(amax[tok * kP + quad]);
         }

@@ -143,15 +143,20 @@ struct SwizzleMode {
 
 // ---------------------------------------------------------------- fp8 (e4m3) conversions
 // Byte i of `bits` <-> element i (cvt packs its first f32 operand into the upper byte).
+DI_DEVICE float2 f16x2_to_float2(uint32_t bits) {
+  float lo, hi;
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(bits));
+  return make_float2(lo, hi);
+}
 DI_DEVICE float4 e4m3x4_to_float4(uint32_t bits) {
   uint32_t lo, hi;
   asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}"
       : "=r"(lo), "=r"(hi)
       : "r"(bits));
-  float f0, f1, f2, f3;
-  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}" : "=f"(f0), "=f"(f1) : "r"(lo));
-  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}" : "=f"(f2), "=f"(f3) : "r"(hi));
-  return make_float4(f0, f1, f2, f3);
+  const float2 a = f16x2_to_float2(lo), b = f16x2_to_float2(hi);
+  return make_float4(a.x, a.y, b.x, b.y);
 }
 // Round to nearest, saturating to +-448.
 DI_DEVICE uint32_t float4_to_e4m3x4(float4 v) {

@@ -92,7 +92,8 @@ DI_DEVICE void build_pieces(const uint8_t* q, uint8_t* pieces, const float* w, u
 #pragma unroll
     for (int cc = 0; cc < kColsPerThread; ++cc) {
       const float m = fmaxf(fmaxf(fabsf(r[cc][0]), fabsf(r[cc][1])), fmaxf(fabsf(r[cc][2]), fabsf(r[cc][3])));
-      if (writer && active[cc] && m > 0.0f) atomicMax(amax + tok[cc] * kPieces + p, __float_as_uint(m));  // bits order like |x|
+      if (writer && active[cc] && m > 0.0f)  // non-negative floats: the bits order like the values
+        atomicMax(amax + tok[cc] * kPieces + p, __float_as_uint(m));
     }
     ptx::named_barrier_sync(barrier_id, 128);
 #pragma unroll
