@@ -99,8 +99,8 @@ constexpr int kPagedKVStages = 12;
 // H=128 next_n=1 88.8 / 89.4 / 88.8, B=64 next_n=2 ctx 8K 27.5 / 28.7 / 27.3.
 // Default: form 2 (one WGMMA) where it fits, else 1, for 3+ WGs with one
 // tile in flight and one 8-column pieces group (next_n <= 2, N = 128); otherwise 0.
-// DI_PAGED_SPLIT_RELU=0/1/2 forces a form (2 falls back to 1 where it does not fit; 1 or 2 on a
-// pipelined shape turns the two-tile pipeline off).
+// DI_PAGED_SPLIT_RELU=0/1/2 forces a form (2 falls back to 1 where it does not fit; 1 on a pipelined
+// shape turns the two-tile pipeline off, 2 keeps it where the larger accumulators fit).
 inline int paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int block_kv, int out_bytes) {
   const int wgs = paged_mqa_math_wgs();
   auto layout = [&](int form) {

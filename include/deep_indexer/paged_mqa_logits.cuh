@@ -755,9 +755,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     // current one. NOTES: every program point has a fixed number of WGMMA groups in flight (one at the
     // inner loop's head, none at the outer loop's), else ptxas serializes the WGMMAs. A generation
     // switch (and the sentinel) first finishes the tile in flight, which uses the old q / weights / rows.
-    static_assert(kNumChunks == 1 && !kSplitRelu, "pipelined tiles: one chunk, relu on the CUDA cores");
+    static_assert(kNumChunks == 1 && kSplitRelu != 1, "pipelined tiles: one chunk, no second WGMMA");
     using Chunk0 = std::integral_constant<int, 0>;
-    float acc2[2][kChunkCols / 2];
+    float acc2[2][kMmaCols / 2];
     auto start_tile = [&](auto slot_c, const int4& info) {
       const Tile t = this_tile(info);
       issue_chunk(Chunk0{}, acc2[decltype(slot_c)::value], st);
@@ -769,7 +769,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     };
     auto finish_tile = [&](auto slot_c, const Tile& t) {
       constexpr int x = decltype(slot_c)::value;
-      ptx::fence_accum<kChunkCols / 2>(acc2[x]);
+      ptx::fence_accum<kMmaCols / 2>(acc2[x]);
       release_stage(t.st);
       epilogue_chunk(Chunk0{}, acc2[x], t.key, t.scale);
     };

@@ -48,7 +48,7 @@ struct PagedMqaLogitsLayout {
   int num_kv_stages;  // a multiple of stage_granularity(), <= kMaxKVStages (pick with paged_mqa_max_kv_stages)
   int out_bytes;      // 4 (float) or 2 (bf16)
   int math_wgs = 0;   // math warpgroups, 2..4; 0: default_math_wgs()
-  // Linear half of relu on the tensor cores (split_relu.cuh); not with pipeline_tiles():
+  // Linear half of relu on the tensor cores (split_relu.cuh); form 1 not with pipeline_tiles():
   //   0: off; 1: every math WG builds its own pieces, a second WGMMA per chunk;
   //   2: math WG 0 builds them after the q rows of the shared slot (one chunk), one WGMMA of N + 8.
   int split_relu = 0;
@@ -119,8 +119,8 @@ struct PagedMqaLogitsLayout {
 #ifdef DI_PAGED_NO_TILE_PIPELINE  // A/B switch for the kernel (DI_JIT_EXTRA_FLAGS); the host does not depend on it
     return false;
 #endif
-    return !split_relu && num_chunks() == 1 && n_total() <= 128 &&
-           chunk_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
+    return split_relu != 1 && num_chunks() == 1 && n_total() <= 128 &&
+           mma_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
   }
   // split_relu: per chunk, a second WGMMA (N = linear_cols()) of the KV tile with the chunk's q~ pieces,
   // which every math WG builds for itself per sequence (its own copy: no cross-WG synchronization).
