@@ -46,6 +46,11 @@
 //   Every math WG waits for every generation's q_full in order (also those it has no tile of) and
 //   arrives on q_empty for it only after that wait and after its last use, so the KV producers may
 //   run ahead of the Q producer by any number of sequences without parity aliasing.
+//   pieces_full[x] (split_relu 2): count 1 (thread 0 of math WG 0 once generation g's pieces are in
+//               slot g % 2); a WG taking generation g waits parity (g / 2) & 1. WG 0 builds every
+//               generation in order (also those it has no tile of) before its q_empty arrival for it,
+//               so a phase completes before the slot can be reloaded, and WG 0 never waits on another
+//               WG (stage s feeds only WG s % W), hence no cycle.
 //
 // Host assumptions (details in the report): q, kv_cache and weights 16-byte aligned; kv_cache
 // stride(0) (block_stride_bytes) a multiple of 16; weights_stride a multiple of 4 floats;
