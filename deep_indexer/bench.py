@@ -4,7 +4,8 @@ Method: inputs are drawn once per shape; before every timed call the L2 is flush
 buffer twice its size (`--flush write`, the default of every recorded result; the dirty lines it
 leaves are written back while the timed call runs) or by reading one (`--flush read`: a clean, cold
 L2); each call is timed with CUDA events; the median of `--iters` calls is reported. Ceilings:
-device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through torch._scaled_mm. Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
+device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through torch._scaled_mm.
+Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
 over q + weights + (D + 4) B per key token + 4 B per block-table entry + 4 B per valid logit.
 """
 from __future__ import annotations
@@ -194,6 +195,11 @@ def prefill_shape(spec: str) -> tuple:
         raise ValueError(f"prefill shape must be P1..P5 or S:SKV:causal|cp[:H[:D]], got {spec!r}")
     rest = [int(v) for v in parts[3:]]
     return (int(parts[0]), int(parts[1]), parts[2], *(rest + [64, 128][len(rest):]))
+
+
+def is_prefill_shape(spec: str) -> bool:
+    """Whether `spec` names a prefill shape (P1..P5 or S:SKV:pattern[...]) rather than a decode one."""
+    return spec in PREFILL_SHAPES or (spec.count(":") >= 2 and not spec.split(":")[2].isdigit())
 
 
 def prefill_case(spec: str, device) -> tuple:

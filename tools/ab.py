@@ -38,8 +38,7 @@ def main() -> None:
     variants = a.variants.split(";")
     keys = sorted({k for v in variants for k in parse_variant(v)})
     for sid in a.shapes:
-        prefill = sid in bench.PREFILL_SHAPES or sid.count(":") >= 2 and not sid.split(":")[2].isdigit()
-        if prefill:
+        if bench.is_prefill_shape(sid):
             S, SKV, pattern, H, D = bench.prefill_shape(sid)
             what = f"S={S} SKV={SKV} {pattern} H={H} D={D}"
             _, run = bench.prefill_case(sid, dev)

@@ -90,42 +90,31 @@ inline int paged_mqa_math_wgs() {
 // on H200 (tools/ab.py, 2026-11-22): 12 stages against the deepest ring (21-24) took 75.0 vs
 // 79.0 us on B=64 ctx 32K, 24.2-24.6 vs 25.4 us on D2 and 77.3 vs 78.8 on D5; D3/D4/D6/D7 within noise.
 constexpr int kPagedKVStages = 12;
-// Decode epilogue form (split_relu.cuh; PagedMqaLogitsLayout::split_relu 0, 1 or 2). Form 1's second,
-// small WGMMA per chunk lengthens each WG's serial WGMMA -> epilogue chain, so it pays only where the
-// epilogue is long and WGs are many. Measured on H200 (tools/ab.py, 5-7 rounds, 2026-11-22), form 1
-// against 0, N = 128 with 3 WGs: D3 92.6 vs 95.2 and 93.2 vs 94.9 us, B=64 next_n=1 H=128 91.3 vs 91.3
-// and 93.7 vs 95.1, but next_n=4 H=32 (16 pieces columns) 108.2 vs 102.4; N >= 192 with 2 WGs: D6 128.9
-// vs 127.1, D7 166.7 vs 160.6. Forms 0 / 1 / 2 on another machine (7 rounds): D3 91.7 / 91.4 / 89.2,
-// H=128 next_n=1 88.8 / 89.4 / 88.8, B=64 next_n=2 ctx 8K 27.5 / 28.7 / 27.3.
-// Default: form 2 (one WGMMA) where it fits, else 1, for 3+ WGs with one
-// tile in flight and one 8-column pieces group (next_n <= 2, N = 128); otherwise 0.
-// DI_PAGED_SPLIT_RELU=0/1/2 forces a form (falling back to 1, then 0, where it does not fit; 1 on a
-// pipelined shape turns the two-tile pipeline off, 2 keeps it where the larger accumulators fit: measured
-// no faster there, D2 24.1 vs 23.9, D5 76.6 vs 76.1, D1 7.4 vs 6.9 us; D3 with 2 WGs x two tiles 91.6 vs 91.4).
-inline int paged_mqa_split_relu(int next_n, int num_heads, int head_dim, int block_kv, int out_bytes) {
-  const int wgs = paged_mqa_math_wgs();
-  auto layout = [&](int form) {
-    return make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, kPagedKVStages, form);
-  };
+// Decode epilogue form (PagedMqaLogitsLayout::split_relu, split_relu.cuh): whether the plain layout
+// `plain` wants the linear half of relu on the tensor cores. Measured on H200 (tools/ab.py, 7 rounds,
+// 2026-11-22), against relu on the CUDA cores: D3 89.2 vs 91.7 us, B=64 next_n=1 H=128 88.8 vs 88.8,
+// B=64 next_n=2 ctx 8K 27.3 vs 27.5; with two tiles in flight (N <= 64) no faster (D2 24.1 vs 23.9,
+// D5 76.6 vs 76.1, D1 7.4 vs 6.9), nor D3 with 2 WGs x two tiles (91.6); D6 (next_n = 3, 2 WGs) 119.8
+// vs 121.5 but 36.0 vs 35.4 at ctx 8K. An earlier form with a second, N = 8-16 WGMMA per chunk was
+// slower where the pieces needed 16 columns or 2 WGs carried N >= 192 (next_n=4 H=32 108.2 vs 102.4,
+// D7 166.7 vs 160.6). Default: 3+ WGs with one tile in flight and next_n <= 2 (N = 128).
+// DI_PAGED_SPLIT_RELU=0/1 forces it (where the layout cannot take it, it stays off).
+inline bool paged_mqa_split_relu(const PagedMqaLogitsLayout& plain) {
   const int forced = env::get_int("DI_PAGED_SPLIT_RELU", -1);
-  if (forced == 1 || forced == 2) {  // the forced form, else the next simpler one that fits
-    for (int form = forced; form > 0; --form)
-      if (layout(form).valid()) return form;
-    return 0;
-  }
-  if (forced == 0) return 0;
-  const PagedMqaLogitsLayout plain = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs);
-  const PagedMqaLogitsLayout one = layout(1);
-  if (plain.pipeline_tiles() || plain.num_math_wgs() < 3 || one.linear_cols() != 8) return 0;
-  return layout(2).valid() ? 2 : (one.valid() ? 1 : 0);
+  if (forced == 0 || forced == 1) return forced == 1;
+  return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && plain.next_n <= 2;
 }
 
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
                                                     int out_bytes) {
-  const PagedMqaLogitsLayout l = make_paged_mqa_layout(
-      next_n, num_heads, head_dim, block_kv, out_bytes, paged_mqa_math_wgs(),
-      env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages),
-      paged_mqa_split_relu(next_n, num_heads, head_dim, block_kv, out_bytes));
+  const int wgs = paged_mqa_math_wgs();
+  const int max_stages = env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages);
+  PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, max_stages);
+  if (paged_mqa_split_relu(l)) {
+    const PagedMqaLogitsLayout split =
+        make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, max_stages, true);
+    if (split.valid()) l = split;
+  }
   DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={} ({} math WGs)",
                next_n, num_heads, head_dim, block_kv, l.num_math_wgs());
   print_choice([&] {
@@ -134,7 +123,7 @@ inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, i
         "smem={}{}{}{}",
         next_n, num_heads, head_dim, block_kv, out_bytes, l.num_math_wgs(), l.num_kv_stages, l.num_threads(),
         l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "", l.pipeline_tiles() ? " pipeline_tiles" : "",
-        l.split_relu ? fmt::format(" split_relu={}", l.split_relu) : std::string());
+        l.split_relu ? " split_relu" : "");
   });
   return l;
 }

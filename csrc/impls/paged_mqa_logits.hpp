@@ -53,7 +53,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
     return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},wgs={},ctx{}d,{}{}>", p.next_n,
                        p.num_heads, p.head_dim, p.block_kv, l.num_kv_stages, l.num_math_wgs(),
                        p.context_lens_2d ? 2 : 1, p.elem_bytes == 4 ? "float32" : "bfloat16",
-                       l.split_relu == 0 ? "" : (l.split_relu == 1 ? ",split_relu" : ",split_relu2"));
+                       l.split_relu ? ",split_relu" : "");
   }
   static std::string instantiation(const Params& p) {
     const PagedMqaLogitsLayout l = p.layout();

@@ -42,19 +42,20 @@ struct KernelRuntime {
   static CUfunction function(const Params& p, int device, CUstream stream) {
     static std::mutex mutex;
     static std::unordered_map<std::string, std::shared_ptr<Kernel>> by_name;
-    std::string name = Derived::name(p);
+    const std::string name = Derived::name(p);
+    std::string key = name;
     if (const char* extra = std::getenv(env::kExtraFlags); extra != nullptr && extra[0] != '\0')
-      name.append(" ").append(extra);
+      key.append(" ").append(extra);
     std::shared_ptr<Kernel> kernel;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      auto it = by_name.find(name);
+      auto it = by_name.find(key);
       if (it != by_name.end()) kernel = it->second;
     }
     if (!kernel) {
-      kernel = get_kernel(Derived::name(p), generate(p), stream);
+      kernel = get_kernel(name, generate(p), stream);
       std::lock_guard<std::mutex> lock(mutex);
-      by_name.emplace(name, kernel);
+      by_name.emplace(key, kernel);
     }
     return kernel->function(device, stream);
   }

@@ -223,10 +223,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         const int tg = tok0 + i / H;
         winfo[i] = tg < S ? __ldg(weights + static_cast<int64_t>(tg) * weights_stride + (i % H)) : 0.0f;
       }
-      if constexpr (kSplitRelu) {
-        uint32_t* amax = reinterpret_cast<uint32_t*>(info + L.info_offset_amax());
-        for (int i = lane; i < T2 * kP; i += 32) amax[i] = 0u;
-      }
       __syncwarp();
       if (lane == 0) {
         // q tiles only when there is work, and only for warpgroups with a valid token.
@@ -308,8 +304,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           const int num_valid = min(T, S - (blk * T2 + wg * T));
           uint8_t* q_tile = smem + L.offset_q(qs, wg);
           const float* wts = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * T * H;
-          split_relu::build_pieces<H, D, T, T>(q_tile, q_tile + L.q_box_bytes(), wts, amax, num_valid,
-                                               static_cast<int>(threadIdx.x % 128), 1 + wg);
+          split_relu::build_pieces<H, D, T>(q_tile, q_tile + L.q_box_bytes(), wts, amax, num_valid,
+                                            static_cast<int>(threadIdx.x % 128), 1 + wg);
 #pragma unroll
           for (int tok = 0; tok < T; ++tok) coef[tok] = 0.5f * split_relu::piece_scale(amax[tok * kP + quad]);
         }

@@ -117,7 +117,7 @@ struct MqaLogitsLayout {
   // q block (clamped to [0, SKV]; empty when hi <= lo; (0, 0) for tokens >= S), then the weights
   // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S), then
   // (split_relu) the pieces' per-token max |value| as float bits [tokens_per_cta()][kLinearPieces],
-  // zeroed by the producer and raised by the math warpgroups' shared-memory atomics.
+  // written by the math warpgroups (split_relu::build_pieces).
   DI_HOST_DEVICE constexpr int info_offset_ranges() const { return 16; }
   DI_HOST_DEVICE constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
   DI_HOST_DEVICE constexpr int info_offset_amax() const { return kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads; }

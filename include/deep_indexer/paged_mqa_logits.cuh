@@ -26,11 +26,9 @@
 //     weights, in-thread head sum, quad reduce-scatter with shuffles, key scale, predicated stores.
 //     With layout.pipeline_tiles() (N <= 64 by default) a WG keeps two tiles in flight: the WGMMA
 //     of its next tile is issued before the epilogue of the current one (double-buffered accumulators).
-//     With layout.split_relu (split_relu.cuh) the epilogue takes |x| instead of relu(x) and adds the
-//     linear half from fp8 pieces of sum_h w q: with 1, each math WG builds its own copy when it switches
-//     sequences and runs a second WGMMA per chunk (N = linear_cols()); with 2 (one chunk), math WG 0
-//     builds them once per sequence after the q rows of the slot (pieces_full[slot]), and the pieces
-//     columns join the main WGMMA.
+//     With layout.split_relu (split_relu.cuh; single-chunk shapes) the epilogue takes |x| instead of
+//     relu(x) and adds the linear half from fp8 pieces of sum_h w q, which math WG 0 builds once per
+//     sequence after the q rows of the slot (pieces_full[slot]); their columns join the WGMMA.
 //
 // Barrier protocol (every parity wait is provably at most one phase away from the barrier):
 //   full[s]   : count 1 (KV producer arrive.expect_tx) + TMA bytes; WG s % W waits parity (k / S) & 1.
@@ -46,7 +44,7 @@
 //   Every math WG waits for every generation's q_full in order (also those it has no tile of) and
 //   arrives on q_empty for it only after that wait and after its last use, so the KV producers may
 //   run ahead of the Q producer by any number of sequences without parity aliasing.
-//   pieces_full[x] (split_relu 2): count 1 (thread 0 of math WG 0 once generation g's pieces are in
+//   pieces_full[x] (split_relu): count 1 (thread 0 of math WG 0 once generation g's pieces are in
 //               slot g % 2); a WG taking generation g waits parity (g / 2) & 1. WG 0 builds every
 //               generation in order (also those it has no tile of) before its q_empty arrival for it,
 //               so a phase completes before the slot can be reloaded, and WG 0 never waits on another
@@ -246,7 +244,7 @@ struct RangeWalker {
 }  // namespace paged_mqa_detail
 
 template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
-          bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */, int kSplitRelu = 0>
+          bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */, bool kSplitRelu = false>
 __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
                                                        static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu}
                                       .num_threads(),
@@ -269,8 +267,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   constexpr int kNumChunks = kL.num_chunks();
   constexpr int kChunkCols = kL.chunk_cols();
   constexpr int kHG = kNumHeads / 8;  // 8-column groups per token
-  constexpr int kLinCols = kL.linear_cols();  // split_relu: pieces columns of a chunk
-  constexpr int kMmaCols = kL.mma_cols();     // WGMMA N of a chunk (with the pieces for split_relu 2)
+  constexpr int kMmaCols = kL.mma_cols();  // WGMMA N of a chunk (with the pieces columns for split_relu)
   constexpr int kSplitPieces = split_relu::kPieces;
   constexpr bool kWeightsInRegs = kL.weights_in_regs();
   constexpr int kBlocksPerTile = kL.blocks_per_tile();
@@ -285,7 +282,6 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   uint8_t* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* q_smem = smem + kL.q_offset();
   uint8_t* kv_smem = smem + kL.kv_offset();
-  uint8_t* pieces_smem = smem + kL.pieces_offset();
   uint32_t* amax_smem = reinterpret_cast<uint32_t*>(smem + kL.amax_offset());
   float* scales_smem = reinterpret_cast<float*>(smem + kL.scales_offset());
   float* weights_smem = reinterpret_cast<float*>(smem + kL.weights_offset());
@@ -296,7 +292,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   uint64_t* empty_bar = bars + kStages;
   uint64_t* q_full_bar = bars + 2 * kStages;
   uint64_t* q_empty_bar = bars + 2 * kStages + 2;
-  [[maybe_unused]] uint64_t* pieces_full_bar = bars + 2 * kStages + 4;  // split_relu 2
+  [[maybe_unused]] uint64_t* pieces_full_bar = bars + 2 * kStages + 4;  // split_relu
 
   // A launch with another block size would deadlock (missing warpgroups): fail loudly instead.
   if (blockDim.x != static_cast<uint32_t>(kL.num_threads())) __trap();
@@ -326,7 +322,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     for (int x = 0; x < 2; ++x) {
       ptx::mbar_init(&q_full_bar[x], 1);
       ptx::mbar_init(&q_empty_bar[x], 4 * kNumMathWGs);
-      if constexpr (kSplitRelu == 2) ptx::mbar_init(&pieces_full_bar[x], 1);
+      if constexpr (kSplitRelu) ptx::mbar_init(&pieces_full_bar[x], 1);
     }
     ptx::fence_mbar_init();
   }
@@ -523,32 +519,18 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   const int row_in_tile = static_cast<int>(warp_in_wg * 16 + (lane >> 2) + (hi ? 8 : 0));
 
   float2 wreg[kWeightsInRegs ? kNextN : 1][kWeightsInRegs ? kHG : 1];
-  // split_relu: pieces and maxima of a q slot's sequence, this WG's own (1) or the slot's (2), and
-  // coef[i] = sigma of piece `quad` of token i of the current sequence.
-  auto pieces_of = [&](uint32_t slot) -> uint8_t* {
-    return kSplitRelu == 1 ? pieces_smem + wg * kL.pieces_bytes_per_wg()
-                           : q_smem + slot * kL.q_slot_bytes() + kN * kHeadDim;
-  };
-  auto amax_of = [&](uint32_t slot) -> uint32_t* {
-    return amax_smem + (kSplitRelu == 1 ? wg : slot) * kNextN * kSplitPieces;
-  };
+  // split_relu: coef[i] = sigma of piece `quad` of token i of the current sequence.
   float coef[kSplitRelu ? kNextN : 1];
-  // Builds the pieces of the sequence in q slot `slot` (its q_full has been waited for): with
-  // split_relu 1 every WG for itself (none of its WGMMAs in flight), with 2 only WG 0, which then
-  // arrives on pieces_full[slot] (the other WGs' WGMMAs of the slot's previous sequence are done: they
-  // arrived on its q_empty before the slot was reloaded).
+  auto amax_of = [&](uint32_t slot) { return amax_smem + slot * kNextN * kSplitPieces; };
+  // Math WG 0 builds the pieces of the sequence in q slot `slot` (its q_full has been waited for) and
+  // arrives on pieces_full[slot]. The other WGs' WGMMAs of the slot's previous sequence are done:
+  // they arrived on its q_empty before the slot was reloaded.
   [[maybe_unused]] auto build_pieces = [&](uint32_t slot) {
     const int tid = static_cast<int>(threadIdx.x % 128);
-    uint32_t* amax = amax_of(slot);
-    if (tid < kNextN * kSplitPieces) amax[tid] = 0u;
-    ptx::named_barrier_sync(1 + wg, 128);
-    static_assert(kSplitRelu != 1 || kL.pieces_chunk_bytes() == split_relu::rows_per_chunk(kTPC) * kHeadDim,
-                  "pieces layout");
-    split_relu::build_pieces<kNumHeads, kHeadDim, kNextN, kTPC>(q_smem + slot * kL.q_slot_bytes(), pieces_of(slot),
-                                                                weights_smem + slot * kN, amax, kNextN, tid, 1 + wg);
-    if constexpr (kSplitRelu == 2) {
-      if (tid == 0) ptx::mbar_arrive(&pieces_full_bar[slot]);
-    }
+    uint8_t* q = q_smem + slot * kL.q_slot_bytes();
+    split_relu::build_pieces<kNumHeads, kHeadDim, kNextN>(q, q + kN * kHeadDim, weights_smem + slot * kN,
+                                                          amax_of(slot), kNextN, tid, 1 + wg);
+    if (tid == 0) ptx::mbar_arrive(&pieces_full_bar[slot]);
   };
   int row_len[kNextN];
   int seq_b = 0;
@@ -574,9 +556,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         for (int hg = 0; hg < kHG; ++hg)
           wreg[i][hg] = *reinterpret_cast<const float2*>(wsl + i * kNumHeads + hg * 8 + quad * 2);
     }
-    if constexpr (kSplitRelu != 0) {
-      if (kSplitRelu == 1 || wg == 0) build_pieces(slot);
-      if constexpr (kSplitRelu == 2) mbar_wait_loop(&pieces_full_bar[slot], (static_cast<uint32_t>(gen) >> 1) & 1u);
+    if constexpr (kSplitRelu) {
+      if (wg == 0) build_pieces(slot);
+      mbar_wait_loop(&pieces_full_bar[slot], (static_cast<uint32_t>(gen) >> 1) & 1u);
       const uint32_t* amax = amax_of(slot);
 #pragma unroll
       for (int i = 0; i < kNextN; ++i) coef[i] = split_relu::piece_scale(amax[i * kSplitPieces + quad]);
@@ -590,8 +572,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     mbar_arrive_if(&q_empty_bar[cur_gen & 1], cur_gen >= 0 && lane == 0);
     for (int h = cur_gen + 1; h < gen; ++h) {
       mbar_wait_loop(&q_full_bar[h & 1], (static_cast<uint32_t>(h) >> 1) & 1u);
-      // split_relu 2: WG 0 builds every sequence's pieces, also those it has no tile of
-      if constexpr (kSplitRelu == 2) {
+      // split_relu: WG 0 builds every sequence's pieces, also those it has no tile of
+      if constexpr (kSplitRelu) {
         if (wg == 0) build_pieces(static_cast<uint32_t>(h) & 1u);
       }
       __syncwarp();
@@ -608,20 +590,12 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   mbar_wait_loop(&q_full_bar[0], 0);
   if (slot_info[0] >= 0) take_generation(0);
 
-  // split_relu 1: the linear half's accumulators (columns: token 2 g + c of the chunk, piece `quad`);
-  // with 2 they follow the chunk's columns in acc.
-  float acc_lin[kSplitRelu == 1 ? kLinCols / 2 : 1];
-  auto lin_acc = [&](const float* acc, int t, int j) {
-    const int i = 4 * (t / 2) + 2 * j + t % 2;
-    return kSplitRelu == 1 ? acc_lin[i] : acc[kChunkCols / 2 + i];
-  };
-
-  // WGMMA of chunk c of the tile in stage `stage` into acc (and acc_lin; committed, not waited).
+  // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited).
   auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage) {
     constexpr int c = decltype(chunk_c)::value;
     constexpr int tok0 = c * kTPC;
     constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
-    constexpr int cols = tpc * kNumHeads + (kSplitRelu == 2 ? kLinCols : 0);
+    constexpr int cols = tpc * kNumHeads + kL.linear_cols();  // split_relu: one chunk, pieces after its rows
     using Mma = ptx::WgmmaFp8<cols>;
     const uint64_t desc_a = ptx::make_kmajor_desc<kHeadDim>(kv_smem + stage * kL.kv_tile_bytes());
     const uint64_t desc_b = ptx::make_kmajor_desc<kHeadDim>(
@@ -631,19 +605,12 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 32; ++kk)
       Mma::mma(acc, desc_a + static_cast<uint64_t>(kk * 2), desc_b + static_cast<uint64_t>(kk * 2), kk > 0);
-    if constexpr (kSplitRelu == 1) {
-      ptx::fence_accum<kLinCols / 2>(acc_lin);
-      const uint64_t desc_p = ptx::make_kmajor_desc<kHeadDim>(pieces_of(0) + c * kL.pieces_chunk_bytes());
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 32; ++kk)
-        ptx::WgmmaFp8<kLinCols>::mma(acc_lin, desc_a + static_cast<uint64_t>(kk * 2),
-                                     desc_p + static_cast<uint64_t>(kk * 2), kk > 0);
-    }
     ptx::wgmma_commit();
   };
 
   // Per element: relu(x), or with split_relu |x| (a free FFMA operand modifier) plus, per (token, row),
-  // the linear half sigma_p * (piece_p . k) from acc_lin; the sum is then halved with the key scale.
+  // the linear half sigma_p * (piece_p . k) from the pieces columns (token 2 g + c, piece `quad`, after
+  // the chunk's columns); the sum is then halved with the key scale.
   auto relu_part = [](float x) { return kSplitRelu ? fabsf(x) : fmaxf(x, 0.0f); };
 
   // Epilogue of chunk c: relu, head weights, head sum, quad reduce-scatter, key scale, stores.
@@ -678,7 +645,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       if constexpr (kSplitRelu) {
 #pragma unroll
         for (int j = 0; j < 2; ++j)
-          part[j][t][0] = fmaf(coef[tok0 + t], lin_acc(acc, t, j), part[j][t][0]);
+          part[j][t][0] =
+              fmaf(coef[tok0 + t], acc[kChunkCols / 2 + 4 * (t / 2) + 2 * j + t % 2], part[j][t][0]);
       }
     }
     // quad reduce-scatter, step 1 (lane ^ 2): keep row r0 + 8*hi, all tokens
@@ -760,7 +728,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     // current one. NOTES: every program point has a fixed number of WGMMA groups in flight (one at the
     // inner loop's head, none at the outer loop's), else ptxas serializes the WGMMAs. A generation
     // switch (and the sentinel) first finishes the tile in flight, which uses the old q / weights / rows.
-    static_assert(kNumChunks == 1 && kSplitRelu != 1, "pipelined tiles: one chunk, no second WGMMA");
+    static_assert(kNumChunks == 1, "pipelined tiles: one chunk");
     using Chunk0 = std::integral_constant<int, 0>;
     float acc2[2][kMmaCols / 2];
     auto start_tile = [&](auto slot_c, const int4& info) {
@@ -815,7 +783,6 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         issue_chunk(chunk_c, acc, t.st);
         ptx::wgmma_wait<0>();
         ptx::fence_accum<kMmaCols / 2>(acc);
-        if constexpr (kSplitRelu == 1) ptx::fence_accum<kLinCols / 2>(acc_lin);
         if constexpr (c == kNumChunks - 1) release_stage(t.st);  // keys, scales and info all read
         epilogue_chunk(chunk_c, acc, t.key, t.scale);
       });

@@ -26,13 +26,12 @@
 // to align the dynamic shared-memory base):
 //   [q slots]      2 x (next_n*H rows x D bytes), TMA-swizzled (double-buffered across sequences)
 //   [kv stages]    S x (64 tokens x D bytes), TMA-swizzled; a BLOCK_KV=32 tile is 2 stacked blocks
-//                  (split_relu 2: each slot's q rows are followed by linear_cols() pieces rows)
-//   [pieces]       (split_relu 1) W x (num_chunks x linear_cols() rows x D bytes), swizzled, 1024-aligned per WG
+//                  (split_relu: each slot's q rows are followed by linear_cols() pieces rows)
 //   [scales]       S x 64 fp32
 //   [weights]      2 x next_n*H fp32
 //   [stage info]   S x int4 {generation, sequence, first token, flags}
 //   [slot info]    2 x 8 int {sequence, row lengths L_0..L_{next_n-1}}
-//   [amax]         (split_relu 1 / 2) W / 2 x next_n x 4 uint32
+//   [amax]         (split_relu) 2 x next_n x 4 uint32: per q slot, the pieces' max |value|
 //   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (+ pieces_full[2]) (uint64 mbarriers)
 #pragma once
 
@@ -48,10 +47,9 @@ struct PagedMqaLogitsLayout {
   int num_kv_stages;  // a multiple of stage_granularity(), <= kMaxKVStages (pick with paged_mqa_max_kv_stages)
   int out_bytes;      // 4 (float) or 2 (bf16)
   int math_wgs = 0;   // math warpgroups, 2..4; 0: default_math_wgs()
-  // Linear half of relu on the tensor cores (split_relu.cuh); form 1 not with pipeline_tiles():
-  //   0: off; 1: every math WG builds its own pieces, a second WGMMA per chunk;
-  //   2: math WG 0 builds them after the q rows of the shared slot (one chunk), one WGMMA of N + 8.
-  int split_relu = 0;
+  // Linear half of relu on the tensor cores (split_relu.cuh), single-chunk shapes: math WG 0 builds
+  // the pieces after the q rows of the slot once per sequence; they join the WGMMA (N + linear_cols()).
+  bool split_relu = false;
 
   static constexpr int kSplitKV = 256;       // tokens per scheduled segment (metadata contract)
   static constexpr int kTileTokens = 64;     // WGMMA M: tokens per tile
@@ -119,49 +117,32 @@ struct PagedMqaLogitsLayout {
 #ifdef DI_PAGED_NO_TILE_PIPELINE  // A/B switch for the kernel (DI_JIT_EXTRA_FLAGS); the host does not depend on it
     return false;
 #endif
-    return split_relu != 1 && num_chunks() == 1 && n_total() <= 128 &&
-           mma_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
+    return num_chunks() == 1 && n_total() <= 128 && mma_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
   }
-  // split_relu: per chunk, a second WGMMA (N = linear_cols()) of the KV tile with the chunk's q~ pieces,
-  // which every math WG builds for itself per sequence (its own copy: no cross-WG synchronization).
-  constexpr DI_HOST_DEVICE int linear_cols() const {
-    return split_relu ? 8 * ((tokens_per_chunk() + 1) / 2) : 0;
-  }
-  // Chunks' pieces back to back (whole 8-row swizzle atoms: what split_relu::build_pieces writes).
-  constexpr DI_HOST_DEVICE int pieces_chunk_bytes() const { return linear_cols() * head_dim; }
-  constexpr DI_HOST_DEVICE int pieces_bytes_per_wg() const {
-    return split_relu == 1 ? align1024(num_chunks() * pieces_chunk_bytes()) : 0;
-  }
-  // WGMMA N of a chunk and its accumulators per thread (split_relu 2: the pieces columns too).
-  constexpr DI_HOST_DEVICE int mma_cols() const { return chunk_cols() + (split_relu == 2 ? linear_cols() : 0); }
+  // split_relu: the pieces columns (an 8-column group per 2 tokens) and the WGMMA N with them.
+  constexpr DI_HOST_DEVICE int linear_cols() const { return split_relu ? 8 * ((next_n + 1) / 2) : 0; }
+  constexpr DI_HOST_DEVICE int mma_cols() const { return chunk_cols() + linear_cols(); }
 
   // ---------------------------------------------------------------- shared memory
   constexpr DI_HOST_DEVICE int swizzle_bytes() const { return head_dim; }  // 128B or 64B swizzle
-  // A q slot: the sequence's q rows (+ the pieces rows with split_relu 2), 1024-aligned.
-  constexpr DI_HOST_DEVICE int q_slot_bytes() const {
-    return align1024((n_total() + (split_relu == 2 ? linear_cols() : 0)) * head_dim);
-  }
+  // A q slot: the sequence's q rows (+ the pieces rows with split_relu), 1024-aligned.
+  constexpr DI_HOST_DEVICE int q_slot_bytes() const { return align1024((n_total() + linear_cols()) * head_dim); }
   constexpr DI_HOST_DEVICE int kv_tile_bytes() const { return kTileTokens * head_dim; }
   constexpr DI_HOST_DEVICE int scales_bytes_per_stage() const { return kTileTokens * 4; }
   constexpr DI_HOST_DEVICE int weights_slot_bytes() const { return n_total() * 4; }
   constexpr DI_HOST_DEVICE int q_offset() const { return 0; }
   constexpr DI_HOST_DEVICE int kv_offset() const { return q_offset() + 2 * q_slot_bytes(); }
-  constexpr DI_HOST_DEVICE int pieces_offset() const { return kv_offset() + num_kv_stages * kv_tile_bytes(); }
-  constexpr DI_HOST_DEVICE int scales_offset() const {
-    return pieces_offset() + num_math_wgs() * pieces_bytes_per_wg();
-  }
+  constexpr DI_HOST_DEVICE int scales_offset() const { return kv_offset() + num_kv_stages * kv_tile_bytes(); }
   constexpr DI_HOST_DEVICE int weights_offset() const {
     return scales_offset() + num_kv_stages * scales_bytes_per_stage();
   }
   constexpr DI_HOST_DEVICE int stage_info_offset() const { return weights_offset() + 2 * weights_slot_bytes(); }
   constexpr DI_HOST_DEVICE int slot_info_offset() const { return stage_info_offset() + num_kv_stages * 16; }
-  // split_relu: the pieces' max |value| (float bits) [next_n][4], per math WG (1) or per q slot (2)
+  // split_relu: per q slot, the pieces' max |value| (float bits) [next_n][4]
   constexpr DI_HOST_DEVICE int amax_offset() const { return slot_info_offset() + 2 * 32; }
-  constexpr DI_HOST_DEVICE int barrier_offset() const {
-    return amax_offset() + (split_relu == 1 ? num_math_wgs() : (split_relu == 2 ? 2 : 0)) * next_n * 16;
-  }
-  // full[S], empty[S], q_full[2], q_empty[2], and with split_relu 2 pieces_full[2]
-  constexpr DI_HOST_DEVICE int num_barriers() const { return 2 * num_kv_stages + 4 + (split_relu == 2 ? 2 : 0); }
+  constexpr DI_HOST_DEVICE int barrier_offset() const { return amax_offset() + (split_relu ? 2 * next_n * 16 : 0); }
+  // full[S], empty[S], q_full[2], q_empty[2], and with split_relu pieces_full[2]
+  constexpr DI_HOST_DEVICE int num_barriers() const { return 2 * num_kv_stages + 4 + (split_relu ? 2 : 0); }
   constexpr DI_HOST_DEVICE int smem_used_bytes() const { return barrier_offset() + num_barriers() * 8; }
   constexpr DI_HOST_DEVICE int smem_bytes() const { return smem_used_bytes() + kSmemAlignSlack; }
   // Bytes one sequence's q + weights TMA brings in (expect_tx of q_full).
@@ -181,9 +162,8 @@ struct PagedMqaLogitsLayout {
            num_kv_stages >= stage_granularity() && num_kv_stages <= kMaxKVStages &&
            num_kv_stages % stage_granularity() == 0 &&
            producer_regs() + num_math_wgs() * math_regs() <= (num_math_wgs() + 1) * launch_regs() &&
-           chunk_cols() / 2 + linear_cols() / 2 + kMathRegsOther <= math_regs() &&  // the accumulators fit
-           split_relu >= 0 && split_relu <= 2 && (split_relu != 2 || (num_chunks() == 1 && mma_cols() <= 256)) &&
-           (!split_relu || next_n * 4 <= 128) && pieces_offset() % 1024 == 0 &&
+           mma_cols() / 2 + kMathRegsOther <= math_regs() &&  // the accumulators fit
+           (!split_relu || (num_chunks() == 1 && mma_cols() <= 256)) &&
            // swizzle atoms: every q slot / KV tile / q box / chunk start on a 1024-byte boundary
            q_slot_bytes() % 1024 == 0 && kv_tile_bytes() % 1024 == 0 && (q_box_rows() * head_dim) % 1024 == 0 &&
            (chunk_cols() * head_dim) % 1024 == 0 && (block_kv * head_dim) % 1024 == 0 &&
@@ -197,7 +177,7 @@ struct PagedMqaLogitsLayout {
 constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, int head_dim, int block_kv,
                                                    int out_bytes, int math_wgs = 0,
                                                    int max_stages = PagedMqaLogitsLayout::kMaxKVStages,
-                                                   int split_relu = 0) {
+                                                   bool split_relu = false) {
   const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes, math_wgs}.stage_granularity();
   const int cap = max_stages < PagedMqaLogitsLayout::kMaxKVStages ? max_stages : PagedMqaLogitsLayout::kMaxKVStages;
   for (int s = (cap / w > 1 ? cap / w : 1) * w; s >= w; s -= w) {
@@ -209,7 +189,7 @@ constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, 
 
 constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(
     int next_n, int num_heads, int head_dim, int block_kv, int out_bytes, int math_wgs = 0,
-    int max_stages = PagedMqaLogitsLayout::kMaxKVStages, int split_relu = 0) {
+    int max_stages = PagedMqaLogitsLayout::kMaxKVStages, bool split_relu = false) {
   const int stages =
       paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs, max_stages, split_relu);
   return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, stages, out_bytes, math_wgs, split_relu};

@@ -7,9 +7,9 @@
 // e4m3(r_p / sigma_p), r_0 = q~, r_{p+1} = r_p - sigma_p piece_p, sigma_p = max_d |r_p[d]| / 448, so
 // q~ = sum_p sigma_p piece_p up to ~2^-16 of max |q~| (each piece keeps ~4 bits of what is left).
 //
-// Placement: the pieces of a chunk of kTPC tokens (the tokens that share one WGMMA) fill
-// 8 * ceil(kTPC / 2) rows; piece p of chunk-local token t is row 8 (t / 2) + 2 p + t % 2, so that in
-// the m64nN accumulator (column 8 g + 2 quad + c per thread) the token of a column depends on the
+// Placement: the pieces of T tokens (those that share one WGMMA) fill 8 * ceil(T / 2) rows after
+// their q rows; piece p of token t is row 8 (t / 2) + 2 p + t % 2 of them, so that in the m64nN
+// accumulator (column 8 g + 2 quad + c per thread) the token of a pieces column depends on the
 // register only (t = 2 g + c) and the piece on the lane only (p = quad).
 #pragma once
 #include <cstdint>
@@ -23,7 +23,6 @@ constexpr int kPieces = 4;  // = lanes per quad
 constexpr float kE4M3Max = 448.0f;
 
 DI_DEVICE float piece_scale(uint32_t amax_bits) { return __uint_as_float(amax_bits) * (1.0f / kE4M3Max); }
-DI_HOST_DEVICE constexpr int rows_per_chunk(int tpc) { return 8 * ((tpc + 1) / 2); }
 // Lanes that share one (token, word) column when there are fewer columns than the 128 threads: the
 // largest power of two that keeps cols * lanes <= 128.
 DI_HOST_DEVICE constexpr int lanes_per_column(int cols) {
@@ -34,11 +33,11 @@ DI_HOST_DEVICE constexpr int lanes_per_column(int cols) {
 
 // Builds the pieces of the T tokens whose q rows (token-major, [T * H rows][D bytes], swizzled like
 // TMA with D-byte rows) start at `q` and whose weights are w[T][H], into `pieces` (same swizzle,
-// chunks of kTPC tokens one after another, each rows_per_chunk(kTPC) rows; 1024-byte aligned).
-// amax[T][kPieces] (max |r_p| as float bits) must be zero on entry; tokens >= num_valid get zero
-// pieces (their q rows may never have been loaded). Called by all 128 threads (tid 0..127) of one
-// warpgroup, with a named barrier id of its own; ends with the pieces visible to the async proxy.
-template <int H, int D, int T, int kTPC>
+// 1024-byte aligned), and leaves amax[T][kPieces] = max |r_p| as float bits (sigma_p = piece_scale).
+// Tokens >= num_valid get zero pieces (their q rows may never have been loaded). Called by all 128
+// threads (tid 0..127) of one warpgroup, with a named barrier id of its own; ends with the pieces
+// visible to the async proxy and amax to the warpgroup.
+template <int H, int D, int T>
 DI_DEVICE void build_pieces(const uint8_t* q, uint8_t* pieces, const float* w, uint32_t* amax, int num_valid,
                             int tid, uint32_t barrier_id) {
   constexpr int kWords = D / 4;  // 32-bit words (4 fp8) per q row
@@ -47,7 +46,6 @@ DI_DEVICE void build_pieces(const uint8_t* q, uint8_t* pieces, const float* w, u
   constexpr int kSplit = lanes_per_column(kCols);  // lanes sharing a column's head sum
   constexpr int kHeads = H / kSplit;
   static_assert(kSplit <= 32 && kHeads * kSplit == H, "bad split");
-  static_assert(T % kTPC == 0, "whole chunks");
   using Sw = ptx::SwizzleMode<D>;
 
   float r[kColsPerThread][4];
@@ -87,6 +85,8 @@ DI_DEVICE void build_pieces(const uint8_t* q, uint8_t* pieces, const float* w, u
     r[cc][3] = v.w;
   }
   const bool writer = kSplit == 1 || tid % kSplit == 0;
+  if (tid < T * kPieces) amax[tid] = 0u;
+  ptx::named_barrier_sync(barrier_id, 128);
 #pragma unroll
   for (int p = 0; p < kPieces; ++p) {
 #pragma unroll
@@ -108,8 +108,7 @@ DI_DEVICE void build_pieces(const uint8_t* q, uint8_t* pieces, const float* w, u
       r[cc][1] = fmaf(-sigma, back.y, r[cc][1]);
       r[cc][2] = fmaf(-sigma, back.z, r[cc][2]);
       r[cc][3] = fmaf(-sigma, back.w, r[cc][3]);
-      const int tl = tok[cc] % kTPC;
-      const int row = (tok[cc] / kTPC) * rows_per_chunk(kTPC) + 8 * (tl / 2) + 2 * p + tl % 2;
+      const int row = 8 * (tok[cc] / 2) + 2 * p + tok[cc] % 2;
       if (writer && active[cc]) *reinterpret_cast<uint32_t*>(pieces + Sw::swizzle(row * D + 4 * word[cc])) = bits;
     }
   }
