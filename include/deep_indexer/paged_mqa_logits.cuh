@@ -5,7 +5,7 @@
 //   L(b, i) = context_lens[b] - next_n + i + 1   (1-D context_lens)   or   context_lens[b, i]  (2-D)
 //
 // Structure (see paged_mqa_logits_layout.hpp for the numbers and the shared-memory map):
-//   * Persistent grid: CTA c walks the (sequence, 256-token segment) items [schedule[c], schedule[c+1])
+//   * Persistent grid: CTA c walks the (sequence, 64-token segment) items [schedule[c], schedule[c+1])
 //     in row-major order; segments are walked as 64-token tiles, numbered k = 0, 1, ... per CTA.
 //     Sequences met in the walk are numbered "generations" g = 0, 1, ...; generation g's q and
 //     weights live in q slot g % 2.
@@ -123,7 +123,10 @@ __device__ __forceinline__ void st_global_if(__nv_bfloat16* ptr, float v, bool p
 }
 __device__ __forceinline__ int warp_broadcast(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
-__device__ __forceinline__ int num_segments(int len) { return (len >> 8) + ((len & 255) != 0 ? 1 : 0); }
+__device__ __forceinline__ int num_segments(int len) {
+  constexpr int kSplit = PagedMqaLogitsLayout::kSplitKV;
+  return len / kSplit + (len % kSplit != 0 ? 1 : 0);  // len >= 0
+}
 
 // Walks the (sequence, segment) items of one CTA's schedule range. Warp-collective: every lane
 // of the calling warp must call every member with the same arguments. Sequence lengths are
@@ -302,16 +305,14 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
 
-  // NOTES: the producers' schedule rows are loaded before the prologue's barrier, which they do not
-  // need: their latency overlaps the barrier setup. No launch sets programmatic stream serialization
-  // (PDL), so grid_dependency_wait() is a no-op; a launch that does must move this load after it.
-  int4 sched = make_int4(0, 0, 0, 0);
-  if (warp >= kProducerWarp0) {
-    const int* row = schedule + 2 * blockIdx.x;
-    sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
-  }
+  // A launch with programmatic stream serialization (PDL) may start before the previous kernel has
+  // finished: every read of the inputs comes after this (a no-op otherwise).
+  grid_dependency_wait();
 
-  // NOTES: one thread sets the barriers up; spreading this over warp 0's lanes measured 1.3 us slower.
+  // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes measured 1.3 us slower)
+  // while the producers resolve their first work items (schedule row -> context lengths -> block
+  // table entries: dependent global loads) before the prologue's barrier, which they do not need for
+  // that: its latency overlaps theirs. DI_PAGED_LATE_FIRST (experiment) resolves them after it.
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -330,19 +331,59 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     ptx::prefetch_tensor_map(&tmap_kv);
     ptx::prefetch_tensor_map(&tmap_q);
   }
-  grid_dependency_wait();
+
+  using Walker = RangeWalker<kNextN, kContextLens2D>;
+  using Item = typename Walker::Item;
+  using Group = typename Walker::Group;
+  constexpr int kP = kNumKVProducers;
+  constexpr int kSegsPerGroup = 32 / kBlocksPerSeg;  // one warp load of the block table per group
+  const int p = static_cast<int>(warp) - static_cast<int>(kProducerWarp0) - 1;  // KV producer index
+  const bool is_q_producer = warp == kProducerWarp0;
+  const bool is_kv_producer = p >= 0 && p < kP;
+  // lane l: physical block of logical block grp.g * 32 + l (if it exists)
+  auto load_ids = [&](const Group& grp) -> int {
+    int id = 0;
+    if (Walker::valid(grp)) {
+      const int nb = (grp.len / BLOCK_KV) + ((grp.len % BLOCK_KV) != 0 ? 1 : 0);
+      const int blk = grp.g * 32 + static_cast<int>(lane);
+      if (blk < nb && blk < block_table_cols)
+        id = __ldg(block_table + static_cast<int64_t>(grp.b) * block_table_stride + blk);
+    }
+    return id;
+  };
+  Walker walker;
+  Item q_cur{0, 0, 0};                                 // Q producer: its first sequence
+  Group kv_cur{0, 0, 0, 0, 0}, kv_nxt{0, 0, 0, 0, 0};  // KV producers: the first two block-table groups
+  int kv_ids = 0, kv_ids_next = 0;
+  auto resolve_first = [&]() {
+    if (!is_q_producer && !is_kv_producer) return;
+    const int* row = schedule + 2 * blockIdx.x;
+    const int4 sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
+    if (is_q_producer) {
+      q_cur = walker.first(sched, context_lens, batch_size);
+    } else {
+      kv_cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
+      kv_ids = load_ids(kv_cur);
+      kv_nxt = kv_cur;
+      if (Walker::valid(kv_cur)) kv_nxt = walker.template next_group<kSegsPerGroup>(kv_cur);
+      kv_ids_next = load_ids(kv_nxt);  // a whole group ahead
+    }
+  };
+#ifndef DI_PAGED_LATE_FIRST
+  resolve_first();
+#endif
   __syncthreads();
   tr.mark<0>();
+#ifdef DI_PAGED_LATE_FIRST
+  resolve_first();
+#endif
 
   if (warp >= kProducerWarp0) {
     // ================================================================ producer warpgroup
     ptx::reg_dealloc<static_cast<uint32_t>(kL.producer_regs())>();
-    using Walker = RangeWalker<kNextN, kContextLens2D>;
-    if (warp == kProducerWarp0) {
+    if (is_q_producer) {
       // ---------------------------------------------------------- Q producer
-      Walker walker;
-      using Item = typename Walker::Item;
-      Item cur = walker.first(sched, context_lens, batch_size);
+      Item cur = q_cur;
       tr.mark<1>(cur.len);
       if (!walker.valid(cur) && lane == 0) {  // no work: release the math WGs' wait for generation 0
         slot_info[0] = -1;
@@ -397,36 +438,16 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     } else {
       // ---------------------------------------------------------- KV producers (the other 3 warps)
       // Every KV producer walks all tiles of the range (tile counter k) and issues those with
-      // k % kNumKVProducers == its index: tile k -> stage k % S (parity (k / S) & 1), WG k % 2.
-      constexpr int kP = kNumKVProducers;
-      constexpr int kSegsPerGroup = 32 / kBlocksPerSeg;  // one warp load of the block table per group
-      const int p = static_cast<int>(warp - kProducerWarp0) - 1;
-      if (p >= kP) return;
-      Walker walker;
-      using Group = typename Walker::Group;
-
-      // lane l: physical block of logical block grp.g * 32 + l (if it exists)
-      auto load_ids = [&](const Group& grp) -> int {
-        int id = 0;
-        if (Walker::valid(grp)) {
-          const int nb = (grp.len / BLOCK_KV) + ((grp.len % BLOCK_KV) != 0 ? 1 : 0);
-          const int blk = grp.g * 32 + static_cast<int>(lane);
-          if (blk < nb && blk < block_table_cols)
-            id = __ldg(block_table + static_cast<int64_t>(grp.b) * block_table_stride + blk);
-        }
-        return id;
-      };
+      // k % kNumKVProducers == its index: tile k -> stage k % S (parity (k / S) & 1), WG k % W.
+      if (!is_kv_producer) return;
       auto stage_of = [](int k, uint32_t& st, uint32_t& ph) {
         st = static_cast<uint32_t>(k % kStages);
         ph = static_cast<uint32_t>((k / kStages) & 1);
       };
 
-      Group cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
+      Group cur = kv_cur, nxt = kv_nxt;
       tr.mark<1>(cur.len);
-      int ids = load_ids(cur);
-      Group nxt = cur;
-      if (Walker::valid(cur)) nxt = walker.template next_group<kSegsPerGroup>(cur);
-      int ids_next = load_ids(nxt);  // a whole group ahead
+      int ids = kv_ids, ids_next = kv_ids_next;
       int k = 0;                     // tile counter of the CTA's walk
       int gen = 0;                   // generation (sequence count) of `cur`
       const bool any = Walker::valid(cur);

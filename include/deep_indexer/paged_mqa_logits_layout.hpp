@@ -19,7 +19,8 @@
 //                          context_lens_2d, OutT, l.split_relu>
 //
 // Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
-// segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. Tile k of a CTA's
+// segments of split_kv() = 64 tokens (one tile: CTAs get equal tile counts, +-1); each segment is
+// walked as 64-token tiles. Tile k of a CTA's
 // walk goes to math warpgroup k % num_math_wgs() and KV stage k % num_kv_stages.
 //
 // Shared memory (offsets from a 1024-byte aligned base; smem_bytes() includes 1024 bytes of slack
@@ -37,6 +38,12 @@
 
 #include <deep_indexer/host_device.hpp>
 
+// Tokens per scheduled segment. Experiment switch only (tools/ab.py): the metadata kernel and the
+// logits kernel must be built with the same value, and the CPU reference assumes the default.
+#ifndef DI_PAGED_SPLIT_KV
+#define DI_PAGED_SPLIT_KV 64
+#endif
+
 namespace deep_indexer {
 
 struct PagedMqaLogitsLayout {
@@ -51,7 +58,7 @@ struct PagedMqaLogitsLayout {
   // the pieces after the q rows of the slot once per sequence; they join the WGMMA (N + linear_cols()).
   bool split_relu = false;
 
-  static constexpr int kSplitKV = 256;       // tokens per scheduled segment (metadata contract)
+  static constexpr int kSplitKV = DI_PAGED_SPLIT_KV;  // tokens per scheduled segment (metadata contract)
   static constexpr int kTileTokens = 64;     // WGMMA M: tokens per tile
   static constexpr int kMaxKVStages = 24;    // cap on the KV ring depth
   static constexpr int kSmemLimit = 232448;  // sm_90 max dynamic shared memory per block
