@@ -3,7 +3,9 @@
 Method: inputs are drawn once per shape; before every timed call the L2 is flushed by writing a
 buffer twice its size (`--flush write`, the default of every recorded result; the dirty lines it
 leaves are written back while the timed call runs) or by reading one (`--flush read`: a clean, cold
-L2); each call is timed with CUDA events; the median of `--iters` calls is reported. Ceilings:
+L2); each call is timed with CUDA events; the median of `--iters` calls is reported. Decode shapes
+also get the logits and metadata kernels' own GPU durations (CUPTI through torch.profiler, same
+flush, median), taken after every event timing (a profiler pass slows later launches). Ceilings:
 device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through torch._scaled_mm.
 Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
 over q + weights + (D + 4) B per key token + 4 B per block-table entry + 4 B per valid logit.
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="bench.png", help="chart of the fraction of ceiling per shape ('' to skip)")
     p.add_argument("--compare", default=None, help="an importable module with the same API, run side by side")
     p.add_argument("--no-ceilings", action="store_true", help="skip measuring the ceilings")
+    p.add_argument("--no-kernel-time", action="store_true", help="skip the CUPTI kernel durations of decode shapes")
     p.add_argument("--flush", choices=("write", "read"), default="write",
                    help="L2 flush before each timed call: write a buffer twice the L2 (default) or read one")
 
@@ -120,6 +123,24 @@ class Timer:
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)  # us
         return statistics.median(times)
+
+
+def kernel_durations(fn: Callable, timer: Timer, iters: int, match: str) -> list:
+    """GPU durations (us, CUPTI through torch.profiler) of the kernels whose name contains `match`,
+    over `iters` calls of fn, each after an L2 flush. Run it after all event timings of a process:
+    once the profiler has run, launches are slower (the host can fall behind the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            timer.flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    return [e.time_range.elapsed_us() for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and match in e.name]
 
 
 def measure_ceilings(timer: Timer, device: torch.device) -> dict:
@@ -256,6 +277,7 @@ def run(args) -> dict:
     H, D = args.heads, args.head_dim
     out_dtype = getattr(torch, args.logits_dtype)
     rows = []
+    kernel_time = []  # (row, logits call, metadata call) of decode shapes, for the CUPTI pass at the end
     for n, sid in enumerate(ids):
         print(f"[{n + 1}/{len(ids)}] {sid} ...", file=sys.stderr, flush=True)
         torch.manual_seed(n)
@@ -288,6 +310,9 @@ def run(args) -> dict:
             if other is not None:
                 ometa = other.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
                 r["compare_us"] = timer(lambda: call(other, ometa), args.iters)
+            if not args.no_kernel_time:
+                kernel_time.append((r, lambda call=call: call(di), lambda x=x, num_sms=num_sms:
+                                    di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)))
             del x
         elif sid == "C1":
             M, N = 4096, 131072
@@ -307,6 +332,13 @@ def run(args) -> dict:
             r["speedup_vs_anchor"] = r["anchor_us"] / r["us"]
         rows.append(r)
         torch.cuda.empty_cache()
+    for r, logits_fn, meta_fn in kernel_time:
+        for key, fn, match in (("kernel_us", logits_fn, "paged_mqa_logits_kernel"),
+                               ("metadata_kernel_us", meta_fn, "paged_mqa_metadata_kernel")):
+            ks = kernel_durations(fn, timer, args.iters, match)
+            if ks:
+                r[key] = statistics.median(ks)
+    kernel_time.clear()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__)).stdout.strip()
@@ -324,6 +356,8 @@ def print_table(res: dict) -> None:
         anc = f"{r['anchor_us']:.1f}" if "anchor_us" in r else "-"
         sp = f"{r['speedup_vs_anchor']:.2f}x" if "speedup_vs_anchor" in r else "-"
         extra = f"  (metadata {r['metadata_us']:.1f} us)" if "metadata_us" in r else ""
+        if "kernel_us" in r:
+            extra += f"  (kernels alone: logits {r['kernel_us']:.1f} us, metadata {r.get('metadata_kernel_us', 0):.1f} us)"
         cmp = (f"  ({res.get('compare')}: {r['compare_us']:.1f} us; deep_indexer {r['compare_us'] / r['us']:.2f}x as fast)"
                if "compare_us" in r else "")
         print(f"{r['id']:<4} {r['shape']:<52} {r['us']:>10.1f} {rate:>14} {frac:>8} {anc:>9} {sp:>8}{extra}{cmp}")

@@ -301,7 +301,6 @@ def test_paged_math_wg_override_that_cannot_fit(monkeypatch):
 @pytest.mark.parametrize("B,max_len,num_sms", [(1, 40000, None), (64, 9000, None), (3, 5, 7), (33, 3000, 1),
                                                (100, 2000, 300), (128, 2500, 9), (129, 2500, 9), (4096, 300, None)])
 def test_paged_mqa_logits_batches(B, max_len, num_sms):
-    """Up to 128 sequences the kernel computes its schedule rows from context_lens, above it loads them."""
     q, cache, w, ctx, table, max_ctx = make_paged(B, 2, 64, 128, 64, max_len=max_len, seed=B)
     got = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32, num_sms=num_sms)
     assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)

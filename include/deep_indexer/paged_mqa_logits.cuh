@@ -244,62 +244,6 @@ struct RangeWalker {
   }
 };
 
-// Schedule rows c and c + 1 ({b0, s0, b_end, s_end}) of the metadata contract (paged_mqa_metadata.cuh),
-// computed from context_lens instead of loaded from the metadata's output: for batch <= 128 one
-// coalesced load per lane and a warp scan replace a dependent global load at every CTA's start.
-// Warp-collective. Lane l holds sequences 4l .. 4l + 3.
-constexpr int kInlineScheduleMaxBatch = 128;
-template <int kNextN, bool k2D>
-__device__ __forceinline__ int4 inline_schedule_rows(const int* __restrict__ ctx, int batch, int c, int num_ctas) {
-  const int lane = static_cast<int>(ptx::lane_idx());
-  uint32_t seg[4], sum = 0;
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const int b = 4 * lane + m;
-    int len = 0;
-    if (b < batch) {
-      if constexpr (k2D) {
-        len = __ldg(ctx + static_cast<int64_t>(b) * kNextN);
-#pragma unroll
-        for (int i = 1; i < kNextN; ++i) len = max(len, __ldg(ctx + static_cast<int64_t>(b) * kNextN + i));
-      } else {
-        len = __ldg(ctx + b);
-      }
-    }
-    seg[m] = static_cast<uint32_t>(num_segments(max(len, 0)));
-    sum += seg[m];
-  }
-  uint32_t incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint32_t y = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += y;
-  }
-  const uint32_t total = __shfl_sync(0xffffffffu, incl, 31);
-  const uint32_t q = total / static_cast<uint32_t>(num_ctas), r = total % static_cast<uint32_t>(num_ctas);
-  // (b, start - P[b]) for the b with P[b] <= start < P[b + 1], or (batch, 0) at start == T.
-  auto locate = [&](uint32_t i) -> int2 {
-    const uint32_t start = i * q + min(i, r);
-    uint32_t end = incl - sum, cnt = 0;  // b = number of sequences whose segments all lie before start
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      end += seg[m];
-      cnt += end <= start ? 1u : 0u;
-    }
-    const int b = static_cast<int>(__reduce_add_sync(0xffffffffu, cnt));
-    if (start >= total) return make_int2(batch, 0);
-    uint32_t pre = incl - sum, pre_b = 0;  // P[b], held by lane b / 4
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      if (m == (b & 3)) pre_b = pre;
-      pre += seg[m];
-    }
-    return make_int2(b, static_cast<int>(start - __shfl_sync(0xffffffffu, pre_b, b >> 2)));
-  };
-  const int2 lo = locate(static_cast<uint32_t>(c)), hi = locate(static_cast<uint32_t>(c) + 1);
-  return make_int4(lo.x, lo.y, hi.x, hi.y);
-}
-
 }  // namespace paged_mqa_detail
 
 template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
@@ -368,14 +312,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes measured 1.3 us slower)
   // while the producers resolve their first work items (schedule rows -> context lengths -> block
   // table entries: dependent global loads) before the prologue's barrier, which they do not need for
-  // that: its latency overlaps theirs. DI_PAGED_LATE_FIRST (experiment) resolves them after it. Up to
-  // kInlineScheduleMaxBatch sequences the schedule rows are computed from context_lens (the first of
-  // those loads goes; DI_PAGED_NO_INLINE_SCHEDULE, experiment, loads them instead).
-#ifdef DI_PAGED_NO_INLINE_SCHEDULE
-  constexpr bool kInlineSchedule = false;
-#else
-  constexpr bool kInlineSchedule = true;
-#endif
+  // that: its latency overlaps theirs. DI_PAGED_LATE_FIRST (experiment) resolves them after it.
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -420,14 +357,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   int kv_ids = 0, kv_ids_next = 0;
   auto resolve_first = [&]() {
     if (!is_q_producer && !is_kv_producer) return;
-    int4 sched;
-    if (kInlineSchedule && batch_size <= kInlineScheduleMaxBatch) {
-      sched = inline_schedule_rows<kNextN, kContextLens2D>(context_lens, batch_size, static_cast<int>(blockIdx.x),
-                                                           static_cast<int>(gridDim.x));
-    } else {
-      const int* row = schedule + 2 * blockIdx.x;
-      sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
-    }
+    const int* row = schedule + 2 * blockIdx.x;
+    const int4 sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
     if (is_q_producer) {
       q_cur = walker.first(sched, context_lens, batch_size);
     } else {
