@@ -299,7 +299,7 @@ def run(args) -> dict:
             x = decode_inputs(B, nn, avg, H, D, args.block_kv, device, seed=n)
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
-            call = lambda m, meta=meta: m.fp8_paged_mqa_logits(
+            call = lambda m, meta=meta, x=x: m.fp8_paged_mqa_logits(
                 x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"], meta, x["max_context_len"], False)
             us = timer(lambda: call(di), args.iters)
             meta_us = timer(lambda: di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms), args.iters)

@@ -77,8 +77,7 @@ def get_paged_mqa_logits_metadata(
     context_lens: torch.Tensor, block_kv: int, num_sms: Optional[int] = None, *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """Decode work split (SPEC 2.2), computed on the GPU without a host sync: int32 [num_sms + 1, 2]
-    (sequence, segment) start pairs over segments of 64 tokens (one kernel tile); see
-    reference.paged_mqa_logits_metadata.
+    (sequence, segment) start pairs over segments of 256 tokens; see reference.paged_mqa_logits_metadata.
     context_lens: int32 [B] or [B, next_n]. num_sms defaults to the device's SM count."""
     if _compiling():
         if out is None:

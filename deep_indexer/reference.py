@@ -244,7 +244,7 @@ def clean_logits(
 
 
 def paged_mqa_logits_metadata(
-    context_lens: torch.Tensor, block_kv: int, num_sms: int, split_kv: int = 64
+    context_lens: torch.Tensor, block_kv: int, num_sms: int, split_kv: int = 256
 ) -> torch.Tensor:
     """Decode work split (the contract the GPU metadata kernel reproduces bit for bit).
 

@@ -5,7 +5,7 @@
 //   L(b, i) = context_lens[b] - next_n + i + 1   (1-D context_lens)   or   context_lens[b, i]  (2-D)
 //
 // Structure (see paged_mqa_logits_layout.hpp for the numbers and the shared-memory map):
-//   * Persistent grid: CTA c walks the (sequence, 64-token segment) items [schedule[c], schedule[c+1])
+//   * Persistent grid: CTA c walks the (sequence, 256-token segment) items [schedule[c], schedule[c+1])
 //     in row-major order; segments are walked as 64-token tiles, numbered k = 0, 1, ... per CTA.
 //     Sequences met in the walk are numbered "generations" g = 0, 1, ...; generation g's q and
 //     weights live in q slot g % 2.

@@ -3,7 +3,7 @@
 // Contract (bit-exact with the CPU reference):
 //   len_b  = max(0, context_lens[b])               (1-D, kNextN == 1)
 //          = max(0, max_i context_lens[b, i])       (2-D [B, kNextN], contiguous rows)
-//   segs_b = ceil(len_b / 64) (PagedMqaLogitsLayout::kSplitKV);  P[0] = 0, P[b+1] = P[b] + segs_b;  T = P[B]
+//   segs_b = ceil(len_b / 256) (PagedMqaLogitsLayout::kSplitKV);  P[0] = 0, P[b+1] = P[b] + segs_b;  T = P[B]
 //   for i in 0..num_sms: start_i = i * (T / num_sms) + min(i, T % num_sms)
 //     schedule[i] = (B, 0)                if start_i == T
 //                 = (b, start_i - P[b])   for the b with P[b] <= start_i < P[b+1]
@@ -11,7 +11,7 @@
 //
 // Launch: grid 1, block kNumThreads, no dynamic shared memory. Any batch size with kMultiChunk (chunks
 // of kNumThreads * 4 sequences with a block-wide scan), else at most kNumThreads * 4. No host synchronization; graph-capturable.
-// Assumes T < 2^31 (i.e. the total number of 64-token segments fits in int32).
+// Assumes T < 2^31 (i.e. the total number of 256-token segments fits in int32).
 // Ends with griddepcontrol.launch_dependents (a no-op unless the next kernel is launched with
 // programmatic stream serialization; that kernel's griddepcontrol.wait still waits for this grid
 // to complete and flush).
