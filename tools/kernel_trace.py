@@ -9,7 +9,8 @@ entry/exit %globaltimer and %clock64 marks (include/deep_indexer/trace.cuh):
     q    : 0 after __syncthreads, 1 first sequence known (schedule + context_lens), 2 first q issued,
            3 first q landed (the traced build waits for it)
     kv   : 0 after __syncthreads, 1 first group known, 2 first block-table ids in, 3 first tile issued, 4 walk done,
-           5 a plain load from the first tile's block returned, 6 total wait for free stages
+           5 a plain load from the first tile's block returned, 6 total wait for free stages, 7 schedule row in
+           (q: 7 likewise, 4 its first context length in; the first work is resolved before __syncthreads)
     math : 0 after __syncthreads, 1 first tile full, 2 q ready, 3 first tile done, 4 last tile done,
            5 total wait for full stages
 A shape is a benchmark id (D1..D7) or B:next_n:avg[:H].

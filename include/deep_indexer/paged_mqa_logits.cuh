@@ -359,8 +359,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     if (!is_q_producer && !is_kv_producer) return;
     const int* row = schedule + 2 * blockIdx.x;
     const int4 sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
+    tr.mark<7>(sched.x);  // the schedule row has landed
     if (is_q_producer) {
       q_cur = walker.first(sched, context_lens, batch_size);
+      tr.mark<4>(q_cur.len);  // and its context length
     } else {
       kv_cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
       kv_ids = load_ids(kv_cur);
