@@ -364,8 +364,21 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       q_cur = walker.first(sched, context_lens, batch_size);
       tr.mark<4>(q_cur.len);  // and its context length
     } else {
+#ifndef DI_PAGED_NO_EARLY_BT
+      // NOTES: the first group's block-table entries are fetched with the schedule row alone, alongside
+      // its context length (entries past the length are never used; any column < block_table_cols may be
+      // read); reloaded below only if the first group is another one (an empty sequence at b0).
+      const int guess_b = sched.x, guess_g = sched.y / kSegsPerGroup;
+      const int guess_blk = guess_g * 32 + static_cast<int>(lane);
+      kv_ids = 0;
+      if (guess_b < batch_size && guess_blk < block_table_cols)
+        kv_ids = __ldg(block_table + static_cast<int64_t>(guess_b) * block_table_stride + guess_blk);
+      kv_cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
+      if (kv_cur.b != guess_b || kv_cur.g != guess_g) kv_ids = load_ids(kv_cur);
+#else
       kv_cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
       kv_ids = load_ids(kv_cur);
+#endif
       kv_nxt = kv_cur;
       if (Walker::valid(kv_cur)) kv_nxt = walker.template next_group<kSegsPerGroup>(kv_cur);
       kv_ids_next = load_ids(kv_nxt);  // a whole group ahead
