@@ -301,8 +301,10 @@ def run(args) -> dict:
             meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
             call = lambda m, meta=meta, x=x: m.fp8_paged_mqa_logits(
                 x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"], meta, x["max_context_len"], False)
+            meta_call = lambda x=x, num_sms=num_sms: di.get_paged_mqa_logits_metadata(
+                x["context_lens"], args.block_kv, num_sms)
             us = timer(lambda: call(di), args.iters)
-            meta_us = timer(lambda: di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms), args.iters)
+            meta_us = timer(meta_call, args.iters)
             gbps = x["bytes"] / us / 1e3
             frac = gbps / ceil["copy_GBps"] if ceil else None
             r = {"id": sid, "kind": "decode", "shape": f"B={B} next_n={nn} avg={avg} H={H} D={D} block={args.block_kv}",
@@ -311,8 +313,7 @@ def run(args) -> dict:
                 ometa = other.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
                 r["compare_us"] = timer(lambda: call(other, ometa), args.iters)
             if not args.no_kernel_time:
-                kernel_time.append((r, lambda call=call: call(di), lambda x=x, num_sms=num_sms:
-                                    di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)))
+                kernel_time.append((r, lambda call=call: call(di), meta_call))
             del x
         elif sid == "C1":
             M, N = 4096, 131072
@@ -338,7 +339,6 @@ def run(args) -> dict:
             ks = kernel_durations(fn, timer, args.iters, match)
             if ks:
                 r[key] = statistics.median(ks)
-    kernel_time.clear()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__)).stdout.strip()

@@ -45,7 +45,7 @@ def main() -> None:
         else:
             B, nn, avg, H = bench.decode_shape(sid)
             what = f"B={B} next_n={nn} H={H}"
-            x, _ = bench.decode_case(sid, dev)
+            x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
         times = {v: [] for v in variants}
         runs = {}  # decode: per variant, with that variant's schedule (its metadata build may differ)
         for _ in range(a.rounds):

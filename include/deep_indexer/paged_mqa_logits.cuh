@@ -123,11 +123,6 @@ __device__ __forceinline__ void st_global_if(__nv_bfloat16* ptr, float v, bool p
 }
 __device__ __forceinline__ int warp_broadcast(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
-__device__ __forceinline__ int num_segments(int len) {
-  constexpr int kSplit = PagedMqaLogitsLayout::kSplitKV;
-  return len / kSplit + (len % kSplit != 0 ? 1 : 0);  // len >= 0
-}
-
 // Walks the (sequence, segment) items of one CTA's schedule range. Warp-collective: every lane
 // of the calling warp must call every member with the same arguments. Sequence lengths are
 // kept in a 128-sequence window (4 per lane) so zero-length sequences are skipped 128 at a time.
@@ -211,7 +206,7 @@ struct RangeWalker {
     }
     load_window(b0);
     Item it{b0, s0, len_of(b0)};
-    if (s0 >= num_segments(it.len)) it = to_sequence(next_nonempty(b0));  // defensive
+    if (s0 >= PagedMqaLogitsLayout::num_segments(it.len)) it = to_sequence(next_nonempty(b0));  // defensive
     return it;
   }
 
@@ -224,7 +219,7 @@ struct RangeWalker {
   };
   template <int kSegsPerGroup>
   __device__ __forceinline__ Group make_group(int b, int g, int len, int s_begin) const {
-    int s_stop = min((g + 1) * kSegsPerGroup, num_segments(len));
+    int s_stop = min((g + 1) * kSegsPerGroup, PagedMqaLogitsLayout::num_segments(len));
     if (b == b_end) s_stop = min(s_stop, s_end);
     if (b >= limit) s_stop = s_begin;  // invalid
     return Group{b, g, len, s_begin, s_stop};
@@ -238,7 +233,8 @@ struct RangeWalker {
   template <int kSegsPerGroup>
   __device__ __forceinline__ Group next_group(const Group& grp) {
     const int g = grp.g + 1;
-    if (g * kSegsPerGroup < num_segments(grp.len)) return make_group<kSegsPerGroup>(grp.b, g, grp.len, g * kSegsPerGroup);
+    if (g * kSegsPerGroup < PagedMqaLogitsLayout::num_segments(grp.len))
+      return make_group<kSegsPerGroup>(grp.b, g, grp.len, g * kSegsPerGroup);
     const Item it = to_sequence(next_nonempty(grp.b));
     return make_group<kSegsPerGroup>(it.b, 0, it.len, 0);
   }
@@ -312,7 +308,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes measured 1.3 us slower)
   // while the producers resolve their first work items (schedule rows -> context lengths -> block
   // table entries: dependent global loads) before the prologue's barrier, which they do not need for
-  // that: its latency overlaps theirs. DI_PAGED_LATE_FIRST (experiment) resolves them after it.
+  // that: its latency overlaps theirs (measured neutral against resolving them after it).
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -351,12 +347,20 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     }
     return id;
   };
+  // NOTES: the first group's block-table entries are fetched with the schedule row alone, alongside
+  // its context length (entries past the length are never used; any column < block_table_cols may be
+  // read), and reloaded only if the first group is another one (an empty sequence at b0).
+  // -DDI_PAGED_NO_EARLY_BT (experiment) waits for the context length instead.
+#ifdef DI_PAGED_NO_EARLY_BT
+  constexpr bool kEarlyBlockTable = false;
+#else
+  constexpr bool kEarlyBlockTable = true;
+#endif
   Walker walker;
   Item q_cur{0, 0, 0};                                 // Q producer: its first sequence
   Group kv_cur{0, 0, 0, 0, 0}, kv_nxt{0, 0, 0, 0, 0};  // KV producers: the first two block-table groups
   int kv_ids = 0, kv_ids_next = 0;
-  auto resolve_first = [&]() {
-    if (!is_q_producer && !is_kv_producer) return;
+  if (is_q_producer || is_kv_producer) {
     const int* row = schedule + 2 * blockIdx.x;
     const int4 sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
     tr.mark<7>(sched.x);  // the schedule row has landed
@@ -364,34 +368,19 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       q_cur = walker.first(sched, context_lens, batch_size);
       tr.mark<4>(q_cur.len);  // and its context length
     } else {
-#ifndef DI_PAGED_NO_EARLY_BT
-      // NOTES: the first group's block-table entries are fetched with the schedule row alone, alongside
-      // its context length (entries past the length are never used; any column < block_table_cols may be
-      // read); reloaded below only if the first group is another one (an empty sequence at b0).
       const int guess_b = sched.x, guess_g = sched.y / kSegsPerGroup;
       const int guess_blk = guess_g * 32 + static_cast<int>(lane);
-      kv_ids = 0;
-      if (guess_b < batch_size && guess_blk < block_table_cols)
+      if (kEarlyBlockTable && guess_b < batch_size && guess_blk < block_table_cols)
         kv_ids = __ldg(block_table + static_cast<int64_t>(guess_b) * block_table_stride + guess_blk);
       kv_cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
-      if (kv_cur.b != guess_b || kv_cur.g != guess_g) kv_ids = load_ids(kv_cur);
-#else
-      kv_cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
-      kv_ids = load_ids(kv_cur);
-#endif
+      if (!kEarlyBlockTable || kv_cur.b != guess_b || kv_cur.g != guess_g) kv_ids = load_ids(kv_cur);
       kv_nxt = kv_cur;
       if (Walker::valid(kv_cur)) kv_nxt = walker.template next_group<kSegsPerGroup>(kv_cur);
       kv_ids_next = load_ids(kv_nxt);  // a whole group ahead
     }
-  };
-#ifndef DI_PAGED_LATE_FIRST
-  resolve_first();
-#endif
+  }
   __syncthreads();
   tr.mark<0>();
-#ifdef DI_PAGED_LATE_FIRST
-  resolve_first();
-#endif
 
   if (warp >= kProducerWarp0) {
     // ================================================================ producer warpgroup

@@ -68,6 +68,9 @@ struct PagedMqaLogitsLayout {
 
   // ---------------------------------------------------------------- launch
   constexpr DI_HOST_DEVICE int split_kv() const { return kSplitKV; }
+  static_assert(kSplitKV >= 64 && (kSplitKV & (kSplitKV - 1)) == 0, "split_kv: a power of two >= 64");
+  // Segments of a sequence of `len` >= 0 tokens (metadata and logits kernels alike).
+  static constexpr DI_HOST_DEVICE int num_segments(int len) { return len / kSplitKV + (len % kSplitKV != 0 ? 1 : 0); }
   constexpr DI_HOST_DEVICE int tile_tokens() const { return kTileTokens; }
   // Math warpgroups (tile k -> WG k % num_math_wgs()): 3 up to N = 128, else 2 (register budget).
   // For N <= 64 the 3 WGs keep two tiles in flight each (pipeline_tiles()); measured on H200 against 4

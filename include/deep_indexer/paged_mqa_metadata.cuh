@@ -30,10 +30,7 @@ __device__ __forceinline__ uint32_t segments_of(const int* __restrict__ context_
   int len = __ldg(context_lens + static_cast<int64_t>(b) * kNextN);
 #pragma unroll
   for (int i = 1; i < kNextN; ++i) len = max(len, __ldg(context_lens + static_cast<int64_t>(b) * kNextN + i));
-  len = max(len, 0);
-  constexpr int kSplit = PagedMqaLogitsLayout::kSplitKV;
-  static_assert(kSplit > 0 && (kSplit & (kSplit - 1)) == 0, "split_kv: a power of two");
-  return static_cast<uint32_t>(len / kSplit + (len % kSplit != 0 ? 1 : 0));
+  return static_cast<uint32_t>(PagedMqaLogitsLayout::num_segments(max(len, 0)));
 }
 
 // start_i of the contract.
