@@ -75,16 +75,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kernel-time", action="store_true", help="skip the CUPTI kernel durations of decode shapes")
     p.add_argument("--flush", choices=("write", "read"), default="write",
                    help="L2 flush before each timed call: write a buffer twice the L2 (default) or read one")
+    p.add_argument("--host-slack-us", type=float, default=100.0,
+                   help="GPU-side wait (us) queued after the flush, before the start event, so that a slow host has "
+                        "submitted the timed call before the GPU reaches it (0: none, the method before 2026-11-22f)")
 
 
 class Timer:
     """Cold-L2 median timing with CUDA events."""
 
-    def __init__(self, device: torch.device, flush: str = "write"):
+    def __init__(self, device: torch.device, flush: str = "write", host_slack_us: float = 100.0):
         if flush not in ("write", "read"):
             raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
+        if host_slack_us < 0:
+            raise ValueError(f"host_slack_us must be >= 0, got {host_slack_us}")
         props = torch.cuda.get_device_properties(device)
         self.flush = flush
+        # NOTES: a host slower than the flush (a loaded machine: the empty kernel measured 7-11 us
+        # instead of 3 on some) leaves the GPU idle between the start event and the timed kernel, and
+        # that idle time was counted (D4 160 vs 146 us, D1 20.7 vs 7.5 on one such machine); the slack
+        # covers it and changed nothing on a normal host (2026-11-22f). torch.cuda._sleep counts SM
+        # cycles: 2 GHz is above any Hopper clock, so the wait lasts at least host_slack_us.
+        self.slack_cycles = int(host_slack_us * 2000)
         self.flush_buf = torch.ones(2 * props.L2_cache_size // 4 + 1024, dtype=torch.float32, device=device)
         self.flush_sink = torch.empty((), dtype=torch.float32, device=device)
 
@@ -116,6 +127,8 @@ class Timer:
         times = []
         for _ in range(iters):
             self.flush_l2()
+            if self.slack_cycles:
+                torch.cuda._sleep(self.slack_cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -264,7 +277,7 @@ def run(args) -> dict:
     name = torch.cuda.get_device_name(device)
     anchor_col = 0 if "H200" in name else 1
     other = importlib.import_module(args.compare) if args.compare else None
-    timer = Timer(device, args.flush)
+    timer = Timer(device, args.flush, args.host_slack_us)
     wanted = args.shapes or ["prefill", "decode", "clean"]
     ids = []
     for s in wanted:
@@ -345,7 +358,9 @@ def run(args) -> dict:
     except OSError:
         commit = ""
     return {"device": name, "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
-            "host": platform.node(), "flush": args.flush, "ceilings": ceil, "compare": args.compare, "results": rows}
+            "host": platform.node(), "flush": args.flush, "host_slack_us": args.host_slack_us,
+            "ceilings": ceil,
+            "compare": args.compare, "results": rows}
 
 
 def print_table(res: dict) -> None:

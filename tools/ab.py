@@ -32,9 +32,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--flush", choices=("write", "read"), default="read", help="L2 flush (see deep_indexer.bench)")
+    p.add_argument("--host-slack-us", type=float, default=100.0, help="see deep_indexer.bench")
     a = p.parse_args()
     dev = torch.device("cuda")
-    timer = bench.Timer(dev, a.flush)
+    timer = bench.Timer(dev, a.flush, a.host_slack_us)
     variants = a.variants.split(";")
     keys = sorted({k for v in variants for k in parse_variant(v)})
     for sid in a.shapes:

@@ -3,7 +3,8 @@
 # extension into the same environment, or with BUILD=1):
 #   * kernel timelines (tools/kernel_trace.py) of each variant in TRACE_VARIANTS (';'-separated)
 #   * event-timed bench of BENCH_SHAPES under each variant in BENCH_VARIANTS (';'-separated)
-#   * Nsight Compute reports of the logits kernel for each "SHAPE[:VARIANT]" in NCU_RUNS (';'-separated)
+#   * Nsight Compute reports of the logits kernel for each "SHAPE[:VARIANT]" in NCU_RUNS (';'-separated);
+#     NCU_SOURCE=1: warp-state samples per SASS instruction instead ($OUT/ncu-SHAPE*-sass.csv + .ncu-rep)
 # A variant is either compiler flags (starts with '-': DI_JIT_EXTRA_FLAGS) or environment
 # assignments (e.g. "DI_PAGED_MATH_WGS=4"); an empty variant is the default build.
 # Logs go to $OUT/latency.log (ncu: $OUT/ncu.log).
@@ -42,6 +43,15 @@ for r in "${NR[@]}"; do
   [ "$shape" != "$r" ] && v=${r#*:}
   log "ncu $shape [$v]" | tee -a "$OUT/ncu.log"
   with_variant "$v" python3 tools/profile_shape.py "$shape" >/dev/null 2>&1  # JIT outside the profiler
+  if [ "${NCU_SOURCE:-0}" = 1 ]; then  # warp-state samples per SASS instruction, exported as CSV
+    rep="$OUT/ncu-$shape${v:+-$(echo "$v" | tr -c 'A-Za-z0-9' '_')}"
+    with_variant "$v" ncu --clock-control none --kernel-name regex:paged_mqa_logits_kernel --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+      --warp-sampling-interval 0 -f -o "$rep" python3 tools/profile_shape.py "$shape" >>"$OUT/ncu.log" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>>"$OUT/ncu.log"
+    ncu -i "$rep.ncu-rep" --page details >>"$OUT/ncu.log" 2>&1
+    continue
+  fi
   with_variant "$v" ncu --clock-control none --kernel-name regex:paged_mqa_logits_kernel --launch-skip 2 \
     --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats python3 tools/profile_shape.py "$shape" >>"$OUT/ncu.log" 2>&1
