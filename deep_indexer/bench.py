@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -138,10 +138,12 @@ class Timer:
         return statistics.median(times)
 
 
-def kernel_durations(fn: Callable, timer: Timer, iters: int, match: str) -> list:
+def kernel_durations(fn: Callable, timer: Timer, iters: int, match: str, before: Optional[Callable] = None,
+                     sync_each: bool = False) -> list:
     """GPU durations (us, CUPTI through torch.profiler) of the kernels whose name contains `match`,
-    over `iters` calls of fn, each after an L2 flush. Run it after all event timings of a process:
-    once the profiler has run, launches are slower (the host can fall behind the GPU)."""
+    over `iters` calls of fn, each after an L2 flush (and `before()`, if given; a synchronize after each
+    call with sync_each). Run it after all event timings of a process: once the profiler has run,
+    launches are slower (the host can fall behind the GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(20):
@@ -150,7 +152,11 @@ def kernel_durations(fn: Callable, timer: Timer, iters: int, match: str) -> list
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             timer.flush_l2()
+            if before is not None:
+                before()
             fn()
+            if sync_each:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
     return [e.time_range.elapsed_us() for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA and match in e.name]
@@ -248,8 +254,6 @@ def prefill_case(spec: str, device) -> tuple:
 def decode_case(spec: str, device) -> tuple:
     """Inputs of a decode shape (see decode_shape; D = 128, block 64) and a call of the logits op on
     them with their schedule (for the tools: profiling, timelines, A/B)."""
-    import deep_indexer as di
-
     B, nn, avg, H = decode_shape(spec)
     x = decode_inputs(B, nn, avg, H, 128, 64, device)
     return x, decode_call(x)

@@ -21,26 +21,14 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from deep_indexer import bench
 
 
 def durations(fn, timer: bench.Timer, iters: int, pattern: str) -> list:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            timer.flush_l2()
-            if pattern == "slack":
-                torch.cuda._sleep(200_000)
-            fn()
-            if pattern != "b2b":
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
-    return [e.time_range.elapsed_us() for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and "paged_mqa_logits_kernel" in e.name]
+    before = (lambda: torch.cuda._sleep(200_000)) if pattern == "slack" else None
+    return bench.kernel_durations(fn, timer, iters, "paged_mqa_logits_kernel", before=before,
+                                  sync_each=pattern != "b2b")
 
 
 def event_times(fn, timer: bench.Timer, iters: int, gap_us: float) -> list:
