@@ -124,7 +124,12 @@ class Timer:
             if n % 8 == 0:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
-        times = []
+        return statistics.median(self.times(fn, iters))
+
+    def times(self, fn: Callable[[], object], iters: int, after: Optional[Callable[[], object]] = None) -> list:
+        """Event times (us) of `iters` calls, each after a flush (and the slack); `after()` runs on the
+        host after each call has finished. No warm-up."""
+        out = []
         for _ in range(iters):
             self.flush_l2()
             if self.slack_cycles:
@@ -134,8 +139,10 @@ class Timer:
             fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)  # us
-        return statistics.median(times)
+            out.append(start.elapsed_time(end) * 1e3)
+            if after is not None:
+                after()
+        return out
 
 
 def kernel_durations(fn: Callable, timer: Timer, iters: int, match: str, before: Optional[Callable] = None,
@@ -362,8 +369,7 @@ def run(args) -> dict:
     except OSError:
         commit = ""
     return {"device": name, "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
-            "host": platform.node(), "flush": args.flush, "host_slack_us": args.host_slack_us,
-            "ceilings": ceil,
+            "host": platform.node(), "flush": args.flush, "host_slack_us": args.host_slack_us, "ceilings": ceil,
             "compare": args.compare, "results": rows}
 
 

@@ -39,7 +39,8 @@ def main() -> None:
     variants = a.variants.split(";")
     keys = sorted({k for v in variants for k in parse_variant(v)})
     for sid in a.shapes:
-        if bench.is_prefill_shape(sid):
+        prefill = bench.is_prefill_shape(sid)
+        if prefill:
             S, SKV, pattern, H, D = bench.prefill_shape(sid)
             what = f"S={S} SKV={SKV} {pattern} H={H} D={D}"
             _, run = bench.prefill_case(sid, dev)
@@ -55,7 +56,7 @@ def main() -> None:
                     os.environ.pop(k, None)
                 os.environ.update(parse_variant(v))
                 if v not in runs:
-                    runs[v] = run if bench.is_prefill_shape(sid) else bench.decode_call(x)
+                    runs[v] = run if prefill else bench.decode_call(x)
                 times[v].append(timer(runs[v], iters=a.iters))
         for k in keys:
             os.environ.pop(k, None)

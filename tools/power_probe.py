@@ -32,23 +32,15 @@ def durations(fn, timer: bench.Timer, iters: int, pattern: str) -> list:
 
 
 def event_times(fn, timer: bench.Timer, iters: int, gap_us: float) -> list:
+    def pause() -> None:
+        t = time.perf_counter() + gap_us * 1e-6
+        while time.perf_counter() < t:
+            pass
+
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        timer.flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3)
-        if gap_us:
-            t = time.perf_counter() + gap_us * 1e-6
-            while time.perf_counter() < t:
-                pass
-    return out
+    return timer.times(fn, iters, after=pause if gap_us else None)
 
 
 def main() -> int:
