@@ -118,6 +118,10 @@ PYBIND11_MODULE(_C, m) {
     return r;
   });
   m.def("num_loaded_kernels", &jit::num_loaded_kernels);
+  m.def("set_num_sms", &deep_indexer::set_num_sms, py::arg("num_sms"), py::arg("device") = -1,
+        "Caps the SMs the ops use (0 removes the cap); validated against `device` when >= 0.");
+  m.def("get_num_sms", &deep_indexer::get_num_sms, py::arg("device") = -1,
+        "The SM count the ops use on `device`; with device < 0 the cap itself (0: none).");
 
   m.def("clean_logits", &clean_logits, py::arg("logits"), py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"),
         py::arg("next_n") = 1);

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     cc.add_argument("action", choices=["info", "clear"])
     cc.set_defaults(func=_cache)
 
-    bp = sub.add_parser("bench", help="benchmark the SPEC 5 shapes against the device's measured ceilings")
+    bp = sub.add_parser("bench", help="benchmark the standard shapes (P1-P5, D1-D8) against the device's measured ceilings")
     from .bench import add_arguments
 
     add_arguments(bp)

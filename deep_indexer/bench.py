@@ -1,4 +1,4 @@
-"""`python -m deep_indexer bench`: the SPEC 5 shapes, timed against ceilings measured in the same run.
+"""`python -m deep_indexer bench`: the benchmark shapes (docs/performance.md), timed against ceilings measured in the same run.
 
 Method: inputs are drawn once per shape; before every timed call the L2 is flushed by writing a
 buffer twice its size (`--flush write`, the default of every recorded result; the dirty lines it
@@ -54,7 +54,7 @@ def decode_shape(spec: str) -> tuple:
     return tuple(parts) if len(parts) == 4 else (*parts, 64)
 
 
-# The anchor (SPEC 5): DeepGEMM on H200 / H100, microseconds.
+# The anchor: DeepGEMM on H200 / H100, microseconds.
 ANCHOR_US = {
     "P1": (232, 233), "P2": (1840, 1820), "P3": (4195, 4030), "P4": (578, 606), "P5": (17098, 16127),
     "D1": (7.1, 7.8), "D2": (26.6, 34.8), "D3": (87.1, 116), "D4": (153, 216), "D5": (82.1, 114),
@@ -195,7 +195,7 @@ def prefill_inputs(S: int, SKV: int, pattern: str, H: int, D: int, device) -> di
     i = torch.arange(S, device=device, dtype=torch.int64)
     if pattern == "causal":
         ke = SKV - S + i
-    else:  # context-parallel pattern of SPEC 5
+    else:  # context-parallel pattern (docs/performance.md)
         half, cp = S // 2, SKV // S
         idx = cp // 3
         ke = torch.where(i < half, idx * half + i, (2 * cp - 1 - idx) * half + (i - half))

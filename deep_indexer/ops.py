@@ -1,4 +1,4 @@
-"""The public ops (SPEC 2). Thin wrappers over deep_indexer._C: validation, allocation and the
+"""The public ops (docs/api.md). Thin wrappers over deep_indexer._C: validation, allocation and the
 launch all happen in C++ on PyTorch's current stream of the inputs' device."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def clean_logits(
     cu_seq_len_k_end: torch.Tensor,
     next_n: int = 1,
 ) -> torch.Tensor:
-    """Writes -inf outside each row's key range, in place, and returns `logits` (SPEC 2.4).
+    """Writes -inf outside each row's key range, in place, and returns `logits` (docs/api.md).
 
     logits: [M, N] float32/bfloat16 (stride(1) == 1, rows may be padded). ks/ke: int32
     [M // next_n]; ks may be None (0). Row r (group g = r // next_n, i = r % next_n) keeps
@@ -54,7 +54,7 @@ def fp8_mqa_logits(
     logits_dtype: torch.dtype = torch.float32,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Prefill indexer logits (SPEC 2.1): [S, SKV], logits[i, j] = k_scale[j] * sum_h w[i, h] *
+    """Prefill indexer logits (docs/api.md): [S, SKV], logits[i, j] = k_scale[j] * sum_h w[i, h] *
     relu(q[i, h] . k[j]) for max(ks[i], 0) <= j < min(ke[i], SKV); -inf elsewhere when clean_logits.
 
     q [S, H, D] fp8 e4m3 (H in 16/32/64/128, D in 32/64/128); kv = (k [SKV, D] fp8, k_scale [SKV]
@@ -76,7 +76,7 @@ def fp8_mqa_logits(
 def get_paged_mqa_logits_metadata(
     context_lens: torch.Tensor, block_kv: int, num_sms: Optional[int] = None, *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Decode work split (SPEC 2.2), computed on the GPU without a host sync: int32 [num_sms + 1, 2]
+    """Decode work split (docs/api.md), computed on the GPU without a host sync: int32 [num_sms + 1, 2]
     (sequence, segment) start pairs over segments of 256 tokens; see reference.paged_mqa_logits_metadata.
     context_lens: int32 [B] or [B, next_n]. num_sms defaults to the device's SM count."""
     if _compiling():
@@ -100,7 +100,7 @@ def fp8_paged_mqa_logits(
     logits_dtype: torch.dtype = torch.float32,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Decode indexer logits over a paged fp8 KV cache (SPEC 2.3): [B * next_n, max_context_len].
+    """Decode indexer logits over a paged fp8 KV cache (docs/api.md): [B * next_n, max_context_len].
 
     q [B, next_n, H, D] fp8 (next_n 1..4, H 16/32/64/128, D 64/128); kv_cache uint8
     [num_blocks, block_kv (32/64), 1, D + 4] (fp8 keys then fp32 scales per block); weights

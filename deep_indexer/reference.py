@@ -89,7 +89,7 @@ def mqa_logits(
     accum_dtype: torch.dtype = torch.float32,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Prefill logits (SPEC 2.1): [S, SKV] in logits_dtype.
+    """Prefill logits (docs/api.md): [S, SKV] in logits_dtype.
 
     q [S, H, D] fp8, kv = (k [SKV, D] fp8, k_scale [SKV] fp32), weights [S, H] fp32,
     ks/ke [S] int32. Row i is valid for max(ks[i], 0) <= j < min(ke[i], SKV); -inf elsewhere
@@ -131,7 +131,7 @@ def paged_mqa_logits(
     accum_dtype: torch.dtype = torch.float32,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Decode logits over a fused paged cache (SPEC 2.3): [B * next_n, max_context_len].
+    """Decode logits over a fused paged cache (docs/api.md): [B * next_n, max_context_len].
 
     q [B, next_n, H, D] fp8; kv_cache uint8 [num_blocks, block_kv, 1, D + 4]; weights
     [B * next_n, H] fp32; block_table [B, max_blocks] int32. context_lens int32 [B]: row (b, i)
@@ -211,7 +211,7 @@ def clean_logits(
     cu_seq_len_k_end: torch.Tensor,
     next_n: int = 1,
 ) -> torch.Tensor:
-    """In place (SPEC 2.4): write -inf outside each row's valid range, leave the inside untouched.
+    """In place (docs/api.md): write -inf outside each row's valid range, leave the inside untouched.
 
     logits [M, N] (float32/bfloat16, stride(1) == 1, row stride free); ks/ke int32 [M // next_n]
     (ks None = 0). Row r, group g = r // next_n, i = r % next_n, is valid for

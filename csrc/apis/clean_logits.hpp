@@ -1,4 +1,4 @@
-// API entry of clean_logits (SPEC 2.4).
+// API entry of clean_logits (docs/api.md).
 #pragma once
 #include <climits>
 #include <optional>

@@ -1,4 +1,4 @@
-// API entry of fp8_mqa_logits (SPEC 2.1).
+// API entry of fp8_mqa_logits (docs/api.md).
 #pragma once
 #include <ATen/ops/empty_strided.h>
 

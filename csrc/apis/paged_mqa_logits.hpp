@@ -1,4 +1,4 @@
-// API entries of get_paged_mqa_logits_metadata and fp8_paged_mqa_logits (SPEC 2.2, 2.3).
+// API entries of get_paged_mqa_logits_metadata and fp8_paged_mqa_logits (docs/api.md).
 #pragma once
 #include <ATen/ops/empty.h>
 

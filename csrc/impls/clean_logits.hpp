@@ -1,4 +1,4 @@
-// Host side of clean_logits (SPEC 2.4).
+// Host side of clean_logits (docs/api.md).
 #pragma once
 #include "../jit/kernel_runtime.hpp"
 

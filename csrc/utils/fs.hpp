@@ -1,4 +1,4 @@
-// Small file-system and process helpers for the JIT (no iostreams: see SPEC §6).
+// Small file-system and process helpers for the JIT (no iostreams: locale-dependent streams crashed on one toolchain).
 #pragma once
 #include <filesystem>
 #include <string>

@@ -1,4 +1,4 @@
-// clean_logits: writes -inf outside each row's valid key range, in place (SPEC 2.4).
+// clean_logits: writes -inf outside each row's valid key range, in place (docs/api.md).
 // Row r belongs to group g = r / next_n (i = r % next_n) and keeps columns
 // [max(ks[g], 0), min(ke[g] - next_n + i + 1, num_cols)); everything else becomes -inf.
 #pragma once

@@ -1,4 +1,4 @@
-// Prefill lightning-indexer logits (SPEC 2.1):
+// Prefill lightning-indexer logits (docs/api.md):
 //   logits[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])
 // for max(ks[i], 0) <= j < min(ke[i], SKV); nothing else is written (a separate kernel cleans).
 //

@@ -1,0 +1,294 @@
+"""DeepGEMM's indexer API on deep_indexer's SM90 kernels.
+
+The public names, argument names, argument order and defaults are those of DeepGEMM's indexer entry
+points, so code written for `deep_gemm` (positional or keyword calls) runs unchanged:
+
+    fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end,
+                       clean_logits=True, max_seqlen_k=0, logits_dtype=torch.float32)
+    get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=None)
+    fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                             max_context_len, clean_logits=False, logits_dtype=torch.float32, indices=None)
+    fp8_mqa_logits(...), fp8_paged_mqa_logits(...)    (the older names)
+    get_num_sms(), set_num_sms(new_num_sms)
+
+deep_indexer's own extras (`out=`, and `logits_dtype` on the older names) are keyword-only.
+Only the FP8 path exists (SM90): `q` is `(q_fp8, None)` or a plain float8_e4m3fn tensor; FP4 inputs
+(packed q, FP4 cache, per-token FP4/MX scale factors) raise a ValueError saying so. Weights may be
+float32, bfloat16 or float16 (converted to float32 on the GPU, graph-capturable).
+
+`install()` makes `import deep_gemm` / `from deep_gemm import fp8_fp4_mqa_logits` in an engine
+resolve these names to deep_indexer (see its docstring and docs/api.md).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import sys
+import types
+from typing import Optional, Union
+
+import torch
+
+from . import _C, ops
+
+__all__ = [
+    "fp8_fp4_mqa_logits",
+    "fp8_fp4_paged_mqa_logits",
+    "get_paged_mqa_logits_metadata",
+    "fp8_mqa_logits",
+    "fp8_paged_mqa_logits",
+    "get_num_sms",
+    "set_num_sms",
+]
+
+_FP4_DTYPES = tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2", "uint8", "int8") if hasattr(torch, n))
+_HALF_WEIGHTS = (torch.bfloat16, torch.float16)
+
+QInput = Union[torch.Tensor, tuple]
+
+
+def _fp8_only(op: str, what: str) -> ValueError:
+    return ValueError(f"deep_indexer.{op}: {what}; deep_indexer supports only the FP8 path on SM90 "
+                      f"(q = (q float8_e4m3fn, None), FP8 keys with float32 scales)")
+
+
+def _unpack_q(op: str, q: QInput) -> torch.Tensor:
+    """(q_fp8, None) or q_fp8 -> q_fp8; FP4 forms raise a clear ValueError."""
+    if isinstance(q, (tuple, list)):
+        if len(q) != 2:
+            raise ValueError(f"deep_indexer.{op}: q must be a tensor or a tuple (q, None), got a tuple of {len(q)}")
+        q, q_sf = q
+        if q_sf is not None:
+            raise _fp8_only(op, "q[1] (FP4 scale factors of q) must be None")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"deep_indexer.{op}: q must be a torch.Tensor or (tensor, None), got {type(q).__name__}")
+    if q.dtype in _FP4_DTYPES:
+        raise _fp8_only(op, f"q has dtype {q.dtype} (packed FP4)")
+    return q
+
+
+def _float_weights(weights: torch.Tensor) -> torch.Tensor:
+    if isinstance(weights, torch.Tensor) and weights.dtype in _HALF_WEIGHTS:
+        return weights.float()
+    return weights
+
+
+def _check_kv(op: str, kv) -> None:
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        return  # ops.fp8_mqa_logits raises its own error
+    k, k_scale = kv
+    if isinstance(k, torch.Tensor) and k.dtype in _FP4_DTYPES:
+        raise _fp8_only(op, f"kv[0] has dtype {k.dtype} (packed FP4 keys)")
+    if isinstance(k_scale, torch.Tensor) and k_scale.dtype == torch.int32:
+        raise _fp8_only(op, "kv[1] is int32 (packed UE8M0 scale factors of FP4 keys)")
+
+
+def _check_kv_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or q.dim() != 4:
+        return  # ops.fp8_paged_mqa_logits raises its own error
+    d = q.size(-1)
+    if kv_cache.size(-1) == d // 2 + 4 and kv_cache.size(-1) != d + 4:
+        raise _fp8_only(op, f"kv_cache rows hold {kv_cache.size(-1)} bytes = D / 2 + 4 for D = {d} (an FP4 cache; "
+                            f"the FP8 cache has D + 4 = {d + 4})")
+
+
+# ------------------------------------------------------------------------------------ prefill
+def fp8_fp4_mqa_logits(
+    q: QInput,
+    kv: tuple,
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+    logits_dtype: torch.dtype = torch.float32,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Prefill indexer logits, as deep_indexer.fp8_mqa_logits (see docs/api.md).
+
+    q: (q [S, H, D] float8_e4m3fn, None) or q. kv: (k [SKV, D] float8_e4m3fn, k_scale [SKV] float32).
+    weights: [S, H] float32 (bfloat16/float16 are converted). max_seqlen_k = 0: logits [S, SKV];
+    max_seqlen_k > 0: compressed logits [S, max_seqlen_k] with logits[i, j] = I[i, ks[i] + j].
+    """
+    op = "fp8_fp4_mqa_logits"
+    q = _unpack_q(op, q)
+    _check_kv(op, kv)
+    extra = {"max_seqlen_k": int(max_seqlen_k)} if max_seqlen_k else {}
+    return ops.fp8_mqa_logits(q, kv, _float_weights(weights), cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
+                              logits_dtype=logits_dtype, out=out, **extra)
+
+
+def fp8_mqa_logits(
+    q: torch.Tensor,
+    kv: tuple,
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+    *,
+    logits_dtype: torch.dtype = torch.float32,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The older name of fp8_fp4_mqa_logits (q is a plain float8_e4m3fn tensor)."""
+    return fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k,
+                              logits_dtype, out=out)
+
+
+# ------------------------------------------------------------------------------------ decode
+def get_paged_mqa_logits_metadata(
+    context_lens: torch.Tensor,
+    block_kv: int,
+    num_sms: Optional[int],
+    indices: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode work split: int32 [num_sms + 1, 2], computed on the GPU (no host sync). num_sms may be None
+    (get_num_sms() of the inputs' device). indices: int32 [B] request id per row (varlen batches)."""
+    extra = {"indices": indices} if indices is not None else {}
+    return ops.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, out=out, **extra)
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: QInput,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    logits_dtype: torch.dtype = torch.float32,
+    indices: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode indexer logits over a paged FP8 cache, as deep_indexer.fp8_paged_mqa_logits (docs/api.md).
+
+    q: (q [B, next_n, H, D] float8_e4m3fn, None) or q. kv_cache: uint8 [num_blocks, block_kv, 1, D + 4].
+    weights: [B * next_n, H] float32 (bfloat16/float16 are converted). Returns [B * next_n, max_context_len].
+    """
+    op = "fp8_fp4_paged_mqa_logits"
+    q = _unpack_q(op, q)
+    _check_kv_cache(op, q, kv_cache)
+    extra = {"indices": indices} if indices is not None else {}
+    return ops.fp8_paged_mqa_logits(q, kv_cache, _float_weights(weights), context_lens, block_table, schedule_meta,
+                                    max_context_len, clean_logits, logits_dtype=logits_dtype, out=out, **extra)
+
+
+def fp8_paged_mqa_logits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    *,
+    logits_dtype: torch.dtype = torch.float32,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The older name of fp8_fp4_paged_mqa_logits (q is a plain float8_e4m3fn tensor)."""
+    return fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                                    clean_logits, logits_dtype, indices, out=out)
+
+
+# ------------------------------------------------------------------------------------ SM count
+def _current_device() -> int:
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
+def set_num_sms(new_num_sms: int) -> None:
+    """Caps the SMs deep_indexer uses, process-wide: the default num_sms of the decode metadata and the
+    size of the persistent prefill grid. 1 <= new_num_sms <= the current device's SM count; 0 removes it."""
+    if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int):
+        raise TypeError(f"deep_indexer.set_num_sms: new_num_sms must be an int, got {type(new_num_sms).__name__}")
+    _C.set_num_sms(new_num_sms, _current_device())
+
+
+def get_num_sms() -> int:
+    """The SM count deep_indexer uses on the current device: its SM count, or the set_num_sms cap if smaller."""
+    device = _current_device()
+    if device < 0:
+        cap = _C.get_num_sms(-1)
+        if cap:
+            return cap
+        raise RuntimeError("deep_indexer.get_num_sms: no CUDA device is available (and no set_num_sms cap is set)")
+    return _C.get_num_sms(device)
+
+
+# ------------------------------------------------------------------------------------ install
+INDEXER_NAMES = tuple(__all__)
+_ORIGINALS = "_deep_indexer_originals"
+
+
+def install(module_name: str = "deep_gemm") -> types.ModuleType:
+    """Routes DeepGEMM's indexer entry points to deep_indexer in this process; returns the module.
+
+    - If `deep_gemm` (DeepGEMM) is importable, replaces exactly the names in INDEXER_NAMES on it and
+      leaves everything else (its GEMMs) alone; its set_num_sms then sets both libraries' SM count.
+    - Otherwise registers a module `deep_gemm` in sys.modules holding only these names, so that
+      `import deep_gemm` / `from deep_gemm import fp8_fp4_mqa_logits` find deep_indexer.
+    Call it before the engine imports its DeepGEMM wrappers. Calling it again is a no-op; uninstall()
+    undoes it.
+    """
+    this = sys.modules[__name__]
+    existing = sys.modules.get(module_name)
+    if existing is not None and getattr(existing, "__deep_indexer__", False):
+        return existing
+    try:
+        real = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        real = None
+    if real is not None:
+        if getattr(real, _ORIGINALS, None) is None:
+            setattr(real, _ORIGINALS, {n: getattr(real, n, None) for n in INDEXER_NAMES})
+        originals = getattr(real, _ORIGINALS)
+        for name in INDEXER_NAMES:
+            setattr(real, name, getattr(this, name))
+        if callable(originals.get("set_num_sms")) and callable(originals.get("get_num_sms")):
+            setattr(real, "set_num_sms", _both_set_num_sms(originals["set_num_sms"]))
+            setattr(real, "get_num_sms", originals["get_num_sms"])
+        return real
+    stub = types.ModuleType(module_name, "deep_indexer's stand-in for DeepGEMM's indexer API (deep_indexer.deep_gemm)")
+    stub.__spec__ = importlib.machinery.ModuleSpec(module_name, None)
+    stub.__deep_indexer__ = True
+    stub.__all__ = list(INDEXER_NAMES)
+    for name in INDEXER_NAMES:
+        setattr(stub, name, getattr(this, name))
+    sys.modules[module_name] = stub
+    return stub
+
+
+def uninstall(module_name: str = "deep_gemm") -> None:
+    """Undoes install(): restores DeepGEMM's own functions, or removes the stand-in module."""
+    mod = sys.modules.get(module_name)
+    if mod is None:
+        return
+    if getattr(mod, "__deep_indexer__", False):
+        del sys.modules[module_name]
+        return
+    originals = getattr(mod, _ORIGINALS, None)
+    if originals is not None:
+        for name, fn in originals.items():
+            if fn is None:
+                if hasattr(mod, name):
+                    delattr(mod, name)
+            else:
+                setattr(mod, name, fn)
+        delattr(mod, _ORIGINALS)
+
+
+def _both_set_num_sms(deep_gemm_set_num_sms):
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets DeepGEMM's and deep_indexer's SM count."""
+        deep_gemm_set_num_sms(new_num_sms)
+        globals()["set_num_sms"](new_num_sms)
+
+    return set_num_sms
