@@ -5,12 +5,17 @@ CUDA library is linked (libcuda is loaded at run time), so this builds against a
 """
 import os
 import pathlib
-
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as e:  # one clear line instead of a traceback from pip's build step
+    sys.exit(f"deep_indexer: PyTorch must be installed before building this package ({e}); run `pip install torch`, "
+             f"then `pip install -e . --no-build-isolation` (see the README's first command)")
 
 ROOT = pathlib.Path(__file__).resolve().parent
 
@@ -21,7 +26,8 @@ def cuda_include_dirs():
     for c in candidates:
         if c and (pathlib.Path(c) / "include" / "cuda.h").exists():
             return [str(pathlib.Path(c) / "include")]
-    raise RuntimeError("deep_indexer: cuda.h not found; install the CUDA toolkit or set CUDA_HOME")
+    sys.exit("deep_indexer: cuda.h not found (looked in $CUDA_HOME, $CUDA_PATH, /usr/local/cuda); install the CUDA "
+             "toolkit or set CUDA_HOME to it")
 
 
 class BuildPyWithHeaders(build_py):

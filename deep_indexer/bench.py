@@ -41,16 +41,17 @@ DECODE_SHAPES = {  # id: (B, next_n, avg context)
     "D5": (256, 1, 8192),
     "D6": (64, 3, 32768),
     "D7": (64, 4, 32768),
+    "D8": (256, 1, 65536),
 }
 
 
 def decode_shape(spec: str) -> tuple:
-    """(B, next_n, avg context, H) of a decode shape id (D1..D7, H = 64) or of 'B:next_n:avg[:H]'."""
+    """(B, next_n, avg context, H) of a decode shape id (D1..D8, H = 64) or of 'B:next_n:avg[:H]'."""
     if spec in DECODE_SHAPES:
         return (*DECODE_SHAPES[spec], 64)
     parts = [int(v) for v in spec.split(":")]
     if len(parts) not in (3, 4):
-        raise ValueError(f"decode shape must be D1..D7 or B:next_n:avg[:H], got {spec!r}")
+        raise ValueError(f"decode shape must be D1..D8 or B:next_n:avg[:H], got {spec!r}")
     return tuple(parts) if len(parts) == 4 else (*parts, 64)
 
 
@@ -62,7 +63,7 @@ ANCHOR_US = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, D1..D7, C1) or 'prefill'/'decode'/'clean'")
+    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, D1..D8, C1) or 'prefill'/'decode'/'clean'")
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="L2 flush before each timed call: write a buffer twice the L2 (default) or read one")
     p.add_argument("--host-slack-us", type=float, default=100.0,
                    help="GPU-side wait (us) queued after the flush, before the start event, so that a slow host has "
-                        "submitted the timed call before the GPU reaches it (0: none, the method before 2026-11-22f)")
+                        "submitted the timed call before the GPU reaches it (0: none)")
 
 
 class Timer:
