@@ -1,4 +1,4 @@
-"""Command line: `python -m deep_indexer {precompile,cache,bench}`."""
+"""Command line: `python -m deep_indexer {precompile,cache,bench,deep-gemm}`."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +47,24 @@ def _bench(args) -> int:
     return bench.main(args)
 
 
+def _deep_gemm(args) -> int:
+    import os
+
+    from . import deep_gemm as dg
+
+    path = os.path.join(dg._site_dir(args.site_dir), dg.HOOK_FILE)
+    if args.action == "enable":
+        dg.enable_env_switch(args.site_dir)
+        print(f"wrote {path}: Python processes of this environment started with {dg.HOOK_ENV}=1 now route "
+              f"deep_gemm's indexer functions to deep_indexer; `python -m deep_indexer deep-gemm disable` removes it")
+    elif args.action == "disable":
+        print(f"removed {path}" if dg.disable_env_switch(args.site_dir) else f"not enabled (no {path})")
+    else:
+        on = os.path.exists(path)
+        print(f"{'enabled' if on else 'not enabled'}: {path}; {dg.HOOK_ENV}={os.environ.get(dg.HOOK_ENV, '(unset)')}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m deep_indexer", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -72,6 +90,12 @@ def main(argv=None) -> int:
 
     add_arguments(bp)
     bp.set_defaults(func=_bench)
+
+    dg = sub.add_parser("deep-gemm", help="the DI_DEEP_GEMM=1 switch: route `deep_gemm`'s indexer functions to "
+                                          "deep_indexer in every process started with it")
+    dg.add_argument("action", choices=["enable", "disable", "status"])
+    dg.add_argument("--site-dir", default=None, help="where to write the hook (default: this environment's site-packages)")
+    dg.set_defaults(func=_deep_gemm)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -285,6 +285,45 @@ def uninstall(module_name: str = "deep_gemm") -> None:
         delattr(mod, _ORIGINALS)
 
 
+# ------------------------------------------------------------------------------------ env switch
+HOOK_ENV = "DI_DEEP_GEMM"
+HOOK_FILE = "deep_indexer_deep_gemm.pth"
+# Run by Python's `site` at every start of this environment's interpreter: only reads the environment
+# variable unless it is "1", so processes without it are untouched (torch is not even imported).
+HOOK_LINE = (f'import os; os.environ.get("{HOOK_ENV}", "0") == "1" and '
+             f'__import__("importlib").import_module("deep_indexer.deep_gemm").install()\n')
+
+
+def _site_dir(site_dir: Optional[str]) -> str:
+    import sysconfig
+
+    return site_dir or sysconfig.get_paths()["purelib"]
+
+
+def enable_env_switch(site_dir: Optional[str] = None) -> str:
+    """Writes the startup hook (a .pth file in this environment's site-packages, or `site_dir`) with which
+    every Python process started with DI_DEEP_GEMM=1 runs install() at start, worker processes included.
+    Only `python -m deep_indexer deep-gemm enable` calls this (never the package's installation).
+    Returns the file's path."""
+    import os
+
+    path = os.path.join(_site_dir(site_dir), HOOK_FILE)
+    with open(path, "w") as f:
+        f.write(HOOK_LINE)
+    return path
+
+
+def disable_env_switch(site_dir: Optional[str] = None) -> Optional[str]:
+    """Removes the startup hook; returns its path if there was one."""
+    import os
+
+    path = os.path.join(_site_dir(site_dir), HOOK_FILE)
+    if os.path.exists(path):
+        os.remove(path)
+        return path
+    return None
+
+
 def _both_set_num_sms(deep_gemm_set_num_sms):
     def set_num_sms(new_num_sms: int) -> None:
         """Sets DeepGEMM's and deep_indexer's SM count."""

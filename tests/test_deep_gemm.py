@@ -209,6 +209,26 @@ def test_install_in_a_fresh_process():
     assert r.stdout.strip() == "deep_indexer.deep_gemm"
 
 
+def test_env_switch(tmp_path):
+    site_dir = str(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "deep_indexer", "deep-gemm", "enable", "--site-dir", site_dir],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "wrote" in r.stdout, r.stderr
+    probe = (f"import site, sys; site.addsitedir({site_dir!r}); m = sys.modules.get('deep_gemm'); "
+             "print(getattr(m, 'fp8_fp4_mqa_logits', None).__module__ if m else None, 'torch' in sys.modules)")
+    import os
+
+    on = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, DI_DEEP_GEMM="1"), capture_output=True,
+                        text=True, timeout=120)
+    assert on.stdout.split() == ["deep_indexer.deep_gemm", "True"], on.stderr
+    env = {k: v for k, v in os.environ.items() if k != "DI_DEEP_GEMM"}
+    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert off.stdout.split() == ["None", "False"], off.stderr  # without the variable: nothing imported
+    r = subprocess.run([sys.executable, "-m", "deep_indexer", "deep-gemm", "disable", "--site-dir", site_dir],
+                       capture_output=True, text=True, timeout=120)
+    assert "removed" in r.stdout and not list(tmp_path.iterdir())
+
+
 # ------------------------------------------------------------------------------------ GPU
 DEV = "cuda"
 
