@@ -170,6 +170,8 @@ def compressed_ranges(S, SKV, M, seed):
     ke = ks + torch.randint(-M // 4, 2 * M + 2, (S,), device=DEV, generator=g)
     ks[: S // 8], ke[: S // 8] = 7, 7  # empty
     ks[S // 8: S // 6] = SKV + 3       # starts past the keys: empty
+    ks[-3:], ke[-3:] = -5, SKV + 10     # the whole key range (longer than M when M < SKV)
+    ks[-4], ke[-4] = 10, 10 + M         # exactly M keys (when they exist)
     return ks.to(torch.int32), ke.to(torch.int32)
 
 
