@@ -127,7 +127,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("next_n") = 1);
   m.def("fp8_mqa_logits", &fp8_mqa_logits, py::arg("q"), py::arg("k"), py::arg("k_scale"), py::arg("weights"),
         py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"), py::arg("clean_logits"), py::arg("elem_bytes"),
-        py::arg("out"));
+        py::arg("out"), py::arg("max_seqlen_k") = 0);
   m.def("get_paged_mqa_logits_metadata", &get_paged_mqa_logits_metadata, py::arg("context_lens"), py::arg("block_kv"),
         py::arg("num_sms"), py::arg("out"));
   m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, py::arg("q"), py::arg("kv_cache"), py::arg("weights"),

@@ -22,9 +22,10 @@ def _into(res: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits: bool = True, *,
-                   logits_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   max_seqlen_k: int = 0, logits_dtype: torch.dtype = torch.float32,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     res = reference.mqa_logits(q, tuple(kv), weights, cu_seq_len_k_start, cu_seq_len_k_end, bool(clean_logits),
-                               logits_dtype=logits_dtype)
+                               max_seqlen_k=max_seqlen_k, logits_dtype=logits_dtype)
     return _into(res, out)
 
 

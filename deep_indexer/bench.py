@@ -33,6 +33,9 @@ PREFILL_SHAPES = {  # id: (S, SKV, pattern)
     "P4": (4096, 16384, "cp"),
     "P5": (8192, 131072, "causal"),
 }
+# Compressed logits (max_seqlen_k > 0): id: (prefill shape id, max_seqlen_k). P2c is P2 with a
+# [S, SKV] compressed output (the longest causal row is SKV - 1 keys): same work, compare with P2.
+COMPRESSED_SHAPES = {"P2c": ("P2", 32768)}
 DECODE_SHAPES = {  # id: (B, next_n, avg context)
     "D1": (1, 1, 32768),
     "D2": (64, 1, 8192),
@@ -63,7 +66,7 @@ ANCHOR_US = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, D1..D8, C1) or 'prefill'/'decode'/'clean'")
+    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D8, C1) or 'prefill'/'decode'/'clean'")
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -235,19 +238,31 @@ def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, 
 
 
 def prefill_shape(spec: str) -> tuple:
-    """(S, SKV, pattern, H, D) of a prefill shape id (P1..P5, H = 64, D = 128) or of 'S:SKV:pattern[:H[:D]]'."""
+    """(S, SKV, pattern, H, D) of a prefill shape id (P1..P5, P2c; H = 64, D = 128) or of
+    'S:SKV:pattern[:H[:D[:max_seqlen_k]]]'."""
+    if spec in COMPRESSED_SHAPES:
+        spec = COMPRESSED_SHAPES[spec][0]
     if spec in PREFILL_SHAPES:
         return (*PREFILL_SHAPES[spec], 64, 128)
     parts = spec.split(":")
-    if len(parts) not in (3, 4, 5) or parts[2] not in ("causal", "cp"):
-        raise ValueError(f"prefill shape must be P1..P5 or S:SKV:causal|cp[:H[:D]], got {spec!r}")
-    rest = [int(v) for v in parts[3:]]
+    if len(parts) not in (3, 4, 5, 6) or parts[2] not in ("causal", "cp"):
+        raise ValueError(f"prefill shape must be P1..P5, P2c or S:SKV:causal|cp[:H[:D[:max_seqlen_k]]], got {spec!r}")
+    rest = [int(v) for v in parts[3:5]]
     return (int(parts[0]), int(parts[1]), parts[2], *(rest + [64, 128][len(rest):]))
 
 
+def prefill_max_seqlen_k(spec: str) -> int:
+    """max_seqlen_k of a prefill shape (0: full-width logits)."""
+    if spec in COMPRESSED_SHAPES:
+        return COMPRESSED_SHAPES[spec][1]
+    parts = spec.split(":")
+    return int(parts[5]) if len(parts) == 6 else 0
+
+
 def is_prefill_shape(spec: str) -> bool:
-    """Whether `spec` names a prefill shape (P1..P5 or S:SKV:pattern[...]) rather than a decode one."""
-    return spec in PREFILL_SHAPES or (spec.count(":") >= 2 and not spec.split(":")[2].isdigit())
+    """Whether `spec` names a prefill shape (P1..P5, P2c or S:SKV:pattern[...]) rather than a decode one."""
+    return (spec in PREFILL_SHAPES or spec in COMPRESSED_SHAPES or
+            (spec.count(":") >= 2 and not spec.split(":")[2].isdigit()))
 
 
 def prefill_case(spec: str, device) -> tuple:
@@ -255,8 +270,9 @@ def prefill_case(spec: str, device) -> tuple:
     import deep_indexer as di
 
     S, SKV, pattern, H, D = prefill_shape(spec)
+    m = prefill_max_seqlen_k(spec)
     x = prefill_inputs(S, SKV, pattern, H, D, device)
-    return x, lambda: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
+    return x, lambda: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True, max_seqlen_k=m)
 
 
 def decode_case(spec: str, device) -> tuple:
@@ -293,7 +309,8 @@ def run(args) -> dict:
     wanted = args.shapes or ["prefill", "decode", "clean"]
     ids = []
     for s in wanted:
-        ids += {"prefill": list(PREFILL_SHAPES), "decode": list(DECODE_SHAPES), "clean": ["C1"]}.get(s, [s])
+        ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES),
+                "clean": ["C1"]}.get(s, [s])
     print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
     ceil = {} if args.no_ceilings else measure_ceilings(timer, device)
     if ceil:
@@ -306,15 +323,19 @@ def run(args) -> dict:
     for n, sid in enumerate(ids):
         print(f"[{n + 1}/{len(ids)}] {sid} ...", file=sys.stderr, flush=True)
         torch.manual_seed(n)
-        if sid in PREFILL_SHAPES:
-            S, SKV, pat = PREFILL_SHAPES[sid]
+        if sid in PREFILL_SHAPES or sid in COMPRESSED_SHAPES:
+            S, SKV, pat = PREFILL_SHAPES[COMPRESSED_SHAPES[sid][0] if sid in COMPRESSED_SHAPES else sid]
+            max_k = prefill_max_seqlen_k(sid)
             x = prefill_inputs(S, SKV, pat, H, D, device)
-            call = lambda m: m.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True, logits_dtype=out_dtype) \
-                if out_dtype != torch.float32 else m.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
+            extra = {"logits_dtype": out_dtype} if out_dtype != torch.float32 else {}
+            if max_k:
+                extra["max_seqlen_k"] = max_k  # other modules (--compare) may not take it: only when used
+            call = lambda m: m.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True, **extra)
             us = timer(lambda: call(di), args.iters)
             tflops = 2 * x["pairs"] * H * D / us / 1e6
             frac = tflops / ceil["fp8_gemm_TFLOPS"] if ceil else None
-            r = {"id": sid, "kind": "prefill", "shape": f"S={S} SKV={SKV} {pat} H={H} D={D} {args.logits_dtype}",
+            r = {"id": sid, "kind": "prefill", "shape": f"S={S} SKV={SKV} {pat} H={H} D={D} {args.logits_dtype}"
+                 + (f" max_seqlen_k={max_k}" if max_k else ""),
                  "us": us, "TFLOPS": tflops, "fraction_of_ceiling": frac}
             if other is not None:
                 r["compare_us"] = timer(lambda: call(other), args.iters)

@@ -51,26 +51,42 @@ def fp8_mqa_logits(
     cu_seq_len_k_end: torch.Tensor,
     clean_logits: bool = True,
     *,
+    max_seqlen_k: int = 0,
     logits_dtype: torch.dtype = torch.float32,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Prefill indexer logits (docs/api.md): [S, SKV], logits[i, j] = k_scale[j] * sum_h w[i, h] *
-    relu(q[i, h] . k[j]) for max(ks[i], 0) <= j < min(ke[i], SKV); -inf elsewhere when clean_logits.
+    """Prefill indexer logits: I[i, j] = k_scale[j] * sum_h w[i, h] * relu(q[i, h] . k[j]).
 
     q [S, H, D] fp8 e4m3 (H in 16/32/64/128, D in 32/64/128); kv = (k [SKV, D] fp8, k_scale [SKV]
-    float32); weights [S, H] float32 (rows may be padded). Returns a view whose row stride may be
-    padded, or `out` ([S, SKV], logits_dtype, stride(1) == 1) when given.
+    float32); weights [S, H] float32 or bfloat16 (unit inner stride, rows may be padded);
+    cu_seq_len_k_start / cu_seq_len_k_end (ks, ke) int32 [S]. Row i covers the keys
+    lo_i <= j < hi_i with lo_i = max(ks[i], 0) (a negative start means 0) and hi_i = min(ke[i], SKV);
+    the row is empty when hi_i <= lo_i.
+
+    max_seqlen_k = 0 (default): returns [S, SKV] with logits[i, j] = I[i, j] inside the row's range;
+    with clean_logits every other entry is -inf, else unspecified.
+
+    max_seqlen_k = M > 0 (compressed logits): returns [S, M] with logits[i, c] = I[i, lo_i + c] for
+    0 <= c < min(hi_i - lo_i, M). A row longer than M gets only its first M keys (lo_i .. lo_i + M - 1);
+    nothing is written out of bounds and no host sync is needed. With clean_logits the columns
+    past min(hi_i - lo_i, M) are -inf, else unspecified.
+
+    logits_dtype: float32 or bfloat16. Returns a view whose row stride may be padded (stride(1) == 1),
+    or `out` when given (shape [S, SKV] or [S, M], logits_dtype, stride(1) == 1).
     """
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise ValueError("deep_indexer.fp8_mqa_logits: kv must be a tuple (k [SKV, D] fp8, k_scale [SKV] float32)")
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
+        raise TypeError(f"deep_indexer.fp8_mqa_logits: max_seqlen_k must be an int, got {type(max_seqlen_k).__name__}")
     if _compiling():
         if out is None:
             return _ops().fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
-                                         logits_dtype)
-        _ops().fp8_mqa_logits_out(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, out)
+                                         logits_dtype, max_seqlen_k)
+        _ops().fp8_mqa_logits_out(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, out,
+                                  max_seqlen_k)
         return out
     return _C.fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, bool(clean_logits),
-                             _elem_bytes(logits_dtype, "fp8_mqa_logits"), out)
+                             _elem_bytes(logits_dtype, "fp8_mqa_logits"), out, max_seqlen_k)
 
 
 def get_paged_mqa_logits_metadata(

@@ -47,15 +47,17 @@ def _weighted_relu_into(
     end: torch.Tensor,
     accum: torch.dtype,
     chunk: int | None,
+    compressed: bool = False,
 ) -> None:
     """out[r, j] = logits(r, j) for start[r] <= j < end[r]; -inf elsewhere in columns [lo, hi) of a chunk.
+    compressed: out[r, j - start[r]] instead (end[r] - start[r] must fit out's width), nothing else written.
 
-    q [R, H, D] fp8, k [N, D] fp8, k_scale [N], w [R, H], out [R, >= N] prefilled with -inf;
-    start/end: CPU int64 [R], already clipped into [0, N].
+    q [R, H, D] fp8, k [N, D] fp8, k_scale [N], w [R, H], out [R, >= N] (compressed: [R, M]) prefilled
+    with -inf; start/end: CPU int64 [R], already clipped into [0, N].
     """
     rows, heads = q.shape[0], q.shape[1]
     esize = torch.finfo(accum).bits // 8
-    rc = chunk or max(1, _CHUNK_BYTES // (heads * max(1, out.shape[1]) * esize))
+    rc = chunk or max(1, _CHUNK_BYTES // (heads * max(1, out.shape[1] if not compressed else k.shape[0]) * esize))
     dev = out.device
     for r0 in range(0, rows, rc):
         r1 = min(rows, r0 + rc)
@@ -73,7 +75,12 @@ def _weighted_relu_into(
             prod = torch.matmul(qf, k[c0:c1].to(accum).t())  # [rows, H, cols]
             blk = prod.relu_().mul_(wf).sum(dim=1).mul_(k_scale[c0:c1].to(accum))
             cols = torch.arange(c0, c1, device=dev).unsqueeze(0)
-            blk.masked_fill_((cols < sd) | (cols >= ed), _NEG_INF)
+            outside = (cols < sd) | (cols >= ed)
+            if compressed:
+                rr, cc = (~outside).nonzero(as_tuple=True)
+                out[r0 + rr, c0 + cc - sd[rr, 0]] = blk[rr, cc].to(out.dtype)
+                continue
+            blk.masked_fill_(outside, _NEG_INF)
             out[r0:r1, c0:c1] = blk
 
 
@@ -85,17 +92,21 @@ def mqa_logits(
     cu_seq_len_k_end: torch.Tensor,
     clean_logits: bool = True,
     *,
+    max_seqlen_k: int = 0,
     logits_dtype: torch.dtype = torch.float32,
     accum_dtype: torch.dtype = torch.float32,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Prefill logits (docs/api.md): [S, SKV] in logits_dtype.
+    """Prefill logits: [S, SKV] in logits_dtype, or [S, max_seqlen_k] when max_seqlen_k > 0.
 
-    q [S, H, D] fp8, kv = (k [SKV, D] fp8, k_scale [SKV] fp32), weights [S, H] fp32,
-    ks/ke [S] int32. Row i is valid for max(ks[i], 0) <= j < min(ke[i], SKV); -inf elsewhere
-    (always, clean_logits only validated). chunk = query rows per chunk (None: auto).
+    q [S, H, D] fp8, kv = (k [SKV, D] fp8, k_scale [SKV] fp32), weights [S, H] fp32 or bf16,
+    ks/ke [S] int32. Row i is valid for lo_i <= j < hi_i, lo_i = max(ks[i], 0), hi_i = min(ke[i], SKV);
+    -inf elsewhere (always, clean_logits only validated). Compressed (max_seqlen_k = M > 0): column c
+    of row i holds key lo_i + c for c < min(hi_i - lo_i, M) (a longer row keeps its first M keys),
+    -inf after. chunk = query rows per chunk (None: auto).
     """
     _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
+    _check_int("max_seqlen_k", max_seqlen_k, min_value=0)
     q = _check("q", q, dtypes=(FP8,), ndim=3)
     s_len, heads, d = q.shape
     if heads < 1 or d < 1:
@@ -107,14 +118,16 @@ def mqa_logits(
     k = _check("kv[0] (k)", kv[0], dtypes=(FP8,), shape=(None, d), device=dev)
     skv = k.shape[0]
     k_scale = _check("kv[1] (k_scale)", kv[1], dtypes=(torch.float32,), shape=(skv,), device=dev)
-    w = _check("weights", weights, dtypes=(torch.float32,), shape=(s_len, heads), device=dev)
+    w = _check("weights", weights, dtypes=(torch.float32, torch.bfloat16), shape=(s_len, heads), device=dev)
     ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(s_len,), device=dev)
     ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(s_len,), device=dev)
 
-    out = torch.full((s_len, skv), _NEG_INF, dtype=logits_dtype, device=dev)
+    out = torch.full((s_len, max_seqlen_k or skv), _NEG_INF, dtype=logits_dtype, device=dev)
     start = ks.cpu().long().clamp_min(0)
     end = ke.cpu().long().clamp(0, skv)
-    _weighted_relu_into(out, q, k, k_scale, w, start, end, accum_dtype, chunk)
+    if max_seqlen_k:
+        end = torch.minimum(end, start + max_seqlen_k)
+    _weighted_relu_into(out, q, k, k_scale, w, start, end, accum_dtype, chunk, compressed=max_seqlen_k > 0)
     return out
 
 

@@ -37,22 +37,26 @@ def _fake_logits(like: Tensor, rows: int, cols: int, dtype: torch.dtype) -> Tens
 @torch.library.custom_op(f"{_LIB}::fp8_mqa_logits", mutates_args=(), device_types="cuda")
 def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, cu_seq_len_k_start: Tensor,
                    cu_seq_len_k_end: Tensor, clean_logits: bool = True,
-                   logits_dtype: torch.dtype = torch.float32) -> Tensor:
+                   logits_dtype: torch.dtype = torch.float32, max_seqlen_k: int = 0) -> Tensor:
     return _C.fp8_mqa_logits(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
-                             elem_bytes(logits_dtype), None)
+                             elem_bytes(logits_dtype), None, max_seqlen_k)
 
 @fp8_mqa_logits.register_fake
-def _(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits=True, logits_dtype=torch.float32):
+def _(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits=True, logits_dtype=torch.float32,
+      max_seqlen_k=0):
     elem_bytes(logits_dtype)
-    return _fake_logits(q, q.shape[0], k.shape[0], logits_dtype)
+    if max_seqlen_k < 0:
+        raise ValueError(f"deep_indexer.fp8_mqa_logits: max_seqlen_k must be >= 0, got {max_seqlen_k}")
+    return _fake_logits(q, q.shape[0], max_seqlen_k if max_seqlen_k > 0 else k.shape[0], logits_dtype)
 
 @torch.library.custom_op(f"{_LIB}::fp8_mqa_logits_out", mutates_args=("out",), device_types="cuda")
 def fp8_mqa_logits_out(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, cu_seq_len_k_start: Tensor,
-                       cu_seq_len_k_end: Tensor, clean_logits: bool, out: Tensor) -> None:
-    _C.fp8_mqa_logits(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, elem_bytes(out.dtype), out)
+                       cu_seq_len_k_end: Tensor, clean_logits: bool, out: Tensor, max_seqlen_k: int = 0) -> None:
+    _C.fp8_mqa_logits(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, elem_bytes(out.dtype),
+                      out, max_seqlen_k)
 
 @fp8_mqa_logits_out.register_fake
-def _(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, out):
+def _(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, out, max_seqlen_k=0):
     return None
 
 # ------------------------------------------------------------------------------------ decode

@@ -162,6 +162,112 @@ def test_mqa_logits_epilogue_forms(H, D, split, monkeypatch):
                 assert err <= 1e-3 * ref[valid].abs().max(), f"H={H} D={D} S={S}: max error {float(err):.3g}"
 
 
+def compressed_ranges(S, SKV, M, seed):
+    """ks/ke with rows shorter and longer than M, empty rows (ks >= ke, ks >= SKV), negative ks and
+    ke > SKV: random starts, lengths around M."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ks = torch.randint(-M // 2, SKV, (S,), device=DEV, generator=g)
+    ke = ks + torch.randint(-M // 4, 2 * M + 2, (S,), device=DEV, generator=g)
+    ks[: S // 8], ke[: S // 8] = 7, 7  # empty
+    ks[S // 8: S // 6] = SKV + 3       # starts past the keys: empty
+    ks[-3:], ke[-3:] = -5, SKV + 10     # the whole key range (longer than M when M < SKV)
+    ks[-4], ke[-4] = 10, 10 + M         # exactly M keys (when they exist)
+    return ks.to(torch.int32), ke.to(torch.int32)
+
+
+@pytest.mark.parametrize("H,D", MQA_CONFIGS)
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_mqa_logits_compressed_all_configs(H, D, split, monkeypatch):
+    # Compressed logits [S, M]: column c of row i = key max(ks[i], 0) + c, written by the kernel
+    # (poisoned out); rows shorter and longer than M, both epilogue forms, both clean paths.
+    monkeypatch.setenv("DI_MQA_SPLIT_RELU", split)
+    S, SKV = 77, 1299
+    for M in (1, 100, 333):
+        q, kv, w, _, _ = make_prefill(S, SKV, H, D, seed=H * D + M)
+        ks, ke = compressed_ranges(S, SKV, M, seed=M + H)
+        ref = reference.mqa_logits(q, kv, w, ks, ke, max_seqlen_k=M)
+        assert (ref[:, -1].isfinite()).any() and (~ref[:, 0].isfinite()).any()  # long rows and empty rows
+        for dtype in (torch.float32, torch.bfloat16):
+            for clean, fused in ((True, "1"), (True, "0"), (False, "0")):
+                monkeypatch.setenv("DI_MQA_FUSED_CLEAN", fused)
+                out = poisoned((S, M), dtype, pad=5)
+                got = di.fp8_mqa_logits(q, kv, w, ks, ke, clean, max_seqlen_k=M, logits_dtype=dtype, out=out)
+                assert got.data_ptr() == out.data_ptr()
+                assert_logits_match(out, ref, clean, dtype, f"H={H} D={D} M={M} clean={clean} fused={fused}")
+                # nothing past the row's M columns (the padding stays poisoned)
+                assert torch.isnan(out.as_strided((S, 5), (out.stride(0), 1), M).float()).all()
+
+
+@pytest.mark.parametrize("H,D", [(32, 64), (64, 128), (16, 32), (128, 128)])
+def test_mqa_logits_compressed_matches_full_width(H, D):
+    # The compressed output is the full-width one shifted per row (same kernel arithmetic: bitwise),
+    # causal and packed patterns, bf16 weights, allocated outputs with padded rows.
+    for S, SKV, pattern in ((300, 3000, "packed"), (513, 2048, "causal"), (2048, 4096, "causal")):
+        q, kv, w, ks, ke = make_prefill(S, SKV, H, D, pattern, seed=S + H)
+        w = w.to(torch.bfloat16)
+        full = di.fp8_mqa_logits(q, kv, w, ks, ke, True)
+        lo = ks.clamp(min=0).long()
+        hi = ke.clamp(max=SKV).long()
+        M = int((hi - lo).clamp(min=0).max())
+        for m in (M, max(M // 3, 1)):
+            comp = di.fp8_mqa_logits(q, kv, w, ks, ke, True, max_seqlen_k=m)
+            assert comp.shape == (S, m) and comp.stride(1) == 1 and comp.stride(0) >= m
+            n = (hi - lo).clamp(min=0, max=m)
+            cols = torch.arange(m, device=DEV)
+            valid = cols[None, :] < n[:, None]
+            idx = (lo[:, None] + cols[None, :]).clamp(max=SKV - 1)
+            want = torch.where(valid, full.gather(1, idx), torch.full_like(comp, float("-inf")))
+            assert torch.equal(comp.view(torch.int32), want.view(torch.int32)), f"H={H} D={D} S={S} M={m}"
+            ref = reference.mqa_logits(q, kv, w, ks, ke, max_seqlen_k=m)
+            assert_logits_match(comp, ref, True, torch.float32, f"H={H} D={D} S={S} M={m}")
+
+
+@pytest.mark.parametrize("H,D", MQA_CONFIGS)
+def test_mqa_logits_bf16_weights(H, D):
+    S, SKV = 77, 1299
+    q, kv, w, ks, ke = make_prefill(S, SKV, H, D, seed=H + D, weights_pad=3)
+    w = w.to(torch.bfloat16)  # padded rows, unit inner stride
+    out = poisoned((S, SKV), torch.float32, pad=1)
+    di.fp8_mqa_logits(q, kv, w, ks, ke, True, out=out)
+    assert_logits_match(out, reference.mqa_logits(q, kv, w, ks, ke), True, torch.float32, f"H={H} D={D}")
+
+
+def test_mqa_logits_compressed_edge_cases():
+    # every row empty; M larger than SKV; a single column; S = 0
+    q, kv, w, _, _ = make_prefill(40, 500, 64, 128, seed=9)
+    ks = torch.full((40,), 50, dtype=torch.int32, device=DEV)
+    out = poisoned((40, 64), torch.float32)
+    di.fp8_mqa_logits(q, kv, w, ks, ks - 1, True, max_seqlen_k=64, out=out)
+    assert (out == float("-inf")).all()
+    ks, ke = torch.full_like(ks, -10), torch.full_like(ks, 10_000)
+    got = di.fp8_mqa_logits(q, kv, w, ks, ke, True, max_seqlen_k=777)
+    assert got.shape == (40, 777)
+    assert_logits_match(got, reference.mqa_logits(q, kv, w, ks, ke, max_seqlen_k=777), True, torch.float32)
+    assert torch.isneginf(got[:, 500:]).all() and torch.isfinite(got[:, :500]).all()
+    got = di.fp8_mqa_logits(q, kv, w, ks, ke, True, max_seqlen_k=1)
+    assert_logits_match(got, reference.mqa_logits(q, kv, w, ks, ke, max_seqlen_k=1), True, torch.float32)
+    q, kv, w, ks, ke = make_prefill(0, 100, 64, 128)
+    assert di.fp8_mqa_logits(q, kv, w, ks, ke, max_seqlen_k=9).shape == (0, 9)
+
+
+def test_prefill_compressed_cuda_graph_replay():
+    S, SKV, M = 200, 3000, 700
+    q, kv, w, _, _ = make_prefill(S, SKV, 64, 128, seed=21)
+    ks, ke = compressed_ranges(S, SKV, M, seed=1)
+    out = torch.empty(S, M, device=DEV)
+    di.fp8_mqa_logits(q, kv, w, ks, ke, True, max_seqlen_k=M, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        di.fp8_mqa_logits(q, kv, w, ks, ke, True, max_seqlen_k=M, out=out)
+    for seed in (2, 3):
+        nks, nke = compressed_ranges(S, SKV, M, seed=seed)
+        ks.copy_(nks), ke.copy_(nke)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_logits_match(out, reference.mqa_logits(q, kv, w, ks, ke, max_seqlen_k=M), True, torch.float32)
+
+
 @pytest.mark.parametrize("S,SKV,pattern", [(1, 1, "causal"), (1, 300, "random"), (3, 64, "causal"), (5, 65, "random"),
                                            (129, 4097, "causal"), (256, 2048, "cp"), (300, 3000, "packed"),
                                            (1000, 777, "random"), (2048, 8192, "causal")])

@@ -124,6 +124,36 @@ def test_mqa_logits_causal_bf16():
     torch.testing.assert_close(out, expected.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("max_seqlen_k", [1, 9, 40, 100])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_mqa_logits_compressed(max_seqlen_k, wdtype):
+    # Column c of row i holds key max(ks[i], 0) + c for c < min(min(ke[i], SKV) - max(ks[i], 0), M);
+    # -inf after (rows longer than M keep their first M keys); bf16 weights enter exactly.
+    s, h, d, skv = 11, 16, 32, 70
+    q, (k, k_scale), w = rand_fp8(s, h, d), rand_k(skv, d), torch.randn(s, h).to(wdtype)
+    ks, ke = random_ranges(s, skv)
+    ks[1], ke[1] = -20, 5  # negative start: counts from key 0
+    expected = prefill_expected(q, k, k_scale, w.float(), ks, ke)
+    for chunk in (None, 2):
+        out = reference.mqa_logits(q, (k, k_scale), w, ks, ke, max_seqlen_k=max_seqlen_k, chunk=chunk,
+                                   accum_dtype=torch.float64)
+        assert out.shape == (s, max_seqlen_k) and out.dtype == torch.float32
+        for i in range(s):
+            lo, hi = max(int(ks[i]), 0), min(int(ke[i]), skv)
+            n = max(0, min(hi - lo, max_seqlen_k))
+            check_close(out[i, :n], expected[i, lo:lo + n], torch.float64)
+            assert torch.isneginf(out[i, n:]).all()
+
+
+def test_mqa_logits_compressed_rejects_bad_max_seqlen_k():
+    q, (k, k_scale), w = rand_fp8(2, 16, 32), rand_k(8, 32), torch.randn(2, 16)
+    z = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen_k: expected an int >= 0, got -1"):
+        reference.mqa_logits(q, (k, k_scale), w, z, z + 8, max_seqlen_k=-1)
+    with pytest.raises(TypeError, match=r"max_seqlen_k: expected an int"):
+        reference.mqa_logits(q, (k, k_scale), w, z, z + 8, max_seqlen_k=2.0)
+
+
 def test_mqa_logits_empty_shapes():
     h, d = 16, 32
     k, k_scale = rand_k(10, d)
@@ -449,8 +479,9 @@ def _paged_args():
     ("kv", lambda a: (a["kv"][0][:, :16], a["kv"][1]), ValueError, r"kv\[0\]"),
     ("kv", lambda a: (a["kv"][0], a["kv"][1][:5]), ValueError, r"kv\[1\]"),
     ("kv", lambda a: (a["kv"][0], a["kv"][1].double()), TypeError, r"kv\[1\]"),
-    ("weights", lambda a: a["weights"].bfloat16(), TypeError, r"weights"),
+    ("weights", lambda a: a["weights"].half(), TypeError, r"weights"),
     ("weights", lambda a: a["weights"][:, :8], ValueError, r"weights"),
+    ("max_seqlen_k", lambda a: -1, ValueError, r"max_seqlen_k"),
     ("cu_seq_len_k_start", lambda a: a["cu_seq_len_k_start"].long(), TypeError, r"cu_seq_len_k_start"),
     ("cu_seq_len_k_end", lambda a: a["cu_seq_len_k_end"][:2], ValueError, r"cu_seq_len_k_end"),
     ("logits_dtype", lambda a: torch.float16, TypeError, r"logits_dtype"),

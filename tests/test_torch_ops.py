@@ -33,6 +33,9 @@ def test_fake_outputs_have_real_layout(dtype):
         out = OPS.fp8_mqa_logits(q, k, torch.empty(1000, device=dev), torch.empty(7, 64, device=dev), i32(7), i32(7),
                                  True, dtype)
         assert out.shape == (7, 1000) and out.dtype == dtype and out.stride() == (padded_row_stride(1000, dtype), 1)
+        out = OPS.fp8_mqa_logits(q, k, torch.empty(1000, device=dev), torch.empty(7, 64, device=dev), i32(7), i32(7),
+                                 True, dtype, 333)  # compressed: [S, max_seqlen_k]
+        assert out.shape == (7, 333) and out.dtype == dtype and out.stride() == (padded_row_stride(333, dtype), 1)
         qd = torch.empty(3, 2, 64, 128, dtype=FP8, device=dev)
         cache = torch.empty(10, 64, 1, 132, dtype=torch.uint8, device=dev)
         meta = OPS.get_paged_mqa_logits_metadata(i32(3), 64, 132)
@@ -70,6 +73,9 @@ def test_opcheck_all_ops():
     torch.library.opcheck(OPS.fp8_mqa_logits, (q, k, sc, w, ks, ke, True, torch.float32), test_utils=_UTILS)
     torch.library.opcheck(OPS.fp8_mqa_logits_out, (q, k, sc, w, ks, ke, True, torch.empty(64, 1024, device=DEV)),
                           test_utils=_UTILS)
+    torch.library.opcheck(OPS.fp8_mqa_logits, (q, k, sc, w, ks, ke, True, torch.float32, 300), test_utils=_UTILS)
+    torch.library.opcheck(OPS.fp8_mqa_logits_out, (q, k, sc, w, ks, ke, True, torch.empty(64, 300, device=DEV), 300),
+                          test_utils=_UTILS)
     qd, cache, wd, ctx, table, max_ctx = _decode()
     torch.library.opcheck(OPS.get_paged_mqa_logits_metadata, (ctx, 64, None))
     meta = OPS.get_paged_mqa_logits_metadata(ctx, 64, None)
@@ -88,6 +94,8 @@ def test_real_outputs_match_fake_layout():
     q, k, sc, w, ks, ke = _prefill(SKV=1000)
     out = OPS.fp8_mqa_logits(q, k, sc, w, ks, ke, True, torch.bfloat16)
     assert out.stride() == (padded_row_stride(1000, torch.bfloat16), 1)
+    out = OPS.fp8_mqa_logits(q, k, sc, w, ks, ke, True, torch.float32, 333)
+    assert out.shape == (q.shape[0], 333) and out.stride() == (padded_row_stride(333, torch.float32), 1)
 
 
 class Indexer(torch.nn.Module):

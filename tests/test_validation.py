@@ -27,7 +27,7 @@ def call_prefill(**over):
     a = prefill_args()
     a.update(over)
     return di.fp8_mqa_logits(a["q"], a["kv"], a["weights"], a["cu_seq_len_k_start"], a["cu_seq_len_k_end"],
-                             **{k: v for k, v in over.items() if k in ("logits_dtype", "out")})
+                             **{k: v for k, v in over.items() if k in ("logits_dtype", "out", "max_seqlen_k")})
 
 
 def call_paged(**over):
@@ -51,7 +51,10 @@ def call_paged(**over):
     (dict(kv=torch.randn(16, 128).to(FP8)), r"kv must be a tuple"),
     (dict(weights=torch.randn(4, 32)), r"weights must have shape \[4, 64\], got \[4, 32\]"),
     (dict(weights=torch.randn(64, 4).t()), r"weights must have stride 1 in its last dimension"),
-    (dict(weights=torch.randn(4, 64).half()), r"weights must have dtype Float, got Half"),
+    (dict(weights=torch.randn(4, 64).half()), r"weights must have dtype Float or BFloat16, got Half"),
+    (dict(weights=torch.randn(64, 4).bfloat16().t()), r"weights must have stride 1 in its last dimension"),
+    (dict(max_seqlen_k=-1), r"max_seqlen_k must be 0 \(full-width logits\) or in 1\.\.\d+, got -1"),
+    (dict(max_seqlen_k=2**31), r"max_seqlen_k must be 0 \(full-width logits\) or in 1\.\.\d+, got 2147483648"),
     (dict(cu_seq_len_k_start=torch.zeros(4, dtype=torch.int64)), r"cu_seq_len_k_start must have dtype Int, got Long"),
     (dict(cu_seq_len_k_end=torch.zeros(5, dtype=torch.int32)), r"cu_seq_len_k_end must have shape \[4\], got \[5\]"),
     (dict(logits_dtype=torch.float16), r"logits_dtype must be torch.float32 or torch.bfloat16"),
@@ -65,6 +68,14 @@ def test_prefill_validation(over, pattern):
 def test_prefill_out_validation():
     with pytest.raises(ValueError, match=r"out must have shape \[4, 16\], got \[4, 15\]"):
         call_prefill(out=torch.empty(4, 15))
+    # compressed logits: out is [S, max_seqlen_k]
+    with pytest.raises(ValueError, match=r"out must have shape \[4, 5\], got \[4, 16\]"):
+        call_prefill(out=torch.empty(4, 16), max_seqlen_k=5)
+    with pytest.raises(TypeError, match=r"max_seqlen_k must be an int, got float"):
+        call_prefill(max_seqlen_k=5.0)
+    with pytest.raises(TypeError):  # keyword-only
+        a = prefill_args()
+        di.fp8_mqa_logits(a["q"], a["kv"], a["weights"], a["cu_seq_len_k_start"], a["cu_seq_len_k_end"], True, 5)
     with pytest.raises(ValueError, match=r"out must have dtype BFloat16, got Float"):
         call_prefill(out=torch.empty(4, 16), logits_dtype=torch.bfloat16)
 

@@ -31,9 +31,14 @@ inline at::Tensor logits_output(const char* op, const std::optional<at::Tensor>&
   return at::empty_strided({rows, cols}, {sm90::padded_row_stride(cols, elem_bytes), 1}, like.options().dtype(dtype));
 }
 
+// max_seqlen_k = 0: logits [S, SKV], column j = key j. max_seqlen_k = M > 0 (compressed): logits
+// [S, M], column j of row i = key max(ks[i], 0) + j for j < min(min(ke[i], SKV) - max(ks[i], 0), M);
+// a longer row keeps its first M keys, and with clean_logits the columns past its length are -inf.
+// weights: float32 or bfloat16 [S, H] (unit inner stride), read natively by the kernel.
 inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,
                                  const at::Tensor& weights, const at::Tensor& ks, const at::Tensor& ke,
-                                 bool clean_logits, int64_t elem_bytes, const std::optional<at::Tensor>& out) {
+                                 bool clean_logits, int64_t elem_bytes, const std::optional<at::Tensor>& out,
+                                 int64_t max_seqlen_k = 0) {
   constexpr const char* op = "deep_indexer.fp8_mqa_logits";
   TensorCheck(op, q, "q").dtype(at::kFloat8_e4m3fn).ndim(3).contiguous();
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
@@ -44,11 +49,14 @@ inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const
   DI_CHECK_ARG(SKV >= 1 && SKV < INT_MAX - 64, "{}: kv[0] (k) must have 1 <= SKV < 2^31 - 64 rows, got {}", op, SKV);
   DI_CHECK_ARG(S < INT_MAX / 128, "{}: q has {} tokens; at most {} are supported", op, S, INT_MAX / 128 - 1);
   TensorCheck(op, k_scale, "kv[1] (k_scale)").dtype(at::kFloat).shape({SKV}).contiguous();
-  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({S, H}).row_major_2d();
+  TensorCheck(op, weights, "weights").dtype_in({at::kFloat, at::kBFloat16}).shape({S, H}).row_major_2d();
   TensorCheck(op, ks, "cu_seq_len_k_start").dtype(at::kInt).shape({S}).contiguous();
   TensorCheck(op, ke, "cu_seq_len_k_end").dtype(at::kInt).shape({S}).contiguous();
   DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "{}: logits_dtype must be float32 or bfloat16", op);
-  check_out(op, out, S, SKV, static_cast<int>(elem_bytes));
+  DI_CHECK_ARG(max_seqlen_k >= 0 && max_seqlen_k < INT_MAX - 64,
+               "{}: max_seqlen_k must be 0 (full-width logits) or in 1..{}, got {}", op, INT_MAX - 65, max_seqlen_k);
+  const int64_t cols = max_seqlen_k > 0 ? max_seqlen_k : SKV;
+  check_out(op, out, S, cols, static_cast<int>(elem_bytes));
   TensorCheck(op, q, "q").cuda();
   for (auto [t, name] : {std::pair{&k, "kv[0] (k)"}, {&k_scale, "kv[1] (k_scale)"}, {&weights, "weights"},
                          {&ks, "cu_seq_len_k_start"}, {&ke, "cu_seq_len_k_end"}})
@@ -57,19 +65,21 @@ inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const
     TensorCheck(op, q, "q").aligned(16);
     TensorCheck(op, k, "kv[0] (k)").aligned(16);
   }
-  at::Tensor logits = logits_output(op, out, S, SKV, static_cast<int>(elem_bytes), q);
+  at::Tensor logits = logits_output(op, out, S, cols, static_cast<int>(elem_bytes), q);
   if (S == 0) return logits;
 
   const OpDevice dev = op_device(q);
   const MqaLogitsRuntime::Params params{static_cast<int>(H), static_cast<int>(D), static_cast<int>(elem_bytes)};
   const bool fused_clean = clean_logits && sm90::mqa_logits_fused_clean(params.layout(), S, dev.info->num_sms);
-  MqaLogitsRuntime::launch({params, q.data_ptr(), k.data_ptr(), k_scale.data_ptr<float>(), weights.data_ptr<float>(),
-                            weights.stride(0), ks.data_ptr<int>(), ke.data_ptr<int>(), logits.data_ptr(),
-                            logits.stride(0), static_cast<int>(S), static_cast<int>(SKV), fused_clean},
+  MqaLogitsRuntime::launch({params, q.data_ptr(), k.data_ptr(), k_scale.data_ptr<float>(), weights.data_ptr(),
+                            weights.stride(0), weights.scalar_type() == at::kBFloat16, ks.data_ptr<int>(),
+                            ke.data_ptr<int>(), logits.data_ptr(), logits.stride(0), static_cast<int>(S),
+                            static_cast<int>(SKV), static_cast<int>(max_seqlen_k), fused_clean},
                            dev.device, dev.info->num_sms, dev.stream);
   if (clean_logits && !fused_clean)
     CleanLogitsRuntime::launch({logits.data_ptr(), static_cast<int>(elem_bytes), logits.stride(0), S,
-                                static_cast<int>(SKV), 1, ks.data_ptr<int>(), ke.data_ptr<int>()},
+                                static_cast<int>(cols), 1, ks.data_ptr<int>(), ke.data_ptr<int>(),
+                                max_seqlen_k > 0 ? static_cast<int>(SKV) : 0},
                                dev.device, dev.stream);
   return logits;
 }

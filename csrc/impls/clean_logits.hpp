@@ -28,6 +28,7 @@ struct CleanLogitsRuntime : jit::KernelRuntime<CleanLogitsRuntime> {
     int num_cols, next_n;
     const int* ks;  // may be null (0)
     const int* ke;
+    int num_keys = 0;  // > 0: compressed prefill logits over num_keys keys (see clean_logits.cuh)
   };
 
   static void launch(const Args& a, int device, CUstream stream) {
@@ -36,7 +37,7 @@ struct CleanLogitsRuntime : jit::KernelRuntime<CleanLogitsRuntime> {
     jit::LaunchConfig cfg;
     cfg.grid = static_cast<unsigned>(std::min<int64_t>(a.num_rows, int64_t(1) << 30));
     cfg.block = kNumThreads;
-    jit::launch(f, cfg, stream, a.logits, a.row_stride, a.num_rows, a.num_cols, a.next_n, a.ks, a.ke);
+    jit::launch(f, cfg, stream, a.logits, a.row_stride, a.num_rows, a.num_cols, a.next_n, a.ks, a.ke, a.num_keys);
   }
 };
 

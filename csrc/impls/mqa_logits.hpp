@@ -33,12 +33,14 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
     const void* q;  // [S*H, D] fp8
     const void* k;  // [SKV, D] fp8
     const float* k_scale;
-    const float* weights;
+    const void* weights;  // [S, H] float32, or bfloat16 when weights_bf16
     int64_t weights_stride;
+    bool weights_bf16;
     const int *ks, *ke;
     void* logits;
     int64_t logits_stride;
     int seq_len, seq_len_kv;
+    int max_seqlen_k;  // 0: [S, SKV] logits; > 0: compressed [S, max_seqlen_k] (see mqa_logits.cuh)
     bool clean;  // warps 1..3 of the producer warpgroup write -inf outside each row's range
   };
 
@@ -55,8 +57,9 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
     cfg.grid = sm90::mqa_logits_grid(l, a.seq_len, num_sms);
     cfg.block = l.num_threads();
     cfg.smem = l.smem_bytes();
-    jit::launch(f, cfg, stream, tmap_q, tmap_k, a.k_scale, a.weights, a.weights_stride, a.ks, a.ke, a.logits,
-                a.logits_stride, a.seq_len, a.seq_len_kv, static_cast<int>(a.clean));
+    jit::launch(f, cfg, stream, tmap_q, tmap_k, a.k_scale, a.weights, a.weights_stride,
+                static_cast<int>(a.weights_bf16), a.ks, a.ke, a.logits, a.logits_stride, a.seq_len, a.seq_len_kv,
+                a.max_seqlen_k, static_cast<int>(a.clean));
   }
 };
 

@@ -1,6 +1,8 @@
 // clean_logits: writes -inf outside each row's valid key range, in place (docs/api.md).
 // Row r belongs to group g = r / next_n (i = r % next_n) and keeps columns
 // [max(ks[g], 0), min(ke[g] - next_n + i + 1, num_cols)); everything else becomes -inf.
+// Compressed prefill logits (num_keys > 0, next_n = 1): column c of row r holds key lo + c with
+// lo = max(ks[r], 0), so the row keeps [0, min(ke[r], num_keys) - lo) (clamped into [0, num_cols]).
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -12,7 +14,7 @@ template <int kElemBytes, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads) clean_logits_kernel(void* __restrict__ logits, int64_t row_stride,
                                                                    int64_t num_rows, int num_cols, int next_n,
                                                                    const int* __restrict__ ks,
-                                                                   const int* __restrict__ ke) {
+                                                                   const int* __restrict__ ke, int num_keys) {
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   using Elem = typename std::conditional<kElemBytes == 4, uint32_t, uint16_t>::type;
   constexpr Elem kNegInf = kElemBytes == 4 ? Elem(0xFF800000u) : Elem(0xFF80u);
@@ -43,8 +45,15 @@ __global__ void __launch_bounds__(kNumThreads) clean_logits_kernel(void* __restr
     const int64_t i = r - g * next_n;
     const int64_t lo = ks == nullptr ? 0 : max(static_cast<int64_t>(__ldg(ks + g)), int64_t(0));
     const int64_t hi = static_cast<int64_t>(__ldg(ke + g)) - next_n + i + 1;
-    const int lo_c = static_cast<int>(min(lo, static_cast<int64_t>(num_cols)));
-    const int hi_c = static_cast<int>(min(max(hi, static_cast<int64_t>(lo_c)), static_cast<int64_t>(num_cols)));
+    int lo_c, hi_c;
+    if (num_keys > 0) {
+      lo_c = 0;
+      hi_c = static_cast<int>(min(max(min(hi, static_cast<int64_t>(num_keys)) - lo, int64_t(0)),
+                                  static_cast<int64_t>(num_cols)));
+    } else {
+      lo_c = static_cast<int>(min(lo, static_cast<int64_t>(num_cols)));
+      hi_c = static_cast<int>(min(max(hi, static_cast<int64_t>(lo_c)), static_cast<int64_t>(num_cols)));
+    }
     Elem* row = static_cast<Elem*>(logits) + r * row_stride;
     fill(row, 0, lo_c);
     fill(row, hi_c, num_cols);

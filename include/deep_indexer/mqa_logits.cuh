@@ -1,6 +1,11 @@
 // Prefill lightning-indexer logits (docs/api.md):
-//   logits[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])
-// for max(ks[i], 0) <= j < min(ke[i], SKV); nothing else is written (a separate kernel cleans).
+//   logits[i, c(j)] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])
+// for lo_i <= j < hi_i, lo_i = max(ks[i], 0), hi_i = min(ke[i], SKV); outside that range nothing is
+// written unless `clean` (then -inf, by the producer's idle warps; otherwise a separate kernel).
+// Column map: full width (max_seqlen_k == 0) c(j) = j over SKV columns; compressed (max_seqlen_k =
+// M > 0) c(j) = j - lo_i over M columns, and hi_i is first cut to min(hi_i, lo_i + M) (a longer row
+// keeps its first M keys), so every store lands inside [0, M). The cut also shortens the tile walk.
+// weights: float32, or bfloat16 when weights_bf16 (converted to fp32 as they are staged in smem).
 //
 // Structure (sizes and offsets: mqa_logits_layout.hpp):
 //   * persistent grid; a CTA walks q blocks blockIdx.x, blockIdx.x + gridDim.x, ... of
@@ -92,9 +97,9 @@ DI_DEVICE void fill_neg_inf_warp(OutT* row, int a, int b, uint32_t lane) {
 // The kernel body; kMathWGs = 0 picks the layout's default number of math warpgroups.
 template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu>
 DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k, const float* __restrict__ k_scale,
-                               const float* __restrict__ weights, int64_t weights_stride, const int* __restrict__ ks,
-                               const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S,
-                               int SKV, int clean) {
+                               const void* __restrict__ weights, int64_t weights_stride, int weights_bf16,
+                               const int* __restrict__ ks, const int* __restrict__ ke, OutT* __restrict__ logits,
+                               int64_t logits_stride, int S, int SKV, int max_seqlen_k, int clean) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs,
                               kSplitRelu};
@@ -176,8 +181,12 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             const int a = min(max(__ldg(ks + tg), 0), SKV);
             const int b = min(max(__ldg(ke + tg), a), SKV);
             OutT* row = logits + static_cast<int64_t>(tg) * logits_stride;
-            mqa_detail::fill_neg_inf_warp(row, 0, a, lane);
-            mqa_detail::fill_neg_inf_warp(row, b, SKV, lane);
+            if (max_seqlen_k > 0) {  // compressed: the row's min(b - a, M) keys, then -inf up to M
+              mqa_detail::fill_neg_inf_warp(row, min(b - a, max_seqlen_k), max_seqlen_k, lane);
+            } else {
+              mqa_detail::fill_neg_inf_warp(row, 0, a, lane);
+              mqa_detail::fill_neg_inf_warp(row, b, SKV, lane);
+            }
           }
         }
       }
@@ -202,6 +211,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         if (tg < S) {
           a = max(__ldg(ks + tg), 0);
           b = min(__ldg(ke + tg), SKV);
+          if (max_seqlen_k > 0 && b > a && b - a > max_seqlen_k) b = a + max_seqlen_k;  // b > a: no overflow
         }
         reinterpret_cast<int2*>(info + L.info_offset_ranges())[lane] = make_int2(a, b);
         if (b > a) {
@@ -221,7 +231,12 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
       for (int i = lane; i < T2 * H; i += 32) {
         const int tg = tok0 + i / H;
-        winfo[i] = tg < S ? __ldg(weights + static_cast<int64_t>(tg) * weights_stride + (i % H)) : 0.0f;
+        const int64_t wi = static_cast<int64_t>(tg) * weights_stride + (i % H);
+        float wv = 0.0f;
+        if (tg < S)
+          wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
+                            : __ldg(static_cast<const float*>(weights) + wi);
+        winfo[i] = wv;
       }
       __syncwarp();
       if (lane == 0) {
@@ -319,8 +334,10 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           const int tg = blk * T2 + tb;
           rlo[m] = rg.x;
           rhi[m] = (T == 1 && quad >= 2) ? rg.x : rg.y;  // T == 1: half the lanes hold duplicates
-          obase[m] = logits + static_cast<int64_t>(tg < S ? tg : 0) * logits_stride + u_lo + row_in_tile +
-                     (kOwnJ == 1 ? 8 * own_j(0) : 0);
+          // Compressed: column = key - rlo (the offset may be negative; stores need key >= rlo).
+          const int col_shift = max_seqlen_k > 0 ? rg.x : 0;
+          obase[m] = logits + (static_cast<int64_t>(tg < S ? tg : 0) * logits_stride + (u_lo - col_shift) +
+                               row_in_tile + (kOwnJ == 1 ? 8 * own_j(0) : 0));
           // Opaque to the compiler, so that it keeps the pointer instead of rebuilding it from the
           // parameters per tile. Measured on H200: 8-25% faster for the store-heavy shapes
           // (H <= 32, D <= 64, H = 128), 13% slower for H = 64, D = 128, which is left alone.
@@ -497,11 +514,12 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT>
 __global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT))}.num_threads(), 1)
     mqa_logits_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                      const float* __restrict__ k_scale, const float* __restrict__ weights,
-                      int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
-                      OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int clean) {
+                      const float* __restrict__ k_scale, const void* __restrict__ weights,
+                      int64_t weights_stride, int weights_bf16, const int* __restrict__ ks, const int* __restrict__ ke,
+                      OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int max_seqlen_k, int clean) {
   mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 0, false>(tmap_q, tmap_k, k_scale, weights, weights_stride,
-                                                                     ks, ke, logits, logits_stride, S, SKV, clean);
+                                                                     weights_bf16, ks, ke, logits, logits_stride, S,
+                                                                     SKV, max_seqlen_k, clean);
 }
 
 // Same kernel with an explicit number of math warpgroups (2 or 3) and epilogue form; the host must
@@ -511,11 +529,13 @@ template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMat
 __global__ void __launch_bounds__(
     MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), kMathWGs, kSplitRelu}.num_threads(), 1)
     mqa_logits_kernel_wgs(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                          const float* __restrict__ k_scale, const float* __restrict__ weights,
-                          int64_t weights_stride, const int* __restrict__ ks, const int* __restrict__ ke,
-                          OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int clean) {
+                          const float* __restrict__ k_scale, const void* __restrict__ weights,
+                          int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
+                          const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
+                          int max_seqlen_k, int clean) {
   mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs, kSplitRelu>(
-      tmap_q, tmap_k, k_scale, weights, weights_stride, ks, ke, logits, logits_stride, S, SKV, clean);
+      tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
+      max_seqlen_k, clean);
 }
 
 }  // namespace deep_indexer
