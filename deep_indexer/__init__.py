@@ -1,7 +1,7 @@
 """deep_indexer: SM90 kernels for the DeepSeek Sparse Attention lightning indexer.
 
 Ops (SPEC 2): fp8_mqa_logits (prefill), get_paged_mqa_logits_metadata + fp8_paged_mqa_logits
-(decode over a paged fp8 KV cache), clean_logits. Kernels are compiled on first use by a C++
+(decode over a paged fp8 KV cache), clean_logits, topk_indices (exact top-k of the logits). Kernels are compiled on first use by a C++
 JIT (nvcc, sm_90a) and cached on disk; see `python -m deep_indexer --help`.
 """
 import torch  # noqa: F401  (loads libtorch/libc10 before the extension)
@@ -13,13 +13,14 @@ _C.configure_jit(str(_include_dir()), _cutlass_include_dir())
 
 from . import quant, reference, torch_ops  # noqa: E402, F401  (torch_ops registers torch.ops.deep_indexer.*)
 from .jit import cache_clear, cache_info, precompile  # noqa: E402
-from .ops import clean_logits, fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_logits_metadata  # noqa: E402
+from .ops import clean_logits, fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_logits_metadata, topk_indices  # noqa: E402
 
 __all__ = [
     "fp8_mqa_logits",
     "get_paged_mqa_logits_metadata",
     "fp8_paged_mqa_logits",
     "clean_logits",
+    "topk_indices",
     "precompile",
     "cache_info",
     "cache_clear",
