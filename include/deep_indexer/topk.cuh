@@ -14,6 +14,21 @@
 #include "radix_select.cuh"
 #include "topk_layout.hpp"
 
+// -DDI_TOPK_DEBUG (through DI_JIT_EXTRA_FLAGS): device checks of the selection invariants (the JIT
+// builds with -DNDEBUG, so these trap instead of using assert).
+#ifdef DI_TOPK_DEBUG
+#include <cstdio>
+#define DI_TOPK_ASSERT(x)                                                              \
+  do {                                                                                 \
+    if (!(x)) {                                                                        \
+      printf("deep_indexer topk: check failed: %s (line %d)\n", #x, __LINE__);        \
+      __trap();                                                                        \
+    }                                                                                  \
+  } while (0)
+#else
+#define DI_TOPK_ASSERT(x) ((void)0)
+#endif
+
 namespace deep_indexer {
 
 
@@ -26,6 +41,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
   constexpr int kPasses = L.num_passes();
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
+  constexpr int kUnroll = 4;  // 16-byte loads in flight per thread in the histogram passes
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
 
   extern __shared__ __align__(16) uint8_t smem[];
@@ -83,25 +99,32 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
         const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
         for (int b = tid; b < TopkLayout::kHistBins; b += kThreads) hist[b] = 0;
         __syncthreads();
-        // Warp-uniform trip counts (warp_hist_add needs all lanes).
-        for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
-          const int v = vb + lane;
-          uint32_t key[kVec] = {};
-          if (v < num_vecs) {
-            if (pass == 0) {
-              radix::unpack<kElemBytes>(__ldg(row_vec + v), key);
+        // Warp-uniform trip counts (warp_hist_add needs all lanes); kUnroll independent 16-byte
+        // loads in flight per thread before any of them is used.
+        for (int vb = warp * 32 * kUnroll; vb < num_vecs; vb += kThreads * kUnroll) {
+          uint4 raw[kUnroll];
 #pragma unroll
-              for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
-              if (v < cached) cache[v] = radix::pack<kElemBytes>(key);
-            } else {
-              load_keys(v, cached, key);
-            }
+          for (int u = 0; u < kUnroll; ++u) {
+            const int v = vb + u * 32 + lane;
+            raw[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (v < num_vecs) raw[u] = pass > 0 && v < cached ? cache[v] : __ldg(row_vec + v);
           }
 #pragma unroll
-          for (int c = 0; c < kVec; ++c) {
-            const int j = v * kVec + c - mis;
-            const bool active = v < num_vecs && j >= 0 && j < n && (key[c] & mask) == prefix;
-            radix::warp_hist_add(hist, (key[c] >> shift) & digit_mask, active);
+          for (int u = 0; u < kUnroll; ++u) {
+            const int v = vb + u * 32 + lane;
+            uint32_t key[kVec];
+            radix::unpack<kElemBytes>(raw[u], key);
+            if (pass == 0 || v >= cached) {
+#pragma unroll
+              for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
+              if (pass == 0 && v < cached) cache[v] = radix::pack<kElemBytes>(key);
+            }
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              const int j = v * kVec + c - mis;
+              const bool active = v < num_vecs && j >= 0 && j < n && (key[c] & mask) == prefix;
+              radix::warp_hist_add(hist, (key[c] >> shift) & digit_mask, active);
+            }
           }
         }
         const radix::KthBin kb = radix::find_kth_bin<kThreads, TopkLayout::kHistBins>(hist, k_rem, warp_sums, scalars);
@@ -113,7 +136,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
         if (k_rem == kb.count) break;  // the whole bin is taken: lower digits cannot matter
       }
     }
-    const uint32_t total = greater + take_eq;  // = min(k, n)
+    const uint32_t total = min(greater + take_eq, static_cast<uint32_t>(k));  // = min(k, n)
+    DI_TOPK_ASSERT(greater + take_eq == static_cast<uint32_t>(min(k, n)));
 
     // ---- selection in column order. Each warp owns a contiguous run of vectors; pass A counts,
     // pass B writes at prefix-count positions.
@@ -147,6 +171,10 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
     __syncthreads();
     uint32_t gt_base = 0, eq_base = 0;  // keys before this warp's run
     for (int w = 0; w < warp; ++w) gt_base += warp_sums[w], eq_base += warp_sums2[w];
+#ifdef DI_TOPK_DEBUG
+    if (warp == kWarps - 1 && lane == 0)
+      DI_TOPK_ASSERT(gt_base + warp_sums[warp] == greater && eq_base + warp_sums2[warp] >= take_eq);
+#endif
 
     // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
     auto store = [&](int pos, int j) {
@@ -172,6 +200,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
       }
     };
     auto emit = [&](uint32_t pos, int j, uint32_t key) {
+      DI_TOPK_ASSERT(pos < static_cast<uint32_t>(k));
+      if (pos >= static_cast<uint32_t>(k)) return;  // unreachable; never writes out of bounds
       if constexpr (kSorted)
         sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
       else
