@@ -4,6 +4,7 @@
 #include "apis/clean_logits.hpp"
 #include "apis/mqa_logits.hpp"
 #include "apis/paged_mqa_logits.hpp"
+#include "apis/topk.hpp"
 #include "jit/compiler.hpp"
 #include "jit/runtime.hpp"
 #include "utils/exception.hpp"
@@ -59,9 +60,15 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= 4, "precompile: next_n must be in 1..4");
       py::gil_scoped_release release;
       r = PagedMqaMetadataRuntime::precompile(p, arch);
+    } else if (op == "topk") {
+      TopkRuntime::Params p{param(params, "elem_bytes"), param(params, "sorted") != 0};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = TopkRuntime::precompile(p, arch);
     } else {
       throw DIValueError(fmt::format(
-          "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata)",
+          "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata, "
+          "topk)",
           op));
     }
   }
@@ -133,4 +140,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, py::arg("q"), py::arg("kv_cache"), py::arg("weights"),
         py::arg("context_lens"), py::arg("block_table"), py::arg("schedule_meta"), py::arg("max_context_len"),
         py::arg("clean_logits"), py::arg("elem_bytes"), py::arg("out"));
+  m.def("topk_indices", &topk_indices, py::arg("logits"), py::arg("k"), py::arg("cu_seq_len_k_start"),
+        py::arg("cu_seq_len_k_end"), py::arg("context_lens"), py::arg("next_n"), py::arg("sorted"),
+        py::arg("index_mode"), py::arg("block_table"), py::arg("block_size"), py::arg("row_offset"),
+        py::arg("return_values"), py::arg("out"), py::arg("out_values"));
 }

@@ -48,6 +48,46 @@ DECODE_SHAPES = {  # id: (B, next_n, avg context)
 }
 
 
+# Top-k over fp32 logits (docs/topk.md): id: (rows, avg valid keys, pattern, k). "decode": row
+# lengths U[0.7, 1.3] x avg (one row: exactly avg); "causal": rows = S, SKV = avg, ke[i] = SKV - S + i.
+TOPK_SHAPES = {
+    "K-D1": (1, 32768, "decode", 2048),
+    "K-D2": (64, 8192, "decode", 2048),
+    "K-D3": (128, 32768, "decode", 2048),
+    "K-D5": (256, 8192, "decode", 2048),
+    "K-D8": (256, 65536, "decode", 2048),
+    "K-V4F": (256, 8192, "decode", 512),
+    "K-V4P": (256, 8192, "decode", 1024),
+    "K-V4F-P2": (4096, 32768, "causal", 512),
+    "K-P2": (4096, 32768, "causal", 2048),
+    "K-P3": (4096, 65536, "causal", 2048),
+    "K-P5": (8192, 131072, "causal", 2048),
+}
+
+
+def topk_case(sid: str, device, seed: int) -> dict:
+    """fp32 logits of a TOPK_SHAPES id: clean (-inf outside the ranges, for torch.topk) and padded rows."""
+    rows, avg, pattern, k = TOPK_SHAPES[sid]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if pattern == "decode":
+        lens = (avg * (0.7 + 0.6 * torch.rand(rows, generator=gen, device=device))).to(torch.int32)
+        if rows == 1:
+            lens.fill_(avg)
+        ks, ke = None, lens
+    else:
+        ke = (avg - rows + 1 + torch.arange(rows, device=device)).to(torch.int32)
+        ks = torch.zeros(rows, dtype=torch.int32, device=device)
+    n = int(ke.max())
+    stride = (n + 63) // 64 * 64
+    logits = torch.randn(rows, stride, generator=gen, device=device)[:, :n]
+    col = torch.arange(n, device=device)
+    for r0 in range(0, rows, 1024):
+        logits[r0:r0 + 1024].masked_fill_(col[None, :] >= ke[r0:r0 + 1024, None].long(), float("-inf"))
+    valid = int(ke.long().clamp(max=n).sum())
+    return {"logits": logits, "ks": ks, "ke": ke, "k": k, "valid_bytes": 4 * valid, "rows": rows, "n": n,
+            "shape": f"{rows} x {n} ({pattern}, {valid / rows:.0f} valid keys/row) k={k}"}
+
+
 def decode_shape(spec: str) -> tuple:
     """(B, next_n, avg context, H) of a decode shape id (D1..D8, H = 64) or of 'B:next_n:avg[:H]'."""
     if spec in DECODE_SHAPES:
@@ -66,7 +106,7 @@ ANCHOR_US = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D8, C1) or 'prefill'/'decode'/'clean'")
+    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D8, C1, K-* top-k) or 'prefill'/'decode'/'clean'/'topk'")
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -310,7 +350,8 @@ def run(args) -> dict:
     ids = []
     for s in wanted:
         ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES),
-                "clean": ["C1"]}.get(s, [s])
+                "clean": ["C1"],
+                "topk": list(TOPK_SHAPES)}.get(s, [s])
     print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
     ceil = {} if args.no_ceilings else measure_ceilings(timer, device)
     if ceil:
@@ -372,6 +413,21 @@ def run(args) -> dict:
             r = {"id": "C1", "kind": "clean_logits", "shape": f"[{M}, {N}] float32, random ranges",
                  "us": us, "GBps": gbps, "fraction_of_ceiling": gbps / ceil["copy_GBps"] if ceil else None}
             del logits
+        elif sid in TOPK_SHAPES:
+            x = topk_case(sid, device, seed=n)
+            out = torch.empty(x["rows"], x["k"], dtype=torch.int32, device=device)
+            call = lambda x=x, out=out: di.topk_indices(x["logits"], x["k"], x["ks"], x["ke"], out=out)
+            us = timer(call, args.iters)
+            torch_us = timer(lambda x=x: torch.topk(x["logits"], x["k"], dim=1, sorted=False), max(5, args.iters // 3))
+            floor = x["valid_bytes"] / ceil["copy_GBps"] / 1e3 if ceil else None
+            gbps = x["valid_bytes"] / us / 1e3
+            r = {"id": sid, "kind": "topk", "shape": x["shape"], "us": us, "GBps": gbps,
+                 "fraction_of_ceiling": gbps / ceil["copy_GBps"] if ceil else None, "floor_us": floor,
+                 "over_floor": us / floor if floor else None, "torch_topk_us": torch_us,
+                 "speedup_vs_torch_topk": torch_us / us}
+            if other is not None and hasattr(other, "topk_indices"):
+                r["compare_us"] = timer(lambda x=x: other.topk_indices(x["logits"], x["k"], x["ks"], x["ke"]), args.iters)
+            del x, out
         else:
             raise SystemExit(f"bench: unknown shape id '{sid}'")
         if sid in ANCHOR_US:
@@ -403,6 +459,9 @@ def print_table(res: dict) -> None:
         anc = f"{r['anchor_us']:.1f}" if "anchor_us" in r else "-"
         sp = f"{r['speedup_vs_anchor']:.2f}x" if "speedup_vs_anchor" in r else "-"
         extra = f"  (metadata {r['metadata_us']:.1f} us)" if "metadata_us" in r else ""
+        if "torch_topk_us" in r:
+            fl = (f"floor {r['floor_us']:.1f} us, {r['over_floor']:.2f}x of it; " if r.get("floor_us") else "")
+            extra += f"  ({fl}torch.topk {r['torch_topk_us']:.1f} us, {r['speedup_vs_torch_topk']:.1f}x faster)"
         if "kernel_us" in r:
             extra += f"  (kernels alone: logits {r['kernel_us']:.1f} us, metadata {r.get('metadata_kernel_us', 0):.1f} us)"
         cmp = (f"  ({res.get('compare')}: {r['compare_us']:.1f} us; deep_indexer {r['compare_us'] / r['us']:.2f}x as fast)"

@@ -27,7 +27,7 @@ PAGED_HEAD_DIMS = (64, 128)
 NEXT_N = (1, 2, 3, 4)
 BLOCK_KV = (32, 64)
 LOGITS_DTYPES = ("float32", "bfloat16")
-OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata")
+OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk")
 _ELEM_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -84,6 +84,9 @@ def variants(
         elif op == "paged_mqa_logits_metadata":
             for n, small in itertools.product(nn, (1, 0)):
                 add(op, next_n=n, small=small)
+        elif op == "topk":
+            for dt, srt in itertools.product(dtypes, (0, 1)):
+                add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt)
     return out
 
 

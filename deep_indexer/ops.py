@@ -134,3 +134,50 @@ def fp8_paged_mqa_logits(
     return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
                                    int(max_context_len), bool(clean_logits),
                                    _elem_bytes(logits_dtype, "fp8_paged_mqa_logits"), out)
+
+
+def topk_indices(
+    logits: torch.Tensor,
+    k: int,
+    cu_seq_len_k_start: Optional[torch.Tensor] = None,
+    cu_seq_len_k_end: Optional[torch.Tensor] = None,
+    *,
+    context_lens: Optional[torch.Tensor] = None,
+    next_n: int = 1,
+    sorted: bool = False,
+    index_mode: str = "relative",
+    block_table: Optional[torch.Tensor] = None,
+    block_size: Optional[int] = None,
+    row_offset: Optional[torch.Tensor] = None,
+    return_values: bool = False,
+    out: Optional[torch.Tensor] = None,
+    out_values: Optional[torch.Tensor] = None,
+):
+    """Exact, deterministic top-k column indices of every row of `logits` (see docs/topk.md).
+
+    logits: [M, N] float32/bfloat16, stride(1) == 1 (rows may be padded). Row ranges: either
+    ks/ke int32 [M // next_n] (ks None = 0; row (g, i) = row g * next_n + i covers
+    max(ks[g], 0) <= j < min(ke[g] - next_n + i + 1, N)), or context_lens int32 [B] (M = B * next_n;
+    row (b, i) covers j < ctx[b] - next_n + i + 1) or [B, next_n] (row (b, i) covers j < ctx[b, i]).
+    k: 1..2048. Returns int32 [M, k] (and the values, logits dtype, with return_values=True):
+    the k largest values of each row's range, ties to the smaller column, NaN ranked below -inf;
+    a row with n < k valid columns returns all n, then -1 (value -inf). Order: ascending column
+    (sorted=False) or value descending, then column ascending (sorted=True).
+    index_mode: "relative" (j - row start), "absolute" (j) or "slot" (p = j - row start ->
+    block_table[seq, p // block_size] * block_size + p % block_size, seq = row // next_n; -1 past
+    the table's columns). row_offset int32 [M] is added to every index != -1. out / out_values:
+    preallocated outputs ([M, k], stride(1) == 1) for CUDA graphs.
+    """
+    if _compiling():
+        if out is None:
+            out = logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+        if return_values and out_values is None:
+            out_values = logits.new_empty((logits.shape[0], k))
+        _ops().topk_indices_out(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, sorted,
+                                index_mode, block_table, 0 if block_size is None else block_size, row_offset, out,
+                                out_values if return_values else None)
+        return (out, out_values) if return_values else out
+    res = _C.topk_indices(logits, int(k), cu_seq_len_k_start, cu_seq_len_k_end, context_lens, int(next_n),
+                          bool(sorted), str(index_mode), block_table, 0 if block_size is None else int(block_size),
+                          row_offset, bool(return_values), out, out_values)
+    return (res[0], res[1]) if return_values else res[0]

@@ -18,7 +18,7 @@ import torch
 
 from .quant import FP8, _check, _check_int, _kv_cache_views
 
-__all__ = ["mqa_logits", "paged_mqa_logits", "clean_logits", "paged_mqa_logits_metadata"]
+__all__ = ["mqa_logits", "paged_mqa_logits", "clean_logits", "paged_mqa_logits_metadata", "topk_indices", "topk_keys"]
 
 _CHUNK_BYTES = 256 << 20  # budget for one chunk's temporaries
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
@@ -286,3 +286,136 @@ def paged_mqa_logits_metadata(
     b = torch.searchsorted(ends, starts, right=True)
     prefix = torch.cat([torch.zeros(1, dtype=torch.long), ends])
     return torch.stack([b, starts - prefix[b]], dim=1).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------ top-k
+TOPK_MAX_K = 2048
+TOPK_INDEX_MODES = ("relative", "absolute", "slot")
+
+
+def topk_keys(x: torch.Tensor) -> torch.Tensor:
+    """The order-preserving unsigned key of every logit, as int64 (the kernels' key transform).
+
+    float32 -> 32-bit key, bfloat16 -> 16-bit key; a larger key is a larger value. -0.0 maps to
+    the key of +0.0 (equal values), every NaN (any sign or payload) maps to key 0, below -inf.
+    """
+    if x.dtype == torch.float32:
+        bits, sign, full = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF, 0x80000000, 0xFFFFFFFF
+    elif x.dtype == torch.bfloat16:
+        bits, sign, full = x.contiguous().view(torch.int16).long() & 0xFFFF, 0x8000, 0xFFFF
+    else:
+        raise TypeError(f"logits: expected dtype torch.float32 or torch.bfloat16, got {x.dtype}")
+    bits = torch.where(bits == sign, torch.zeros_like(bits), bits)  # -0.0 -> +0.0
+    key = torch.where((bits & sign) != 0, full - bits, bits | sign)
+    return torch.where(torch.isnan(x), torch.zeros_like(key), key)
+
+
+def topk_row_ranges(
+    m: int,
+    n: int,
+    cu_seq_len_k_start: torch.Tensor | None,
+    cu_seq_len_k_end: torch.Tensor | None,
+    context_lens: torch.Tensor | None,
+    next_n: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's valid columns [lo, hi) (int64 [M] each, 0 <= lo <= hi <= N) for topk_indices."""
+    _check_int("next_n", next_n, min_value=1)
+    if m % next_n:
+        raise ValueError(f"logits: expected a row count divisible by next_n = {next_n}, got {m}")
+    g = m // next_n
+    i = torch.arange(next_n, device=device).repeat(g)
+    if context_lens is not None:
+        if cu_seq_len_k_start is not None or cu_seq_len_k_end is not None:
+            raise ValueError("context_lens: pass either context_lens or cu_seq_len_k_start/cu_seq_len_k_end, not both")
+        ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=device)
+        if ctx.dim() == 1:
+            _check("context_lens", ctx, shape=(g,))
+            hi = ctx.long().repeat_interleave(next_n) - next_n + 1 + i
+        else:
+            _check("context_lens", ctx, shape=(g, next_n))
+            hi = ctx.long().reshape(-1)
+        lo = torch.zeros(m, dtype=torch.long, device=device)
+    else:
+        if cu_seq_len_k_end is None:
+            raise ValueError("cu_seq_len_k_end: required when context_lens is not given")
+        ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(g,), device=device)
+        hi = ke.long().repeat_interleave(next_n) - next_n + 1 + i
+        if cu_seq_len_k_start is None:
+            lo = torch.zeros(m, dtype=torch.long, device=device)
+        else:
+            ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(g,), device=device)
+            lo = ks.long().repeat_interleave(next_n)
+    lo = lo.clamp(0, n)
+    hi = torch.maximum(hi.clamp(max=n), lo)
+    return lo, hi
+
+
+def topk_indices(
+    logits: torch.Tensor,
+    k: int,
+    cu_seq_len_k_start: torch.Tensor | None = None,
+    cu_seq_len_k_end: torch.Tensor | None = None,
+    *,
+    context_lens: torch.Tensor | None = None,
+    next_n: int = 1,
+    sorted: bool = False,
+    index_mode: str = "relative",
+    block_table: torch.Tensor | None = None,
+    block_size: int | None = None,
+    row_offset: torch.Tensor | None = None,
+    return_values: bool = False,
+):
+    """Exact top-k of every row's valid range (the rule deep_indexer.topk_indices implements).
+
+    Selected: the k largest keys (see `topk_keys`; NaN ranks below -inf), ties to the smaller
+    column. Order: ascending column (sorted=False) or key descending then column ascending
+    (sorted=True). Rows with n < k valid keys return all n, then -1 (values -inf). Index p of
+    column j in a row [lo, hi) of group g = r // next_n: relative j - lo, absolute j, slot
+    block_table[g, p // bs] * bs + p % bs with p = j - lo (-1 when p // bs is past the table);
+    then + row_offset[r] (int32 arithmetic) for every index != -1.
+    """
+    lg = _check("logits", logits, dtypes=_LOGITS_DTYPES, ndim=2)
+    m, n = lg.shape
+    _check_int("k", k, min_value=1)
+    if k > TOPK_MAX_K:
+        raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K}, got {k}")
+    if index_mode not in TOPK_INDEX_MODES:
+        raise ValueError(f"index_mode: expected one of {TOPK_INDEX_MODES}, got {index_mode!r}")
+    dev = lg.device
+    lo, hi = topk_row_ranges(m, n, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, dev)
+    if index_mode == "slot":
+        if block_table is None or block_size is None:
+            raise ValueError("block_table/block_size: required with index_mode='slot'")
+        bt = _check("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+        _check("block_table", bt, shape=(m // next_n, None))
+        _check_int("block_size", block_size, min_value=1)
+    if row_offset is not None:
+        _check("row_offset", row_offset, dtypes=(torch.int32,), shape=(m,), device=dev)
+    idx_out = torch.full((m, k), -1, dtype=torch.int32, device=dev)
+    val_out = torch.full((m, k), _NEG_INF, dtype=lg.dtype, device=dev)
+    for r in range(m):
+        a, b = int(lo[r]), int(hi[r])
+        if b <= a:
+            continue
+        vals = lg[r, a:b]
+        key = topk_keys(vals)
+        order = torch.sort(key, descending=True, stable=True).indices[:k]  # ties: smaller column first
+        if not sorted:
+            order = torch.sort(order).values
+        p = order
+        if index_mode == "relative":
+            idx = p
+        elif index_mode == "absolute":
+            idx = p + a
+        else:
+            blk = p // block_size
+            ok = blk < bt.shape[1]
+            phys = bt[r // next_n, blk.clamp(max=max(bt.shape[1] - 1, 0))].long() if bt.shape[1] else torch.zeros_like(p)
+            idx = torch.where(ok, phys * block_size + p % block_size, torch.full_like(p, -1))
+        if row_offset is not None:
+            idx = torch.where(idx != -1, idx + int(row_offset[r]), idx)
+        idx = ((idx + 2**31) % 2**32 - 2**31).to(torch.int32)
+        idx_out[r, : p.numel()] = idx
+        val_out[r, : p.numel()] = vals[order]
+    return (idx_out, val_out) if return_values else idx_out

@@ -8,6 +8,7 @@
 
 #include <deep_indexer/mqa_logits_layout.hpp>
 #include <deep_indexer/paged_mqa_logits_layout.hpp>
+#include <deep_indexer/topk_layout.hpp>
 
 #include "../utils/env.hpp"
 #include "../utils/exception.hpp"
@@ -136,6 +137,33 @@ inline bool paged_mqa_metadata_small(int64_t batch) { return batch <= kPagedMqaM
 inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   const int64_t align = 256 / elem_bytes;
   return (cols + align - 1) / align * align;
+}
+
+// Top-k launch: one CTA per row (grid-stride). Each CTA caches up to a whole row of keys in
+// shared memory. With at least two rows per SM, two CTAs share an SM (one loads while the other
+// selects) when each fits half the SM's shared memory; otherwise one CTA per SM with the largest
+// cache. Rows longer than the cache re-read their tail from global memory (L2) in later passes.
+struct TopkLaunch {
+  unsigned grid;
+  int cache_vecs;
+  unsigned smem;
+};
+inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms, int max_smem_optin) {
+  constexpr int64_t kSmemPerSm = 228 * 1024, kReservedPerCta = 1024;
+  const int64_t need = (cols + l.vec() - 1) / l.vec() + 1;  // +1: a row start that is not 16-byte aligned
+  const int64_t two_budget = (kSmemPerSm / 2 - kReservedPerCta - static_cast<int64_t>(l.fixed_bytes())) / TopkLayout::kVecBytes;
+  const int64_t one_budget = (max_smem_optin - static_cast<int64_t>(l.fixed_bytes())) / TopkLayout::kVecBytes;
+  const bool two = rows >= 2 * static_cast<int64_t>(num_sms) && two_budget > 0;
+  const int64_t vecs = std::max<int64_t>(0, std::min(need, two ? two_budget : one_budget));
+  TopkLaunch t;
+  t.cache_vecs = static_cast<int>(vecs);
+  t.smem = l.smem_bytes(t.cache_vecs);
+  t.grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, (two ? 2 : 1) * static_cast<int64_t>(num_sms))));
+  print_choice([&] {
+    return fmt::format("topk rows={} cols={} elem_bytes={}: grid {}, {} CTA(s)/SM, cache {} keys, smem {} B", rows, cols,
+                       l.elem_bytes, t.grid, two ? 2 : 1, static_cast<int64_t>(t.cache_vecs) * l.vec(), t.smem);
+  });
+  return t;
 }
 
 }  // namespace deep_indexer::sm90

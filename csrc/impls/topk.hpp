@@ -1,0 +1,46 @@
+// Host side of topk (docs/topk.md).
+#pragma once
+#include <deep_indexer/topk_layout.hpp>
+
+#include "../jit/kernel_runtime.hpp"
+#include "heuristics_sm90.hpp"
+
+namespace deep_indexer {
+
+
+struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
+  struct Params {
+    int elem_bytes;  // 4: float32, 2: bfloat16
+    bool sorted;
+    TopkLayout layout() const {
+      DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk: elem_bytes must be 4 or 2, got {}", elem_bytes);
+      return TopkLayout{elem_bytes, sorted};
+    }
+  };
+
+  static const char* kernel_name() { return "topk"; }
+  static const char* header() { return "deep_indexer/topk.cuh"; }
+  static std::string name(const Params& p) {
+    return fmt::format("topk<{}, {}>", p.elem_bytes == 4 ? "float32" : "bfloat16", p.sorted ? "sorted" : "unsorted");
+  }
+  static std::string instantiation(const Params& p) {
+    return fmt::format("&deep_indexer::topk_kernel<{}, {}>", p.elem_bytes, p.sorted ? "true" : "false");
+  }
+  static unsigned smem_bytes(const Params& p) { return p.layout().fixed_bytes(); }
+
+  // `args.cache_vecs` is chosen here.
+  static void launch(const Params& p, TopkArgs args, const jit::DeviceInfo& dev, int device, CUstream stream) {
+    if (args.num_rows == 0 || args.k == 0) return;
+    const TopkLayout l = p.layout();
+    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, dev.num_sms, dev.max_smem_per_block_optin);
+    args.cache_vecs = t.cache_vecs;
+    const CUfunction f = function(p, device, stream);
+    jit::LaunchConfig cfg;
+    cfg.grid = t.grid;
+    cfg.block = TopkLayout::kNumThreads;
+    cfg.smem = t.smem;
+    jit::launch(f, cfg, stream, args);
+  }
+};
+
+}  // namespace deep_indexer

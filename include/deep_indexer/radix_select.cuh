@@ -1,0 +1,116 @@
+// Radix-select primitives shared by the top-k kernels: order-preserving keys, warp-aggregated
+// shared-memory histograms and the block-wide search of the bin that holds the k-th largest key.
+#pragma once
+#include <cstdint>
+
+namespace deep_indexer::radix {
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+// NOTES: order-preserving unsigned keys. A larger key is a larger value; -0.0 gets the key of
+// +0.0; every NaN gets key 0, below -inf (whose key is 0x007FFFFF / 0x007F).
+__device__ __forceinline__ uint32_t float_key(uint32_t b) {
+  b = b == 0x80000000u ? 0u : b;
+  const uint32_t k = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (b & 0x7FFFFFFFu) > 0x7F800000u ? 0u : k;
+}
+__device__ __forceinline__ uint32_t bf16_key(uint32_t b) {  // b: the 16 bits of a bfloat16
+  b = b == 0x8000u ? 0u : b;
+  const uint32_t k = (b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u);
+  return (b & 0x7FFFu) > 0x7F80u ? 0u : k;
+}
+
+// Unpacks one 16-byte vector into kVec = 16 / kElemBytes lanes of 32 or 16 bits.
+template <int kElemBytes>
+__device__ __forceinline__ void unpack(const uint4& v, uint32_t (&e)[16 / kElemBytes]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kElemBytes == 4) {
+      e[i] = w[i];
+    } else {
+      e[2 * i] = w[i] & 0xFFFFu;
+      e[2 * i + 1] = w[i] >> 16;
+    }
+  }
+}
+template <int kElemBytes>
+__device__ __forceinline__ uint4 pack(const uint32_t (&e)[16 / kElemBytes]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = kElemBytes == 4 ? e[i] : (e[2 * i] | (e[2 * i + 1] << 16));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+template <int kElemBytes>
+__device__ __forceinline__ uint32_t to_key(uint32_t raw) {
+  return kElemBytes == 4 ? float_key(raw) : bf16_key(raw);
+}
+
+// hist[bin] += 1 for every active lane; lanes with equal bins add once (heavy ties would
+// otherwise serialize on one address). Must be called by all 32 lanes of the warp.
+__device__ __forceinline__ void warp_hist_add(uint32_t* hist, uint32_t bin, bool active) {
+  const uint32_t peers = __match_any_sync(kFullMask, active ? bin : 0xFFFFFFFFu);
+  if (active && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(hist + bin, __popc(peers));
+}
+
+// Inclusive warp scan of `v` from the top lane down: returns the sum over lanes >= this lane.
+__device__ __forceinline__ uint32_t warp_suffix_sum(uint32_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_down_sync(kFullMask, v, off);
+    if (lane + off < 32) v += o;
+  }
+  return v;
+}
+
+// Inclusive warp scan from lane 0 up.
+__device__ __forceinline__ uint32_t warp_prefix_sum(uint32_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_up_sync(kFullMask, v, off);
+    if (lane >= off) v += o;
+  }
+  return v;
+}
+
+struct KthBin {
+  uint32_t bin;    // the bin holding the k-th largest key
+  uint32_t above;  // keys in higher bins
+  uint32_t count;  // keys in that bin
+};
+
+// Block-wide: the bin b of hist[0, kBins) with above(b) < k <= above(b) + hist[b], where
+// above(b) = sum of hist over bins > b. Requires 1 <= k <= sum(hist). `warp_sums` holds
+// kNumThreads / 32 words; `result` 3 words. Starts and ends with __syncthreads().
+template <int kNumThreads, int kBins>
+__device__ __forceinline__ KthBin find_kth_bin(const uint32_t* hist, uint32_t k, uint32_t* warp_sums,
+                                               uint32_t* result) {
+  static_assert(kBins % kNumThreads == 0, "whole bins per thread");
+  constexpr int kPer = kBins / kNumThreads;
+  constexpr int kWarps = kNumThreads / 32;
+  __syncthreads();
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  uint32_t c[kPer], own = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) own += (c[i] = hist[t * kPer + i]);
+  const uint32_t incl = warp_suffix_sum(own);
+  if (lane == 0) warp_sums[warp] = incl;
+  __syncthreads();
+  uint32_t above = incl - own;
+  for (int w = warp + 1; w < kWarps; ++w) above += warp_sums[w];
+#pragma unroll
+  for (int i = kPer - 1; i >= 0; --i) {
+    if (above < k && k <= above + c[i]) {
+      result[0] = t * kPer + i;
+      result[1] = above;
+      result[2] = c[i];
+    }
+    above += c[i];
+  }
+  __syncthreads();
+  return {result[0], result[1], result[2]};
+}
+
+}  // namespace deep_indexer::radix

@@ -1,0 +1,339 @@
+"""topk_indices: exact sets with the documented tie rule.
+
+CPU: the reference against torch.topk, a step-by-step emulation of the kernel's radix select
+(same key transform, digit schedule, early stop and column-order selection) against the
+reference on adversarial rows, and input validation. GPU (SM90): the kernel against the reference.
+"""
+import numpy as np
+import pytest
+import torch
+
+from conftest import requires_sm90
+
+import deep_indexer as di
+from deep_indexer import reference
+
+DEV = "cuda"
+KINDS = ("random", "equal", "ties", "few", "neginf", "huge_neg", "low_contrast", "nan", "signed_zero")
+
+
+def make_rows(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Adversarial [m, n] logits of `dtype` (CPU)."""
+    if kind == "random":
+        x = torch.randn(m, n, generator=gen)
+    elif kind == "equal":
+        x = torch.full((m, n), 0.5)
+    elif kind == "ties":  # heavy ties at the k-th value
+        x = torch.randint(0, 8, (m, n), generator=gen).float() / 4
+    elif kind == "few":  # fewer distinct values than k
+        x = torch.randint(0, 3, (m, n), generator=gen).float() - 1
+    elif kind == "neginf":
+        x = torch.randn(m, n, generator=gen)
+        x[torch.rand(m, n, generator=gen) < 0.7] = float("-inf")
+    elif kind == "huge_neg":  # below -65504: collapses under an fp16 pre-binning
+        x = -1e6 * (1 + torch.rand(m, n, generator=gen))
+    elif kind == "low_contrast":  # values a few ulp apart
+        if dtype == torch.bfloat16:
+            bits = 0x3F80 + torch.randint(0, 6, (m, n), generator=gen, dtype=torch.int16)
+            return bits.view(torch.bfloat16)
+        bits = 0x3F800000 + torch.randint(0, 24, (m, n), generator=gen, dtype=torch.int32)
+        return bits.view(torch.float32)
+    elif kind == "nan":
+        x = torch.randn(m, n, generator=gen)
+        x[torch.rand(m, n, generator=gen) < 0.2] = float("nan")
+        x[torch.rand(m, n, generator=gen) < 0.05] = -float("nan")
+    elif kind == "signed_zero":
+        x = torch.randint(-1, 2, (m, n), generator=gen).float() * 1e-3
+        x[torch.rand(m, n, generator=gen) < 0.5] = 0.0
+        x[torch.rand(m, n, generator=gen) < 0.25] = -0.0
+    else:
+        raise AssertionError(kind)
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------------------------ kernel emulation
+def emulate_row(key: np.ndarray, k: int, elem_bytes: int, sorted_: bool = False) -> np.ndarray:
+    """The kernel's algorithm on one row's keys (int64, < 2^32): selected columns, in output order."""
+    n = key.shape[0]
+    schedule = [(21, 11), (10, 11), (0, 10)] if elem_bytes == 4 else [(5, 11), (0, 5)]
+    prefix = mask = greater = 0
+    take_eq = n
+    if n > k:
+        k_rem = k
+        for shift, bits in schedule:
+            dm = (1 << bits) - 1
+            match = (key & mask) == prefix
+            hist = np.bincount(((key[match] >> shift) & dm).astype(np.int64), minlength=2048)
+            above = np.cumsum(hist[::-1])[::-1] - hist  # keys in higher bins
+            (b,) = np.nonzero((above < k_rem) & (k_rem <= above + hist))
+            assert b.shape == (1,), "exactly one k-th bin"
+            b = int(b[0])
+            prefix |= b << shift
+            mask |= dm << shift
+            greater += int(above[b])
+            k_rem -= int(above[b])
+            take_eq = k_rem
+            if k_rem == hist[b]:
+                break
+    mk = key & mask
+    gt, eq = mk > prefix, mk == prefix
+    eq_before = np.cumsum(eq) - eq
+    chosen = gt | (eq & (eq_before < take_eq))
+    # output positions: keys selected before, in column order (gt_before + min(eq_before, take_eq))
+    gt_before = np.cumsum(gt) - gt
+    pos = gt_before + np.minimum(eq_before, take_eq)
+    cols = np.nonzero(chosen)[0]
+    assert cols.shape[0] == min(n, k) == greater + take_eq
+    assert np.array_equal(pos[cols], np.arange(cols.shape[0])), "positions are a permutation in column order"
+    if sorted_:
+        composite = (key[cols].astype(np.uint64) << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - cols.astype(np.uint64))
+        cols = cols[np.argsort(composite)[::-1]]  # composites are unique
+    return cols
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(1, 1), (1, 5), (7, 3), (300, 64), (5000, 2048), (5000, 512), (2048, 2048), (2049, 2048)])
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_emulation_matches_reference(dtype, kind, n, k, sorted_):
+    gen = torch.Generator().manual_seed(n * 31 + k + len(kind))
+    x = make_rows(kind, 2, n, dtype, gen)
+    ref = reference.topk_indices(x, k, None, torch.full((2,), n, dtype=torch.int32), sorted=sorted_)
+    for r in range(2):
+        got = emulate_row(reference.topk_keys(x[r]).numpy(), k, x.element_size(), sorted_)
+        want = ref[r][ref[r] >= 0].numpy()
+        assert np.array_equal(got, want), (kind, r)
+
+
+def test_emulation_long_row():
+    gen = torch.Generator().manual_seed(7)
+    for kind in ("random", "low_contrast", "ties"):
+        x = make_rows(kind, 1, 262144, torch.float32, gen)
+        key = reference.topk_keys(x[0]).numpy()
+        got = emulate_row(key, 2048, 4)
+        ref = reference.topk_indices(x, 2048, None, torch.tensor([262144], dtype=torch.int32))[0].numpy()
+        assert np.array_equal(got, ref)
+
+
+# ------------------------------------------------------------------------------------ reference
+def test_keys_order_preserving():
+    v = torch.tensor([float("-inf"), -1e30, -65505.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0, 65505.0, 3e38, float("inf")])
+    for dtype in (torch.float32, torch.bfloat16):
+        key = reference.topk_keys(v.to(dtype))
+        assert (key[1:] >= key[:-1]).all() and key[5] == key[6]
+        assert int(reference.topk_keys(torch.tensor([float("nan")]).to(dtype))[0]) == 0 < int(key[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ("random", "ties", "few", "huge_neg", "low_contrast"))
+def test_reference_matches_torch_topk(dtype, kind):
+    gen = torch.Generator().manual_seed(3)
+    x = make_rows(kind, 5, 3000, dtype, gen)
+    k = 512
+    idx, val = reference.topk_indices(x, k, None, torch.full((5,), 3000, dtype=torch.int32), sorted=True,
+                                      return_values=True)
+    tv = torch.topk(x.float(), k, dim=1).values
+    assert torch.equal(val.float(), tv)  # same values (the set up to ties)
+    assert torch.equal(torch.gather(x, 1, idx.long()), val)
+    # tie rule: within equal values, columns ascend; every unselected equal column is larger
+    for r in range(5):
+        kth = val[r, -1]
+        sel = set(idx[r].tolist())
+        eq_cols = (x[r] == kth).nonzero().flatten().tolist()
+        taken = [c for c in eq_cols if c in sel]
+        assert taken == eq_cols[: len(taken)]
+
+
+def test_reference_ranges_modes_and_padding():
+    x = torch.randn(4, 50)
+    ks = torch.tensor([0, 10, 45, 30], dtype=torch.int32)
+    ke = torch.tensor([50, 20, 45, 100], dtype=torch.int32)
+    out = reference.topk_indices(x, 8, ks, ke, index_mode="absolute")
+    assert (out[2] == -1).all()  # empty range
+    assert (out[1] >= 10).all() and (out[1] < 20).all()
+    rel = reference.topk_indices(x, 8, ks, ke)
+    assert torch.equal(torch.where(rel >= 0, rel + ks[:, None], rel), out)
+    # slot mode with the decode grouping and a block table
+    ctx = torch.tensor([20, 33], dtype=torch.int32)
+    bt = torch.tensor([[3, 1, 0, 0, 0], [2, 4, 6, 5, 7]], dtype=torch.int32)
+    x2 = torch.randn(4, 40)
+    s = reference.topk_indices(x2, 40, context_lens=ctx, next_n=2, index_mode="slot", block_table=bt, block_size=8)
+    r = reference.topk_indices(x2, 40, context_lens=ctx, next_n=2)
+    assert int((s[0] >= 0).sum()) == 19 and int((s[1] >= 0).sum()) == 20 and int((s[3] >= 0).sum()) == 33
+    exp = torch.where(r >= 0, bt.repeat_interleave(2, 0).gather(1, (r.clamp_min(0) // 8).long()) * 8 + r.clamp_min(0) % 8, r)
+    assert torch.equal(s, exp)
+
+
+# ------------------------------------------------------------------------------------ validation (CPU tensors)
+def _args(m=4, n=64):
+    return torch.randn(m, n), torch.full((m,), n, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("k", [0, 2049, -1])
+def test_validation_k(k):
+    x, ke = _args()
+    with pytest.raises(ValueError, match="k must be in"):
+        di.topk_indices(x, k, None, ke)
+
+
+def test_validation_arguments():
+    x, ke = _args()
+    with pytest.raises(ValueError, match="logits must have dtype"):
+        di.topk_indices(x.half(), 4, None, ke)
+    with pytest.raises(ValueError, match="stride 1"):
+        di.topk_indices(x.t(), 4, None, ke)
+    with pytest.raises(ValueError, match="cu_seq_len_k_end must have shape"):
+        di.topk_indices(x, 4, None, ke[:3])
+    with pytest.raises(ValueError, match="cu_seq_len_k_end must have dtype"):
+        di.topk_indices(x, 4, None, ke.long())
+    with pytest.raises(ValueError, match="required"):
+        di.topk_indices(x, 4)
+    with pytest.raises(ValueError, match="not both"):
+        di.topk_indices(x, 4, None, ke, context_lens=ke)
+    with pytest.raises(ValueError, match="context_lens must have shape"):
+        di.topk_indices(x, 4, context_lens=torch.zeros(2, 3, dtype=torch.int32), next_n=2)
+    with pytest.raises(ValueError, match="not a multiple of next_n"):
+        di.topk_indices(x, 4, context_lens=ke, next_n=3)
+    with pytest.raises(ValueError, match="index_mode"):
+        di.topk_indices(x, 4, None, ke, index_mode="physical")
+    with pytest.raises(ValueError, match="needs block_table"):
+        di.topk_indices(x, 4, None, ke, index_mode="slot")
+    with pytest.raises(ValueError, match="block_size"):
+        di.topk_indices(x, 4, None, ke, index_mode="slot", block_table=torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="only used with"):
+        di.topk_indices(x, 4, None, ke, block_table=torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="row_offset must have shape"):
+        di.topk_indices(x, 4, None, ke, row_offset=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must have shape"):
+        di.topk_indices(x, 4, None, ke, out=torch.zeros(4, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out_values must have dtype"):
+        di.topk_indices(x, 4, None, ke, return_values=True, out_values=torch.zeros(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="needs return_values"):
+        di.topk_indices(x, 4, None, ke, out_values=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="CUDA device"):
+        di.topk_indices(x, 4, None, ke)
+
+
+# ------------------------------------------------------------------------------------ GPU
+def _check(x, k, ks, ke, **kw):
+    """Runs the kernel (outputs poisoned first) and compares with the reference exactly."""
+    m = x.shape[0]
+    rv = kw.get("return_values", False)
+    out = torch.full((m, k), -7, dtype=torch.int32, device=DEV)
+    vals = torch.full((m, k), 1234.5, dtype=x.dtype, device=DEV) if rv else None
+    dkw = {a: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for a, v in kw.items()}
+    res = di.topk_indices(x.to(DEV), k, None if ks is None else ks.to(DEV), None if ke is None else ke.to(DEV),
+                          out=out, out_values=vals, **dkw)
+    ref = reference.topk_indices(x, k, ks, ke, **kw)
+    if rv:
+        assert res[0].data_ptr() == out.data_ptr() and res[1].data_ptr() == vals.data_ptr()
+        torch.testing.assert_close(vals.cpu(), ref[1], rtol=0, atol=0, equal_nan=True)
+        ref = ref[0]
+    else:
+        assert res.data_ptr() == out.data_ptr()
+    got = out.cpu()
+    bad = (got != ref).any(dim=1).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} rows differ, first row {int(bad[0])}: {got[bad[0]][:16].tolist()} vs {ref[bad[0]][:16].tolist()}"
+    return got
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sorted_", [False, True])
+@pytest.mark.parametrize("m,n,k", [(3, 1, 1), (5, 100, 7), (8, 4099, 512), (6, 20000, 2048), (4, 70001, 1024)])
+def test_topk_adversarial(dtype, kind, sorted_, m, n, k):
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    pad = 3
+    x = make_rows(kind, m, n + pad, dtype, gen)[:, :n]  # padded row stride
+    ks = torch.randint(0, max(1, n // 4), (m,), generator=gen, dtype=torch.int32)
+    ke = torch.randint(n // 2, n + 5, (m,), generator=gen, dtype=torch.int32)
+    ks[0], ke[0] = 0, n  # a full row
+    _check(x, k, ks, ke, sorted=sorted_, return_values=True)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [32768, 131072, 262144])
+@pytest.mark.parametrize("kind", ["random", "low_contrast", "ties"])
+def test_topk_long_rows(dtype, n, kind):
+    gen = torch.Generator().manual_seed(n)
+    x = make_rows(kind, 2, n, dtype, gen)
+    _check(x, 2048, None, torch.tensor([n, n - 12345], dtype=torch.int32))
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 100, 512, 1024, 2047, 2048])
+def test_topk_many_rows_random_ranges(k):
+    # >= 2 rows per SM: the two-CTAs-per-SM launch with its smaller row cache (rows longer than it)
+    gen = torch.Generator().manual_seed(k)
+    m, n = 600, 30000
+    x = make_rows("random", m, n, torch.float32, gen)
+    ks = torch.randint(-100, n, (m,), generator=gen, dtype=torch.int32)
+    ke = ks + torch.randint(-50, n, (m,), generator=gen, dtype=torch.int32)
+    _check(x, k, ks, ke, index_mode="absolute")
+    _check(x.bfloat16(), k, ks, ke, sorted=True)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("mode", ["relative", "absolute", "slot"])
+def test_topk_decode_grouping_and_modes(next_n, two_d, mode):
+    gen = torch.Generator().manual_seed(next_n * 10 + two_d)
+    B, max_len, bs = 9, 5000, 64
+    ctx = torch.randint(0, max_len + 1, (B,), generator=gen, dtype=torch.int32)
+    ctx[0] = 0
+    ctx[1] = max_len
+    if two_d:
+        ctx = (ctx[:, None] - torch.randint(0, 3, (B, next_n), generator=gen, dtype=torch.int32)).clamp_min(0)
+    x = make_rows("ties", B * next_n, max_len, torch.float32, gen)
+    nblk = (max_len + bs - 1) // bs
+    bt = torch.randperm(B * nblk, generator=gen).to(torch.int32).reshape(B, nblk)
+    kw = dict(context_lens=ctx, next_n=next_n, index_mode=mode, row_offset=torch.randint(0, 1000, (B * next_n,), generator=gen, dtype=torch.int32))
+    if mode == "slot":
+        kw.update(block_table=bt[:, : nblk - 3], block_size=bs)  # short table: columns past it give -1
+    _check(x, 512, None, None, **kw)
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_topk_deterministic_and_graph_replay():
+    gen = torch.Generator().manual_seed(5)
+    m, n, k = 64, 8192, 2048
+    x = make_rows("ties", m, n, torch.float32, gen).to(DEV)
+    ke = torch.full((m,), n, dtype=torch.int32, device=DEV)
+    first = di.topk_indices(x, k, None, ke)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(5):
+            assert torch.equal(di.topk_indices(x, k, None, ke), first)
+    torch.cuda.synchronize()
+    out = torch.full((m, k), -7, dtype=torch.int32, device=DEV)
+    di.topk_indices(x, k, None, ke, out=out)  # warm up (module load) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        di.topk_indices(x, k, None, ke, out=out)
+    for seed in range(3):
+        x.copy_(make_rows("random", m, n, torch.float32, torch.Generator().manual_seed(seed)))
+        ke.copy_(torch.randint(0, n + 1, (m,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32))
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), reference.topk_indices(x.cpu(), k, None, ke.cpu()))
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_topk_torch_op_and_compile():
+    x = torch.randn(16, 3000, device=DEV)
+    ke = torch.full((16,), 3000, dtype=torch.int32, device=DEV)
+    a = torch.ops.deep_indexer.topk_indices(x, 512, None, ke)
+    f = torch.compile(lambda t, e: di.topk_indices(t, 512, None, e, sorted=True), fullgraph=True)
+    b = f(x, ke)
+    assert torch.equal(a.cpu(), reference.topk_indices(x.cpu(), 512, None, ke.cpu()))
+    assert torch.equal(b.cpu(), reference.topk_indices(x.cpu(), 512, None, ke.cpu(), sorted=True))
