@@ -14,6 +14,7 @@ from ._paths import cutlass_include_dir as _cutlass_include_dir, include_dir as 
 _C.configure_jit(str(_include_dir()), _cutlass_include_dir())
 
 from . import quant, reference, torch_ops  # noqa: E402, F401  (torch_ops registers torch.ops.deep_indexer.*)
+from . import training  # noqa: E402, F401  (autograd ops for training the indexer, portable PyTorch)
 from .jit import cache_clear, cache_info, precompile  # noqa: E402
 from .ops import clean_logits, fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_logits_metadata, topk_indices  # noqa: E402
 from . import deep_gemm  # noqa: E402

@@ -1,0 +1,430 @@
+"""Autograd ops for training the lightning indexer (portable PyTorch path: CPU or CUDA).
+
+Public entry points: `indexer_logits`, `indexer_kl_loss` (warm-up stage, dense), `sparse_indexer_kl_loss`
+(sparse stage, over given top-k sets) and `packed_bounds`. The compute lives in `reference.py`.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import reference as ref
+
+__all__ = ["indexer_logits", "indexer_kl_loss", "sparse_indexer_kl_loss", "packed_bounds", "KLLoss"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_INTS = (torch.int32, torch.int64)
+_TARGETS = ("mean", "per_head")
+_REDUCTIONS = ("mean", "sum")
+
+
+class KLLoss(NamedTuple):
+    """Result of `indexer_kl_loss` / `sparse_indexer_kl_loss`.
+
+    loss:        reduced loss (scalar; `reduction` = "mean" over valid tokens, or "sum"); differentiable.
+    per_token:   [T] loss of every query row (0 for masked or empty rows); differentiable.
+    num_tokens:  int64 scalar tensor, the number of valid rows (mask set and at least one valid key).
+    indexer_lse: log-sum-exp of the indexer logits over the row's keys ([T], or [T, H] for `per_head`);
+                 -inf for an empty row.
+    attn_lse:    [T, H] attention log-sum-exp used for the target (given, or computed; for the sparse loss,
+                 over the selected set).
+    target_mass: sum of the target over the row's keys ([T], or [T, H] for `per_head`): 1 for a row of a
+                 single-rank target, the heads' share under tensor parallelism.
+    """
+
+    loss: torch.Tensor
+    per_token: torch.Tensor
+    num_tokens: torch.Tensor
+    indexer_lse: torch.Tensor
+    attn_lse: torch.Tensor
+    target_mass: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _tensor(name: str, t, dims: int, dtypes=_FLOATS) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    return t
+
+
+def _same_device(ref_t: torch.Tensor, **named) -> None:
+    for name, t in named.items():
+        if t is not None and t.device != ref_t.device:
+            raise ValueError(f"{name}: expected device {ref_t.device}, got {t.device}")
+
+
+def _shape(name: str, t: torch.Tensor, expected: tuple) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def _opt_int(name: str, v, min_value: int = 1) -> None:
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}: expected an int or None, got {type(v).__name__}")
+    if v < min_value:
+        raise ValueError(f"{name}: expected >= {min_value}, got {v}")
+
+
+def packed_bounds(cu_seqlens: torch.Tensor, causal: bool = True, query_positions: torch.Tensor | None = None):
+    """Per-row key bounds (ks, ke), int64, for packed sequences.
+
+    cu_seqlens [B + 1] (int32/int64, starts at 0, non-decreasing) splits the packed key tokens into
+    sequences. Query row t is key token t unless `query_positions` [T] gives the global position of each
+    local query row (context parallelism: a rank's query rows are a slice of the packed sequence while the
+    keys are all of it). A row sees its own sequence's keys: all of them, or with `causal` those at
+    positions <= its own.
+    """
+    _tensor("cu_seqlens", cu_seqlens, 1, _INTS)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens: expected at least one entry (B + 1 with B >= 0)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    cu = cu_seqlens.long()
+    cu_cpu = cu.cpu()
+    if int(cu_cpu[0]) != 0 or bool((cu_cpu[1:] < cu_cpu[:-1]).any()):
+        raise ValueError(f"cu_seqlens: expected 0 first and non-decreasing values, got {cu_cpu.tolist()[:8]}...")
+    total = int(cu_cpu[-1])
+    if query_positions is None:
+        pos = torch.arange(total, device=cu.device)
+    else:
+        _tensor("query_positions", query_positions, 1, _INTS)
+        _same_device(cu, query_positions=query_positions)
+        pos = query_positions.long()
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= total):
+            raise ValueError(f"query_positions: expected values in [0, {total}), got [{int(pos.min())}, {int(pos.max())}]")
+    seq = torch.searchsorted(cu[1:], pos, right=True)  # sequence of each row
+    ks = cu[seq]
+    ke = pos + 1 if causal else cu[seq + 1]
+    return ks, ke
+
+
+def _bounds(rows: int, n_keys: int, device, ks, ke, cu_seqlens, causal):
+    """(ks, ke) on the device and on the CPU, int64, validated."""
+    if cu_seqlens is not None:
+        if ks is not None or ke is not None:
+            raise ValueError("give either (ks, ke) or cu_seqlens, not both")
+        _same_device(torch.empty(0, device=device), cu_seqlens=cu_seqlens)
+        _tensor("cu_seqlens", cu_seqlens, 1, _INTS)
+        total = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+        if total != rows or total != n_keys:
+            raise ValueError(f"cu_seqlens: expected the last entry to equal the query rows ({rows}) and the keys "
+                             f"({n_keys}), got {total}; use packed_bounds(..., query_positions=) for local rows")
+        ks, ke = packed_bounds(cu_seqlens, causal)
+    elif ks is None and ke is None:
+        ks = torch.zeros(rows, dtype=torch.int64, device=device)
+        ke = torch.full((rows,), n_keys, dtype=torch.int64, device=device)
+    else:
+        if ks is None or ke is None:
+            raise ValueError("ks and ke: give both or neither")
+        for name, t in (("ks", ks), ("ke", ke)):
+            _tensor(name, t, 1, _INTS)
+            _shape(name, t, (rows,))
+        _same_device(torch.empty(0, device=device), ks=ks, ke=ke)
+        ks, ke = ks.long(), ke.long()
+    ks_cpu, ke_cpu = ks.cpu(), ke.cpu()
+    for name, t in (("ks", ks_cpu), ("ke", ke_cpu)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > n_keys):
+            raise ValueError(f"{name}: expected values in [0, {n_keys}], got [{int(t.min())}, {int(t.max())}]")
+    return ks, ke, ks_cpu, ke_cpu
+
+
+def _indexer_args(q_i, k_i, weights):
+    _tensor("q_I", q_i, 3)
+    _tensor("k_I", k_i, 2)
+    _tensor("weights", weights, 2)
+    rows, heads, dim = q_i.shape
+    if k_i.shape[1] != dim:
+        raise ValueError(f"k_I: expected shape [N, {dim}] (D_I of q_I), got {tuple(k_i.shape)}")
+    _shape("weights", weights, (rows, heads))
+    _same_device(q_i, k_I=k_i, weights=weights)
+
+
+def _attention_args(q_i, q, k, rows, n_keys, softmax_scale, attn_lse):
+    _tensor("q", q, 3)
+    if not isinstance(k, torch.Tensor) or k.dim() not in (2, 3):
+        raise ValueError(f"k: expected a [N, Dqk] or [N, H_kv, Dqk] tensor, got {getattr(k, 'shape', type(k).__name__)}")
+    _tensor("k", k, k.dim())
+    _same_device(q_i, q=q, k=k, attn_lse=attn_lse)
+    heads, dqk = q.shape[1], q.shape[2]
+    if q.shape[0] != rows:
+        raise ValueError(f"q: expected {rows} rows (those of q_I), got shape {tuple(q.shape)}")
+    if k.shape[0] != n_keys or k.shape[-1] != dqk:
+        raise ValueError(f"k: expected [{n_keys}, (H_kv,) {dqk}] (keys of k_I, Dqk of q), got {tuple(k.shape)}")
+    if k.dim() == 3 and (k.shape[1] < 1 or heads % k.shape[1] != 0):
+        raise ValueError(f"k: expected H_kv dividing the {heads} query heads, got H_kv = {k.shape[1]}")
+    if attn_lse is not None:
+        _tensor("attn_lse", attn_lse, 2)
+        _shape("attn_lse", attn_lse, (rows, heads))
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(dqk)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a positive finite float or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _loss_options(target, reduction, total_heads, heads, heads_i, token_mask, rows, device):
+    if target not in _TARGETS:
+        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    per_head = target == "per_head"
+    if per_head and heads_i != heads:
+        raise ValueError(f"q_I: the per_head target pairs indexer head h with attention head h: expected "
+                         f"{heads} indexer heads (those of q), got {heads_i}")
+    _opt_int("total_heads", total_heads)
+    if total_heads is not None and total_heads < heads:
+        raise ValueError(f"total_heads: expected >= the {heads} heads of q, got {total_heads}")
+    total = total_heads or heads
+    if token_mask is not None:
+        _tensor("token_mask", token_mask, 1, (torch.bool,))
+        _shape("token_mask", token_mask, (rows,))
+        _same_device(torch.empty(0, device=device), token_mask=token_mask)
+    return per_head, total, total != heads
+
+
+def _reduce(per_token, valid, reduction):
+    n = valid.sum()
+    if reduction == "sum":
+        return per_token.sum(), n
+    return per_token.sum() / n.clamp_min(1).to(per_token.dtype), n
+
+
+def _cast(g, like):
+    return None if g is None else g.to(like.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexer logits
+# ----------------------------------------------------------------------------------------------
+
+
+class _IndexerLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunks):
+        ctx.save_for_backward(q_i, k_i, w, ks, ke)
+        ctx.cpu_bounds, ctx.chunks = (ks_cpu, ke_cpu), chunks
+        return ref.indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, *chunks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_i, k_i, w, ks, ke = ctx.saved_tensors
+        dq, dk, dw = ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, *ctx.cpu_bounds, *ctx.chunks)
+        return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), None, None, None, None, None
+
+
+def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, causal=True, deterministic=False,
+                   chunk_rows=None, chunk_keys=None) -> torch.Tensor:
+    """Indexer logits with autograd: I[t, s] = sum_h weights[t, h] * relu(q_I[t, h, :] . k_I[s, :]).
+
+    q_I [T, H_I, D_I], k_I [N, D_I] (one key head), weights [T, H_I]: bfloat16, float16, float32 or float64.
+    Row t's valid keys: ks[t] <= s < ke[t] (int32/int64 [T], values in [0, N]); or packed sequences
+    `cu_seqlens` [B + 1] with T = N (row t sees its own sequence, up to itself when `causal`); or, with
+    neither, every key. Returns float32 logits [T, N] (float64 for float64 inputs), exactly -inf outside
+    each row's range. The backward gives dq_I, dk_I, dweights (in the inputs' dtypes); the incoming gradient
+    is ignored outside the valid range.
+
+    Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: a budget of about
+    32 MiB per temporary), accumulated in float32 (float64 for float64 inputs) in a fixed order: run to
+    run bitwise reproducible; `deterministic` is accepted for API symmetry (this op is always deterministic).
+    """
+    _indexer_args(q_I, k_I, weights)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    _opt_int("chunk_rows", chunk_rows)
+    _opt_int("chunk_keys", chunk_keys)
+    ks, ke, ks_cpu, ke_cpu = _bounds(q_I.shape[0], k_I.shape[0], q_I.device, ks, ke, cu_seqlens, causal)
+    return _IndexerLogits.apply(q_I, k_I, weights, ks, ke, ks_cpu, ke_cpu, (chunk_rows, chunk_keys))
+
+
+# ----------------------------------------------------------------------------------------------
+# Warm-up loss
+# ----------------------------------------------------------------------------------------------
+
+
+class _WarmupKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_i, k_i, w, q, k, lse_att, ks, ke, ks_cpu, ke_cpu, cfg):
+        scale, per_head, total, partial, chunks = cfg
+        loss, lse_i, mass = ref.warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head,
+                                              total, partial, *chunks)
+        ctx.save_for_backward(q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke)
+        ctx.cpu_bounds, ctx.cfg = (ks_cpu, ke_cpu), cfg
+        ctx.mark_non_differentiable(lse_i, mass)
+        return loss, lse_i, mass
+
+    @staticmethod
+    def backward(ctx, grad, _g_lse, _g_mass):
+        q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke = ctx.saved_tensors
+        scale, per_head, total, _partial, chunks = ctx.cfg
+        dq, dk, dw = ref.warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke,
+                                       *ctx.cpu_bounds, per_head, total, *chunks)
+        return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), *([None] * 8)
+
+
+def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=None, cu_seqlens=None,
+                    causal=True, attn_lse=None, target="mean", token_mask=None, reduction="mean",
+                    total_heads=None, deterministic=False, chunk_rows=None, chunk_keys=None) -> KLLoss:
+    """Warm-up (dense) indexer loss: KL(p[t, :] || softmax(I[t, :])) per query row, against a frozen attention.
+
+    Indexer: q_I [T, H_I, D_I], k_I [N, D_I], weights [T, H_I] (see `indexer_logits`). Frozen attention:
+    q [T, H, Dqk] and k [N, Dqk] (one key head shared by all query heads, e.g. MLA's MQA mode, Dqk up to
+    576) or [N, H_kv, Dqk] (query head h reads key head h // (H / H_kv)); softmax_scale (default
+    Dqk ** -0.5); attn_lse [T, H] = logsumexp_s(softmax_scale * q[t, h] . k[s]) over the row's valid keys
+    as returned by the attention forward (natural log), computed here when None. Valid keys per row as in
+    `indexer_logits` (ks/ke, cu_seqlens + causal, or all). Gradients flow to q_I, k_I and weights only;
+    q, k and attn_lse are treated as constants.
+
+    With P[t, h, s] = exp(softmax_scale * q[t, h] . k[s] - attn_lse[t, h]):
+      target="mean" (DeepSeek-V3.2): p[t, s] = mean_h P[t, h, s]; per_token[t] = KL(p[t] || softmax(I[t])).
+      target="per_head" (needs H_I = H): indexer head h alone, I_h[t, s] = weights[t, h] relu(q_I[t, h] . k_I[s]),
+          is matched to attention head h: per_token[t] = mean_h KL(P[t, h] || softmax(I_h[t])).
+    KL(p || r) = sum_s p[s] log(p[s] / r[s]) over the valid keys; dL/dI[t, s] = softmax(I[t])[s] - p[t, s].
+
+    token_mask [T] bool (optional) excludes rows (padding): their loss and gradient are 0; rows with no
+    valid key are excluded too. reduction: "mean" over the valid rows (0 when there is none) or "sum".
+
+    Tensor parallelism: when q holds a slice of the attention heads, pass total_heads = the number of heads
+    over all ranks. "per_head" (with the matching slice of indexer heads) then gives this rank's exact
+    share of the loss. "mean" gives this rank's share of the cross-entropy -sum_s p log softmax(I) (the
+    target's entropy, constant for the indexer, is left out): summed over ranks it is the loss plus that
+    constant. In both cases the gradients summed over ranks (one all-reduce) are exact.
+
+    Compute: one sweep over key tiles per chunk of query rows (two when attn_lse is None), online
+    log-sum-exp; the backward recomputes the tiles. No [T, N] tensor is formed. Accumulation in float32
+    (float64 for float64 inputs), fixed order: bitwise reproducible run to run (`deterministic` has no
+    further effect here).
+
+    Returns KLLoss(loss, per_token, num_tokens, indexer_lse, attn_lse, target_mass).
+    """
+    _indexer_args(q_I, k_I, weights)
+    rows, n_keys = q_I.shape[0], k_I.shape[0]
+    scale = _attention_args(q_I, q, k, rows, n_keys, softmax_scale, attn_lse)
+    per_head, total, partial = _loss_options(target, reduction, total_heads, q.shape[1], q_I.shape[1], token_mask,
+                                             rows, q_I.device)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    _opt_int("chunk_rows", chunk_rows)
+    _opt_int("chunk_keys", chunk_keys)
+    ks, ke, ks_cpu, ke_cpu = _bounds(rows, n_keys, q_I.device, ks, ke, cu_seqlens, causal)
+    if token_mask is not None:  # a masked row becomes empty: no work, no loss
+        ke = torch.where(token_mask, ke, ks)
+        ke_cpu = torch.where(token_mask.cpu(), ke_cpu, ks_cpu)
+    valid = ke > ks
+    chunks = (chunk_rows, chunk_keys)
+    with torch.no_grad():
+        q_d, k_d = q.detach(), k.detach()
+        if attn_lse is None:
+            lse = ref.attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks)
+        else:
+            lse = attn_lse.detach()
+    per_token, lse_i, mass = _WarmupKL.apply(q_I, k_I, weights, q_d, k_d, lse, ks, ke, ks_cpu, ke_cpu,
+                                             (scale, per_head, total, partial, chunks))
+    loss, n = _reduce(per_token, valid, reduction)
+    return KLLoss(loss, per_token, n, lse_i, lse, mass)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse-stage loss
+# ----------------------------------------------------------------------------------------------
+
+
+class _SparseKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_i, k_i, w, q, k, lse_att, idx, ks, ke, cfg):
+        scale, per_head, total, partial, deterministic, chunk_rows = cfg
+        loss, lse_i, lse_set, mass = ref.sparse_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head,
+                                                       total, partial, chunk_rows)
+        ctx.save_for_backward(q_i, k_i, w, q, k, lse_att, idx, ks, ke)
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(lse_i, lse_set, mass)
+        return loss, lse_i, lse_set, mass
+
+    @staticmethod
+    def backward(ctx, grad, *_unused):
+        q_i, k_i, w, q, k, lse_att, idx, ks, ke = ctx.saved_tensors
+        scale, per_head, total, _partial, deterministic, chunk_rows = ctx.cfg
+        dq, dk, dw = ref.sparse_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head, total,
+                                       deterministic, chunk_rows)
+        return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), *([None] * 7)
+
+
+def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None, *, ks=None, ke=None,
+                           cu_seqlens=None, causal=True, attn_lse=None, target="mean", token_mask=None,
+                           reduction="mean", total_heads=None, deterministic=False, chunk_rows=None) -> KLLoss:
+    """Sparse-stage indexer loss over given key sets: KL(p[t, S_t] || softmax(I[t, S_t])) per query row.
+
+    Tensors as in `indexer_kl_loss`; indices [T, K] int32/int64: the selected keys of each row as absolute
+    key indices in [0, N) (add the row's start if your top-k returns them relative to it), -1 for padding,
+    distinct within a row (e.g. torch.topk of the indexer logits, or a radix top-k). When bounds are given
+    (ks/ke or cu_seqlens), selected keys outside the row's range are ignored too (a topk over -inf logits).
+    The work is O(T * K * (H Dqk + H_I D_I)): only the selected keys are read.
+
+    Target on the set S_t: each attention head's softmax restricted to S_t (what a sparse attention over
+    S_t computes), P_S[t, h, j] = softmax_j(softmax_scale * q[t, h] . k[S_t[j]]).
+      target="mean": p = mean_h P_S[t, h] -- or, when attn_lse (the dense attention's LSE) is given, the
+          dense head-mean target restricted to S_t and renormalised (heads weighted by their mass on S_t).
+      target="per_head": indexer head h against P_S[t, h] (attn_lse is not needed).
+    The indexer's distribution is softmax(I) over S_t. token_mask, reduction, total_heads as in
+    `indexer_kl_loss` (with total_heads and target="mean", attn_lse must be None: the per-head
+    renormalisation is then local to each rank).
+
+    `deterministic=True`: the gradient of k_I (a scatter into selected key rows) is accumulated with a
+    sort-based, order-independent reduction on CUDA, bitwise reproducible; the default uses atomics there.
+    On the CPU both are sequential.
+
+    Returns KLLoss(loss, per_token, num_tokens, indexer_lse over the set, attn_lse over the set [T, H],
+    target_mass).
+    """
+    _indexer_args(q_I, k_I, weights)
+    rows, n_keys = q_I.shape[0], k_I.shape[0]
+    scale = _attention_args(q_I, q, k, rows, n_keys, softmax_scale, attn_lse)
+    per_head, total, partial = _loss_options(target, reduction, total_heads, q.shape[1], q_I.shape[1], token_mask,
+                                             rows, q_I.device)
+    if partial and not per_head and attn_lse is not None:
+        raise ValueError("attn_lse: with total_heads (a tensor-parallel slice of heads) and target='mean' the "
+                         "target is renormalised per head on the set; pass attn_lse=None")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    _opt_int("chunk_rows", chunk_rows)
+    _tensor("indices", indices, 2, _INTS)
+    if indices.shape[0] != rows:
+        raise ValueError(f"indices: expected shape [{rows}, K], got {tuple(indices.shape)}")
+    _same_device(q_I, indices=indices)
+    if indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < -1 or hi >= n_keys:
+            raise ValueError(f"indices: expected values in [-1, {n_keys}) (-1 = padding), got [{lo}, {hi}]")
+        srt = indices.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if bool(dup.any()):
+            r = int(dup.any(dim=1).nonzero()[0])
+            raise ValueError(f"indices: expected distinct keys within a row, row {r} repeats a key")
+    bounded = ks is not None or ke is not None or cu_seqlens is not None
+    if bounded:
+        ks, ke, _, _ = _bounds(rows, n_keys, q_I.device, ks, ke, cu_seqlens, causal)
+    idx = indices
+    if token_mask is not None:
+        idx = torch.where(token_mask.unsqueeze(1), idx, torch.full_like(idx, -1))
+    sel = idx >= 0
+    if bounded:
+        sel &= (idx >= ks.unsqueeze(1)) & (idx < ke.unsqueeze(1))
+    valid = sel.any(dim=1)
+    with torch.no_grad():
+        q_d, k_d = q.detach(), k.detach()
+        lse = None if attn_lse is None else attn_lse.detach()
+    per_token, lse_i, lse_set, mass = _SparseKL.apply(q_I, k_I, weights, q_d, k_d, lse, idx, ks, ke,
+                                                      (scale, per_head, total, partial, deterministic, chunk_rows))
+    loss, n = _reduce(per_token, valid, reduction)
+    return KLLoss(loss, per_token, n, lse_i, lse_set, mass)
