@@ -158,7 +158,7 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   int cluster = 1;
   while (cluster < kTopkMaxCluster && rows * cluster * 2 <= num_sms && cols / (cluster * 2) >= kTopkMinKeysPerCta)
     cluster *= 2;
-  const int64_t need = (cols + l.vec() - 1) / l.vec() / cluster + 2;  // +2: rounding and a misaligned row start
+  const int64_t need = (cols + l.vec() - 1) / l.vec() / cluster + 3;  // +3: rounding and a misaligned row start
   const int64_t two_budget = (kSmemPerSm / 2 - kReservedPerCta - static_cast<int64_t>(l.fixed_bytes())) / TopkLayout::kVecBytes;
   const int64_t one_budget = (max_smem_optin - static_cast<int64_t>(l.fixed_bytes())) / TopkLayout::kVecBytes;
   const bool two = cluster == 1 && TopkLayout::ctas_per_sm_max(l.sorted) >= 2 && rows >= 2 * static_cast<int64_t>(num_sms) &&
