@@ -14,6 +14,7 @@ _C.configure_jit(str(_include_dir()), _cutlass_include_dir())
 from . import quant, reference, torch_ops  # noqa: E402, F401  (torch_ops registers torch.ops.deep_indexer.*)
 from .jit import cache_clear, cache_info, precompile  # noqa: E402
 from .ops import clean_logits, fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_logits_metadata, topk_indices  # noqa: E402
+from .ops import fp8_mqa_topk_indices, fp8_paged_mqa_topk_indices, topk_workspace  # noqa: E402
 
 __all__ = [
     "fp8_mqa_logits",
@@ -21,6 +22,9 @@ __all__ = [
     "fp8_paged_mqa_logits",
     "clean_logits",
     "topk_indices",
+    "fp8_mqa_topk_indices",
+    "fp8_paged_mqa_topk_indices",
+    "topk_workspace",
     "precompile",
     "cache_info",
     "cache_clear",

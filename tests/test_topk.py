@@ -456,3 +456,53 @@ def test_thread_level_emulation(elem_bytes, ctas, start, lo, hi, k, kind):
         ref = reference.topk_indices(x[start:].unsqueeze(0), k, torch.tensor([lo], dtype=torch.int32),
                                      torch.tensor([hi], dtype=torch.int32), sorted=sorted_)[0]
         assert got == ref[ref >= 0].tolist()
+
+
+# ------------------------------------------------------------------------------------ logits -> top-k in one call
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n,two_d", [(1, False), (2, False), (2, True), (4, True)])
+@pytest.mark.parametrize("mode", ["relative", "slot"])
+def test_fused_decode_matches_standalone(next_n, two_d, mode):
+    from deep_indexer.bench import decode_inputs
+
+    B, avg, H, D, block_kv, k = 12, 6000, 64, 128, 64, 2048
+    x = decode_inputs(B, next_n, avg, H, D, block_kv, DEV, seed=next_n)
+    ctx = x["context_lens"]
+    if two_d:
+        ctx = (ctx[:, None] - torch.arange(next_n, 0, -1, device=DEV, dtype=torch.int32)[None, :] + 1).contiguous()
+    meta = di.get_paged_mqa_logits_metadata(ctx, block_kv)
+    logits = di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                     x["max_context_len"], False)
+    slot = mode == "slot"
+    want = di.topk_indices(logits, k, context_lens=ctx, next_n=next_n, index_mode=mode,
+                           block_table=x["block_table"] if slot else None, block_size=block_kv if slot else None)
+    ws = di.topk_workspace(B * next_n, x["max_context_len"] + 100, device=DEV)
+    out = torch.full((B * next_n, k), -7, dtype=torch.int32, device=DEV)
+    got = di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                        x["max_context_len"], k, index_mode=mode, workspace=ws, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, want)
+    # and the standalone top-k itself against the reference on the same logits
+    ref = reference.topk_indices(logits.cpu(), k, context_lens=ctx.cpu(), next_n=next_n, index_mode=mode,
+                                 block_table=x["block_table"].cpu() if slot else None,
+                                 block_size=block_kv if slot else None)
+    assert torch.equal(want.cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["causal", "cp"])
+@pytest.mark.parametrize("k,chunk", [(2048, None), (512, 300)])
+def test_fused_prefill_matches_standalone(pattern, k, chunk):
+    from deep_indexer.bench import prefill_inputs
+
+    S, SKV, H, D = 1024, 8192, 64, 128
+    x = prefill_inputs(S, SKV, pattern, H, D, DEV)
+    logits = di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], False)
+    want = di.topk_indices(logits, k, x["ks"], x["ke"], return_values=True)
+    got = di.fp8_mqa_topk_indices(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], k, chunk_rows=chunk,
+                                  return_values=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = reference.topk_indices(logits.cpu(), k, x["ks"].cpu(), x["ke"].cpu())
+    assert torch.equal(want[0].cpu(), ref)
