@@ -222,7 +222,10 @@ def _check(x, k, ks, ke, **kw):
     out = torch.full((m, k), -7, dtype=torch.int32, device=DEV)
     vals = torch.full((m, k), 1234.5, dtype=x.dtype, device=DEV) if rv else None
     dkw = {a: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for a, v in kw.items()}
-    res = di.topk_indices(x.to(DEV), k, None if ks is None else ks.to(DEV), None if ke is None else ke.to(DEV),
+    xd = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=DEV)  # keeps a padded row stride
+    xd.copy_(x)
+    assert xd.stride() == x.stride()
+    res = di.topk_indices(xd, k, None if ks is None else ks.to(DEV), None if ke is None else ke.to(DEV),
                           out=out, out_values=vals, **dkw)
     ref = reference.topk_indices(x, k, ks, ke, **kw)
     if rv:
