@@ -509,3 +509,19 @@ def test_fused_prefill_matches_standalone(pattern, k, chunk):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     ref = reference.topk_indices(logits.cpu(), k, x["ks"].cpu(), x["ke"].cpu())
     assert torch.equal(want[0].cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster,ctas", [("1", "1"), ("1", "2"), ("2", ""), ("8", "")])
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_topk_forced_launches(monkeypatch, cluster, ctas, sorted_):
+    # every launch form on the same rows, including clusters whose share of a row exceeds the cache
+    monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
+    monkeypatch.setenv("DI_TOPK_CTAS_PER_SM", ctas)
+    gen = torch.Generator().manual_seed(int(cluster) * 10 + len(ctas))
+    m, n = 5, 200000
+    x = make_rows("ties", m, n + 5, torch.float32, gen)[:, 3:n + 3]
+    ks = torch.tensor([0, 17, 1000, 5, 199990], dtype=torch.int32)
+    ke = torch.tensor([n, n - 3, 150000, 2000, n], dtype=torch.int32)
+    _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
