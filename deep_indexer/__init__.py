@@ -19,6 +19,7 @@ from .jit import cache_clear, cache_info, precompile  # noqa: E402
 from .ops import clean_logits, fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_logits_metadata, topk_indices  # noqa: E402
 from . import deep_gemm  # noqa: E402
 from .deep_gemm import fp8_fp4_mqa_logits, fp8_fp4_paged_mqa_logits, get_num_sms, set_num_sms  # noqa: E402
+from .ops import fp8_mqa_topk_indices, fp8_paged_mqa_topk_indices, topk_workspace  # noqa: E402
 
 __all__ = [
     "fp8_mqa_logits",
@@ -31,6 +32,9 @@ __all__ = [
     "set_num_sms",
     "deep_gemm",
     "topk_indices",
+    "fp8_mqa_topk_indices",
+    "fp8_paged_mqa_topk_indices",
+    "topk_workspace",
     "precompile",
     "cache_info",
     "cache_clear",

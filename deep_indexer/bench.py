@@ -65,6 +65,12 @@ TOPK_SHAPES = {
 }
 
 
+# Logits -> top-k in one call (fp8_paged_mqa_topk_indices / fp8_mqa_topk_indices, k = 2048 unless
+# noted) against the logits alone (clean_logits=False): "KF-<decode or prefill id>[:k]".
+def fused_topk_ids() -> list:
+    return [f"KF-{d}" for d in ("D1", "D2", "D3", "D4", "D5")] + ["KF-P2", "KF-P2:512", "KF-P3", "KF-P5"]
+
+
 def topk_case(sid: str, device, seed: int) -> dict:
     """fp32 logits of a TOPK_SHAPES id: clean (-inf outside the ranges, for torch.topk) and padded rows."""
     rows, avg, pattern, k = TOPK_SHAPES[sid]
@@ -106,7 +112,7 @@ ANCHOR_US = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D8, C1, K-* top-k) or 'prefill'/'decode'/'clean'/'topk'")
+    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D8, C1, K-* top-k, KF-* logits + top-k) or 'prefill'/'decode'/'clean'/'topk'/'fused_topk'")
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -351,7 +357,7 @@ def run(args) -> dict:
     for s in wanted:
         ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES),
                 "clean": ["C1"],
-                "topk": list(TOPK_SHAPES)}.get(s, [s])
+                "topk": list(TOPK_SHAPES), "fused_topk": fused_topk_ids()}.get(s, [s])
     print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
     ceil = {} if args.no_ceilings else measure_ceilings(timer, device)
     if ceil:
@@ -428,6 +434,42 @@ def run(args) -> dict:
             if other is not None and hasattr(other, "topk_indices"):
                 r["compare_us"] = timer(lambda x=x: other.topk_indices(x["logits"], x["k"], x["ks"], x["ke"]), args.iters)
             del x, out
+        elif sid.startswith("KF-"):
+            base, _, kk = sid[3:].partition(":")
+            k = int(kk) if kk else 2048
+            if base in DECODE_SHAPES:
+                B, nn, avg = DECODE_SHAPES[base]
+                x = decode_inputs(B, nn, avg, H, D, args.block_kv, device, seed=n)
+                num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+                ws = di.topk_workspace(B * nn, x["max_context_len"], device=device)
+                out = torch.empty(B * nn, k, dtype=torch.int32, device=device)
+
+                def fused(x=x, ws=ws, out=out, num_sms=num_sms, k=k):
+                    meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
+                    return di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
+                                                         x["block_table"], meta, x["max_context_len"], k,
+                                                         workspace=ws, out=out)
+
+                def logits_only(x=x, ws=ws, num_sms=num_sms):
+                    meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
+                    return di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
+                                                   x["block_table"], meta, x["max_context_len"], False, out=ws)
+                shape = f"B={B} next_n={nn} avg={avg} H={H} D={D} k={k} (metadata included)"
+            elif base in PREFILL_SHAPES:
+                S, SKV, pat = PREFILL_SHAPES[base]
+                x = prefill_inputs(S, SKV, pat, H, D, device)
+                out = torch.empty(S, k, dtype=torch.int32, device=device)
+                fused = lambda x=x, out=out, k=k: di.fp8_mqa_topk_indices(x["q"], x["kv"], x["weights"], x["ks"], x["ke"],
+                                                                          k, out=out)
+                logits_only = lambda x=x: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], False)
+                shape = f"S={S} SKV={SKV} {pat} H={H} D={D} k={k}"
+            else:
+                raise SystemExit(f"bench: unknown shape id '{sid}'")
+            us = timer(fused, args.iters)
+            base_us = timer(logits_only, args.iters)
+            r = {"id": sid, "kind": "fused_topk", "shape": shape, "us": us, "logits_us": base_us,
+                 "over_logits": us / base_us, "GBps": 0.0, "fraction_of_ceiling": None}
+            del x
         else:
             raise SystemExit(f"bench: unknown shape id '{sid}'")
         if sid in ANCHOR_US:
@@ -454,11 +496,13 @@ def run(args) -> dict:
 def print_table(res: dict) -> None:
     print(f"\n{'id':<4} {'shape':<52} {'time us':>10} {'rate':>14} {'of ceil':>8} {'anchor':>9} {'speedup':>8}")
     for r in res["results"]:
-        rate = f"{r['TFLOPS']:.0f} TFLOPS" if "TFLOPS" in r else f"{r['GBps']:.0f} GB/s"
+        rate = f"{r['TFLOPS']:.0f} TFLOPS" if "TFLOPS" in r else f"{r['GBps']:.0f} GB/s" if r.get("GBps") else "-"
         frac = f"{r['fraction_of_ceiling']:.2f}" if r.get("fraction_of_ceiling") is not None else "-"
         anc = f"{r['anchor_us']:.1f}" if "anchor_us" in r else "-"
         sp = f"{r['speedup_vs_anchor']:.2f}x" if "speedup_vs_anchor" in r else "-"
         extra = f"  (metadata {r['metadata_us']:.1f} us)" if "metadata_us" in r else ""
+        if "logits_us" in r:
+            extra += f"  (logits alone {r['logits_us']:.1f} us: {r['over_logits']:.2f}x)"
         if "torch_topk_us" in r:
             fl = (f"floor {r['floor_us']:.1f} us, {r['over_floor']:.2f}x of it; " if r.get("floor_us") else "")
             extra += f"  ({fl}torch.topk {r['torch_topk_us']:.1f} us, {r['speedup_vs_torch_topk']:.1f}x faster)"

@@ -181,3 +181,121 @@ def topk_indices(
                           bool(sorted), str(index_mode), block_table, 0 if block_size is None else int(block_size),
                           row_offset, bool(return_values), out, out_values)
     return (res[0], res[1]) if return_values else res[0]
+
+
+def _logits_workspace(like: torch.Tensor, rows: int, cols: int, dtype: torch.dtype,
+                      workspace: Optional[torch.Tensor], op: str) -> torch.Tensor:
+    """A [rows, cols] view of `workspace` (or of a fresh buffer with the ops' padded row stride)."""
+    from .torch_ops import padded_row_stride
+
+    if workspace is None:
+        return like.new_empty((rows, padded_row_stride(cols, dtype)), dtype=dtype)[:, :cols]
+    if not isinstance(workspace, torch.Tensor) or workspace.dim() != 2 or workspace.dtype != dtype:
+        raise ValueError(f"deep_indexer.{op}: workspace must be a 2-D {dtype} tensor, got "
+                         f"{getattr(workspace, 'dtype', type(workspace))} {list(getattr(workspace, 'shape', []))}")
+    if workspace.shape[0] < rows or workspace.shape[1] < cols or (workspace.shape[1] > 1 and workspace.stride(1) != 1):
+        raise ValueError(f"deep_indexer.{op}: workspace must be at least [{rows}, {cols}] with stride(1) == 1, got "
+                         f"shape {list(workspace.shape)} strides {list(workspace.stride())}")
+    if (workspace.stride(0) * workspace.element_size()) % 16 or workspace.data_ptr() % 16:
+        raise ValueError(f"deep_indexer.{op}: workspace rows must start 16-byte aligned (row stride "
+                         f"{workspace.stride(0)} elements); allocate it with deep_indexer.topk_workspace")
+    return workspace[:rows, :cols]
+
+
+def topk_workspace(rows: int, cols: int, logits_dtype: torch.dtype = torch.float32,
+                   device: Optional[torch.device] = None) -> torch.Tensor:
+    """A reusable logits buffer for fp8_paged_mqa_topk_indices (rows = B * next_n, cols >= every
+    max_context_len) or fp8_mqa_topk_indices (rows = chunk_rows, cols = SKV), rows 256-byte aligned."""
+    from .torch_ops import padded_row_stride
+
+    return torch.empty((rows, padded_row_stride(cols, logits_dtype)), dtype=logits_dtype, device=device)[:, :cols]
+
+
+def fp8_paged_mqa_topk_indices(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    k: int,
+    *,
+    sorted: bool = False,
+    index_mode: str = "relative",
+    row_offset: Optional[torch.Tensor] = None,
+    return_values: bool = False,
+    logits_dtype: torch.dtype = torch.float32,
+    workspace: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    out_values: Optional[torch.Tensor] = None,
+):
+    """Decode indexer -> top-k in one call: fp8_paged_mqa_logits (clean_logits=False) into
+    `workspace`, then topk_indices with the decode row grouping of `context_lens` ([B] or
+    [B, next_n]). Returns int32 [B * next_n, k] (and the values with return_values=True).
+
+    index_mode "slot" maps through `block_table` with block_size = kv_cache.shape[1]. `workspace`
+    (from topk_workspace(B * next_n, >= max_context_len, logits_dtype)) is reused across calls;
+    without it a buffer is allocated per call (pass one for CUDA graphs). The logits still go
+    through memory once (a fused kernel that keeps them on chip is future work).
+    """
+    rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
+    logits = _logits_workspace(q, rows, int(max_context_len), logits_dtype, workspace, "fp8_paged_mqa_topk_indices")
+    fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, False,
+                         logits_dtype=logits_dtype, out=logits)
+    slot = index_mode == "slot"
+    return topk_indices(logits, k, context_lens=context_lens, next_n=q.shape[1], sorted=sorted, index_mode=index_mode,
+                        block_table=block_table if slot else None, block_size=kv_cache.shape[1] if slot else None,
+                        row_offset=row_offset, return_values=return_values, out=out, out_values=out_values)
+
+
+def fp8_mqa_topk_indices(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    k: int,
+    *,
+    sorted: bool = False,
+    index_mode: str = "relative",
+    row_offset: Optional[torch.Tensor] = None,
+    return_values: bool = False,
+    logits_dtype: torch.dtype = torch.float32,
+    chunk_rows: Optional[int] = None,
+    workspace: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    out_values: Optional[torch.Tensor] = None,
+):
+    """Prefill indexer -> top-k: [S, k] int32 (and values) without an [S, SKV] logits buffer.
+
+    Query rows are processed `chunk_rows` at a time (default: a 256 MiB logits chunk): for each
+    chunk fp8_mqa_logits (clean_logits=False) writes into `workspace` (from
+    topk_workspace(chunk_rows, SKV, logits_dtype); allocated once per call when None), then
+    topk_indices selects from it. Memory: O(chunk_rows * SKV + S * k). Arguments as in
+    fp8_mqa_logits and topk_indices (index_mode "relative" or "absolute").
+    """
+    op = "fp8_mqa_topk_indices"
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise ValueError(f"deep_indexer.{op}: kv must be a tuple (k [SKV, D] fp8, k_scale [SKV] float32)")
+    if index_mode == "slot":
+        raise ValueError(f"deep_indexer.{op}: index_mode must be 'relative' or 'absolute' (no block table in prefill)")
+    S, SKV = q.shape[0], kv[0].shape[0]
+    elem = 4 if logits_dtype == torch.float32 else 2
+    if chunk_rows is None:
+        chunk_rows = workspace.shape[0] if workspace is not None else max(1, (256 << 20) // max(1, SKV * elem))
+    chunk_rows = max(1, min(int(chunk_rows), max(S, 1)))
+    if out is None:
+        out = q.new_empty((S, k), dtype=torch.int32)
+    if return_values and out_values is None:
+        out_values = q.new_empty((S, k), dtype=logits_dtype)
+    ws = _logits_workspace(q, chunk_rows, SKV, logits_dtype, workspace, op)
+    for s0 in range(0, S, chunk_rows):
+        s1 = min(S, s0 + chunk_rows)
+        logits = fp8_mqa_logits(q[s0:s1], (kv[0], kv[1]), weights[s0:s1], cu_seq_len_k_start[s0:s1],
+                                cu_seq_len_k_end[s0:s1], False, logits_dtype=logits_dtype, out=ws[: s1 - s0])
+        topk_indices(logits, k, cu_seq_len_k_start[s0:s1], cu_seq_len_k_end[s0:s1], sorted=sorted,
+                     index_mode=index_mode, row_offset=None if row_offset is None else row_offset[s0:s1],
+                     return_values=return_values, out=out[s0:s1],
+                     out_values=out_values[s0:s1] if return_values else None)
+    return (out, out_values) if return_values else out

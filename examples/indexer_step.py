@@ -57,8 +57,16 @@ def decode_step(batch: int, context: int, next_n: int, heads: int, dim: int, blo
     max_ctx = int(ctx.max())
     logits = timed("decode: paged logits",
                    lambda: di.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx, False), times)
-    di.clean_logits(logits, None, ctx, next_n)  # top-k needs -inf past each row's context
-    timed("decode: top-2048", lambda: logits.topk(min(TOPK, max_ctx), dim=-1), times)
+    # The attention reads cache slots: top-2048 per query row, mapped through the block table.
+    timed("decode: top-2048 cache slots (deep_indexer)",
+          lambda: di.topk_indices(logits, TOPK, context_lens=ctx, next_n=next_n, index_mode="slot",
+                                  block_table=table, block_size=block_kv), times)
+    ws = di.topk_workspace(batch * next_n, max_ctx, device=dev)
+    timed("decode: metadata + logits + top-2048 in one call",
+          lambda: di.fp8_paged_mqa_topk_indices(q, cache, w, ctx, table, di.get_paged_mqa_logits_metadata(ctx, block_kv),
+                                                max_ctx, TOPK, index_mode="slot", workspace=ws), times)
+    di.clean_logits(logits, None, ctx, next_n)  # torch.topk needs -inf past each row's context
+    timed("decode: top-2048 (torch.topk, for comparison)", lambda: logits.topk(min(TOPK, max_ctx), dim=-1), times)
     return times
 
 
@@ -73,7 +81,10 @@ def prefill_chunk(chunk: int, prefix: int, heads: int, dim: int) -> dict:
     ks = torch.zeros(chunk, dtype=torch.int32, device=dev)
     ke = (prefix + torch.arange(chunk, device=dev) + 1).to(torch.int32)  # causal: token i sees prefix + i + 1 keys
     logits = timed("prefill: logits", lambda: di.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, True), times)
-    timed("prefill: top-2048", lambda: logits.topk(TOPK, dim=-1), times)
+    timed("prefill: top-2048 (deep_indexer)", lambda: di.topk_indices(logits, TOPK, ks, ke), times)
+    timed("prefill: top-2048 (torch.topk, for comparison)", lambda: logits.topk(TOPK, dim=-1), times)
+    timed("prefill: logits + top-2048 without the [S, SKV] buffer",
+          lambda: di.fp8_mqa_topk_indices(q, (k, k_scale), w, ks, ke, TOPK), times)
     return times
 
 

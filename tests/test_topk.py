@@ -222,7 +222,10 @@ def _check(x, k, ks, ke, **kw):
     out = torch.full((m, k), -7, dtype=torch.int32, device=DEV)
     vals = torch.full((m, k), 1234.5, dtype=x.dtype, device=DEV) if rv else None
     dkw = {a: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for a, v in kw.items()}
-    res = di.topk_indices(x.to(DEV), k, None if ks is None else ks.to(DEV), None if ke is None else ke.to(DEV),
+    xd = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=DEV)  # keeps a padded row stride
+    xd.copy_(x)
+    assert xd.stride() == x.stride()
+    res = di.topk_indices(xd, k, None if ks is None else ks.to(DEV), None if ke is None else ke.to(DEV),
                           out=out, out_values=vals, **dkw)
     ref = reference.topk_indices(x, k, ks, ke, **kw)
     if rv:
@@ -337,3 +340,188 @@ def test_topk_torch_op_and_compile():
     b = f(x, ke)
     assert torch.equal(a.cpu(), reference.topk_indices(x.cpu(), 512, None, ke.cpu()))
     assert torch.equal(b.cpu(), reference.topk_indices(x.cpu(), 512, None, ke.cpu(), sorted=True))
+
+
+# ------------------------------------------------------------------------------------ thread-level emulation
+def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, elem_bytes: int, ctas: int,
+                       cache_vecs: int, sorted_: bool) -> list:
+    """The kernel's index arithmetic for one row: `buf` holds keys of the whole allocation, the row
+    starts at element `start` of it (16-byte aligned buffer start). Mirrors the vector split (mis),
+    the per-CTA runs, the per-warp runs, the 32-vector strips and the prefix-count positions.
+    Returns the output columns (relative to lo), positions checked to be a permutation."""
+    kvec, warps = 16 // elem_bytes, 16
+    n = hi - lo
+    mis = (start + lo) % kvec
+    vec0 = (start + lo - mis) // kvec
+    num_vecs = 0 if n == 0 else (mis + n + kvec - 1) // kvec
+
+    def keys_of(v):  # aligned vectors never leave the buffer
+        return buf[(vec0 + v) * kvec:(vec0 + v + 1) * kvec]
+
+    per_cta = -(-num_vecs // ctas)
+    runs = [(min(q * per_cta, num_vecs), min(min(q * per_cta, num_vecs) + per_cta, num_vecs)) for q in range(ctas)]
+    prefix = mask = greater = 0
+    take_eq = n
+    if n > k:
+        schedule = [(21, 11), (10, 11), (0, 10)] if elem_bytes == 4 else [(5, 11), (0, 5)]
+        k_rem = k
+        for shift, bits in schedule:
+            dm = (1 << bits) - 1
+            hist = np.zeros(2048, dtype=np.int64)
+            for vb, ve in runs:
+                for v in range(vb, ve):
+                    for c, key in enumerate(keys_of(v)):
+                        j = v * kvec + c - mis
+                        if 0 <= j < n and (int(key) & mask) == prefix:
+                            hist[(int(key) >> shift) & dm] += 1
+            above = np.cumsum(hist[::-1])[::-1] - hist
+            (b,) = np.nonzero((above < k_rem) & (k_rem <= above + hist))
+            b = int(b[0])
+            prefix, mask = prefix | (b << shift), mask | (dm << shift)
+            greater += int(above[b])
+            k_rem -= int(above[b])
+            take_eq = k_rem
+            if k_rem == hist[b]:
+                break
+    total = greater + take_eq
+    assert total == min(n, k)
+
+    def classify(v, wv1):
+        gt, eq = [], []
+        for c in range(kvec):
+            j = v * kvec + c - mis
+            valid = v < wv1 and 0 <= j < n
+            mk = (int(keys_of(v)[c]) & mask) if v < wv1 else 0
+            gt.append(valid and mk > prefix)
+            eq.append(valid and mk == prefix)
+        return gt, eq
+
+    # pass A: per CTA, per warp counts
+    counts = []
+    for vb, ve in runs:
+        per_warp = -(-(ve - vb) // warps)
+        wl = []
+        for w in range(warps):
+            wv0 = min(vb + w * per_warp, ve)
+            wv1 = min(wv0 + per_warp, ve)
+            g = e = 0
+            for v in range(wv0, wv1):
+                gt, eq = classify(v, wv1)
+                g, e = g + sum(gt), e + sum(eq)
+            wl.append((wv0, wv1, g, e))
+        counts.append(wl)
+    out = [None] * total
+    cta_g = cta_e = 0
+    for q, wl in enumerate(counts):
+        wg, we = cta_g, cta_e
+        for wv0, wv1, g, e in wl:
+            gt_base, eq_base = wg, we
+            for vb in range(wv0, wv1, 32):
+                lanes = [classify(vb + lane, wv1) for lane in range(32)]
+                lg = np.cumsum([sum(x[0]) for x in lanes])
+                le = np.cumsum([sum(x[1]) for x in lanes])
+                assert lg[-1] < 65536 and le[-1] < 65536
+                for lane, (gt, eq) in enumerate(lanes):
+                    g_before = gt_base + int(lg[lane]) - sum(gt)
+                    e_before = eq_base + int(le[lane]) - sum(eq)
+                    for c in range(kvec):
+                        if gt[c] or (eq[c] and e_before < take_eq):
+                            pos = g_before + min(e_before, take_eq)
+                            assert pos < k and out[pos] is None
+                            out[pos] = (vb + lane) * kvec + c - mis
+                        g_before += gt[c]
+                        e_before += eq[c]
+                gt_base += int(lg[-1])
+                eq_base += int(le[-1])
+            wg, we = wg + g, we + e
+        cta_g, cta_e = wg, we
+    assert cta_g == greater and None not in out
+    if sorted_:
+        comp = [(int(buf[start + lo + j]) << 32) | (0xFFFFFFFF - j) for j in out]
+        out = [out[i] for i in np.argsort(comp)[::-1]]
+    return out
+
+
+@pytest.mark.parametrize("elem_bytes", [4, 2])
+@pytest.mark.parametrize("ctas", [1, 2, 8])
+@pytest.mark.parametrize("start,lo,hi,k", [(0, 0, 5000, 512), (3, 7, 4100, 2048), (1, 0, 1, 1), (5, 9, 9, 4),
+                                           (2, 1, 60, 100), (6, 3, 3000, 2047), (0, 5, 300, 37)])
+@pytest.mark.parametrize("kind", ["random", "ties", "low_contrast"])
+def test_thread_level_emulation(elem_bytes, ctas, start, lo, hi, k, kind):
+    dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
+    gen = torch.Generator().manual_seed(start * 100 + hi + ctas)
+    width = start + hi + 40
+    width += (-width) % 8
+    x = make_rows(kind, 1, width, dtype, gen)[0]
+    buf = reference.topk_keys(x).numpy()
+    for sorted_ in (False, True):
+        got = emulate_kernel_row(buf, start, lo, hi, k, elem_bytes, ctas, 64, sorted_)
+        ref = reference.topk_indices(x[start:].unsqueeze(0), k, torch.tensor([lo], dtype=torch.int32),
+                                     torch.tensor([hi], dtype=torch.int32), sorted=sorted_)[0]
+        assert got == ref[ref >= 0].tolist()
+
+
+# ------------------------------------------------------------------------------------ logits -> top-k in one call
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n,two_d", [(1, False), (2, False), (2, True), (4, True)])
+@pytest.mark.parametrize("mode", ["relative", "slot"])
+def test_fused_decode_matches_standalone(next_n, two_d, mode):
+    from deep_indexer.bench import decode_inputs
+
+    B, avg, H, D, block_kv, k = 12, 6000, 64, 128, 64, 2048
+    x = decode_inputs(B, next_n, avg, H, D, block_kv, DEV, seed=next_n)
+    ctx = x["context_lens"]
+    if two_d:
+        ctx = (ctx[:, None] - torch.arange(next_n, 0, -1, device=DEV, dtype=torch.int32)[None, :] + 1).contiguous()
+    meta = di.get_paged_mqa_logits_metadata(ctx, block_kv)
+    logits = di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                     x["max_context_len"], False)
+    slot = mode == "slot"
+    want = di.topk_indices(logits, k, context_lens=ctx, next_n=next_n, index_mode=mode,
+                           block_table=x["block_table"] if slot else None, block_size=block_kv if slot else None)
+    ws = di.topk_workspace(B * next_n, x["max_context_len"] + 100, device=DEV)
+    out = torch.full((B * next_n, k), -7, dtype=torch.int32, device=DEV)
+    got = di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                        x["max_context_len"], k, index_mode=mode, workspace=ws, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, want)
+    # and the standalone top-k itself against the reference on the same logits
+    ref = reference.topk_indices(logits.cpu(), k, context_lens=ctx.cpu(), next_n=next_n, index_mode=mode,
+                                 block_table=x["block_table"].cpu() if slot else None,
+                                 block_size=block_kv if slot else None)
+    assert torch.equal(want.cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["causal", "cp"])
+@pytest.mark.parametrize("k,chunk", [(2048, None), (512, 300)])
+def test_fused_prefill_matches_standalone(pattern, k, chunk):
+    from deep_indexer.bench import prefill_inputs
+
+    S, SKV, H, D = 1024, 8192, 64, 128
+    x = prefill_inputs(S, SKV, pattern, H, D, DEV)
+    logits = di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], False)
+    want = di.topk_indices(logits, k, x["ks"], x["ke"], return_values=True)
+    got = di.fp8_mqa_topk_indices(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], k, chunk_rows=chunk,
+                                  return_values=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = reference.topk_indices(logits.cpu(), k, x["ks"].cpu(), x["ke"].cpu())
+    assert torch.equal(want[0].cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster,ctas", [("1", "1"), ("1", "2"), ("2", ""), ("8", "")])
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_topk_forced_launches(monkeypatch, cluster, ctas, sorted_):
+    # every launch form on the same rows, including clusters whose share of a row exceeds the cache
+    monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
+    monkeypatch.setenv("DI_TOPK_CTAS_PER_SM", ctas)
+    gen = torch.Generator().manual_seed(int(cluster) * 10 + len(ctas))
+    m, n = 5, 200000
+    x = make_rows("ties", m, n + 5, torch.float32, gen)[:, 3:n + 3]
+    ks = torch.tensor([0, 17, 1000, 5, 199990], dtype=torch.int32)
+    ke = torch.tensor([n, n - 3, 150000, 2000, n], dtype=torch.int32)
+    _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)

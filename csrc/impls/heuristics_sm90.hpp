@@ -139,29 +139,48 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   return (cols + align - 1) / align * align;
 }
 
-// Top-k launch: one CTA per row (grid-stride). Each CTA caches up to a whole row of keys in
-// shared memory. With at least two rows per SM, two CTAs share an SM (one loads while the other
-// selects) when each fits half the SM's shared memory; otherwise one CTA per SM with the largest
-// cache. Rows longer than the cache re-read their tail from global memory (L2) in later passes.
+// Top-k launch: a cluster of C CTAs per row (grid-stride over rows). Few rows (fewer than half
+// the SMs) get C = 2, 4 or 8 CTAs each while every CTA keeps >= kTopkMinKeysPerCta keys, so one
+// row is read by several SMs at once. Otherwise C = 1 and, with at least 1.5 rows per SM and the
+// unsorted kernel, two CTAs share an SM (one loads while the other selects; each with half the
+// SM's shared memory); else one CTA per SM with the largest row cache. Each CTA caches up to its
+// whole share of the row in shared memory; longer rows re-read their tail from global memory (L2)
+// in later passes. Tuning overrides: DI_TOPK_CLUSTER (1, 2, 4, 8) and DI_TOPK_CTAS_PER_SM (1, 2).
+constexpr int64_t kTopkMinKeysPerCta = 4096;
+constexpr int kTopkMaxCluster = 8;  // portable cluster size
 struct TopkLaunch {
-  unsigned grid;
+  unsigned grid, cluster;
   int cache_vecs;
   unsigned smem;
 };
 inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms, int max_smem_optin) {
   constexpr int64_t kSmemPerSm = 228 * 1024, kReservedPerCta = 1024;
-  const int64_t need = (cols + l.vec() - 1) / l.vec() + 1;  // +1: a row start that is not 16-byte aligned
+  const int64_t sms = std::max(1, num_sms);
+  int cluster = 1;
+  const int forced_cluster = env::get_int("DI_TOPK_CLUSTER");
+  if (forced_cluster == 1 || forced_cluster == 2 || forced_cluster == 4 || forced_cluster == 8) {
+    cluster = forced_cluster;
+  } else {
+    while (cluster < kTopkMaxCluster && rows * cluster * 2 <= sms && cols / (cluster * 2) >= kTopkMinKeysPerCta)
+      cluster *= 2;
+  }
+  const int64_t need = (cols + l.vec() - 1) / l.vec() / cluster + 3;  // +3: rounding and a misaligned row start
   const int64_t two_budget = (kSmemPerSm / 2 - kReservedPerCta - static_cast<int64_t>(l.fixed_bytes())) / TopkLayout::kVecBytes;
   const int64_t one_budget = (max_smem_optin - static_cast<int64_t>(l.fixed_bytes())) / TopkLayout::kVecBytes;
-  const bool two = rows >= 2 * static_cast<int64_t>(num_sms) && two_budget > 0;
+  const int forced_ctas = env::get_int("DI_TOPK_CTAS_PER_SM");
+  const bool want_two = forced_ctas == 2 || (forced_ctas != 1 && 2 * rows >= 3 * sms);
+  const bool two = want_two && cluster == 1 && TopkLayout::ctas_per_sm_max(l.sorted) >= 2 && two_budget > 0;
   const int64_t vecs = std::max<int64_t>(0, std::min(need, two ? two_budget : one_budget));
   TopkLaunch t;
+  t.cluster = static_cast<unsigned>(cluster);
   t.cache_vecs = static_cast<int>(vecs);
   t.smem = l.smem_bytes(t.cache_vecs);
-  t.grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, (two ? 2 : 1) * static_cast<int64_t>(num_sms))));
+  const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, (two ? 2 : 1) * sms / cluster));
+  t.grid = static_cast<unsigned>(std::max<int64_t>(1, clusters) * cluster);
   print_choice([&] {
-    return fmt::format("topk rows={} cols={} elem_bytes={}: grid {}, {} CTA(s)/SM, cache {} keys, smem {} B", rows, cols,
-                       l.elem_bytes, t.grid, two ? 2 : 1, static_cast<int64_t>(t.cache_vecs) * l.vec(), t.smem);
+    return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, {} CTA(s)/SM, cache {} keys, smem {} B",
+                       rows, cols, l.elem_bytes, l.sorted, t.grid, cluster, two ? 2 : 1,
+                       static_cast<int64_t>(t.cache_vecs) * l.vec(), t.smem);
   });
   return t;
 }

@@ -39,6 +39,7 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
     cfg.grid = t.grid;
     cfg.block = TopkLayout::kNumThreads;
     cfg.smem = t.smem;
+    cfg.cluster = t.cluster;
     jit::launch(f, cfg, stream, args);
   }
 };

@@ -49,6 +49,7 @@ __device__ __forceinline__ uint32_t to_key(uint32_t raw) {
 // hist[bin] += 1 for every active lane; lanes with equal bins add once (heavy ties would
 // otherwise serialize on one address). Must be called by all 32 lanes of the warp.
 __device__ __forceinline__ void warp_hist_add(uint32_t* hist, uint32_t bin, bool active) {
+  if (__ballot_sync(kFullMask, active) == 0u) return;  // common in the refinement passes
   const uint32_t peers = __match_any_sync(kFullMask, active ? bin : 0xFFFFFFFFu);
   if (active && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(hist + bin, __popc(peers));
 }
@@ -81,11 +82,13 @@ struct KthBin {
   uint32_t count;  // keys in that bin
 };
 
-// Block-wide: the bin b of hist[0, kBins) with above(b) < k <= above(b) + hist[b], where
-// above(b) = sum of hist over bins > b. Requires 1 <= k <= sum(hist). `warp_sums` holds
-// kNumThreads / 32 words; `result` 3 words. Starts and ends with __syncthreads().
-template <int kNumThreads, int kBins>
-__device__ __forceinline__ KthBin find_kth_bin(const uint32_t* hist, uint32_t k, uint32_t* warp_sums,
+// Block-wide: the bin b of [0, kBins) with above(b) < k <= above(b) + count(b), where above(b)
+// = sum of count over bins > b and count(b) is `bin_count(b)` (e.g. a shared-memory histogram,
+// or the sum of a cluster's histograms). Requires 1 <= k <= the sum of all counts. `warp_sums`
+// holds kNumThreads / 32 words; `result` 3 words. Starts and ends with __syncthreads(); every
+// thread returns the same answer.
+template <int kNumThreads, int kBins, typename BinCount>
+__device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, uint32_t* warp_sums,
                                                uint32_t* result) {
   static_assert(kBins % kNumThreads == 0, "whole bins per thread");
   constexpr int kPer = kBins / kNumThreads;
@@ -94,7 +97,7 @@ __device__ __forceinline__ KthBin find_kth_bin(const uint32_t* hist, uint32_t k,
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   uint32_t c[kPer], own = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) own += (c[i] = hist[t * kPer + i]);
+  for (int i = 0; i < kPer; ++i) own += (c[i] = bin_count(t * kPer + i));
   const uint32_t incl = warp_suffix_sum(own);
   if (lane == 0) warp_sums[warp] = incl;
   __syncthreads();

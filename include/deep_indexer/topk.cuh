@@ -1,14 +1,20 @@
 // topk: exact, deterministic top-k indices of every row of a logits matrix (docs/topk.md).
 //
-// One CTA per row (grid-stride). Keys: radix::float_key / bf16_key. Radix select of the k-th
-// largest key over TopkLayout's digit schedule: pass 0 reads the row from global memory once,
-// builds the first histogram and keeps the row's keys in a shared-memory cache (its first
-// `cache_vecs` 16-byte vectors; the rest is re-read from global memory, usually L2, by later
-// passes). Each later pass histograms the next digit of the keys whose resolved prefix matches;
-// passes stop once the k-th bin is taken whole. Selection: key > threshold, plus the first
+// One cluster of C CTAs per row (C = 1 for large batches; up to 8 for few or long rows),
+// grid-stride over rows. CTA q of the cluster owns a contiguous run of the row's 16-byte vectors.
+// Keys: radix::float_key / bf16_key. Radix select of the k-th largest key over TopkLayout's digit
+// schedule: pass 0 reads the CTA's run from global memory once, builds the first histogram and
+// keeps the keys in a shared-memory cache (its first `cache_vecs` vectors; the rest is re-read
+// from global memory, usually L2, by later passes). Each later pass histograms the next digit of
+// the keys whose resolved prefix matches; passes stop once the k-th bin is taken whole. With C > 1
+// every CTA sums the cluster's histograms through distributed shared memory and runs the same
+// search, so all CTAs agree on the threshold. Selection: key > threshold, plus the first
 // (k - count_greater) keys equal to the threshold in column order; every output position is a
-// prefix count in column order (no atomics), so the result is unique and run-to-run identical.
+// prefix count in column order (over CTAs, warps, lanes; no atomics), so the result is unique and
+// run-to-run identical.
 #pragma once
+#include <cooperative_groups.h>
+
 #include <cstdint>
 
 #include "radix_select.cuh"
@@ -31,31 +37,45 @@
 
 namespace deep_indexer {
 
-
 template <int kElemBytes, bool kSorted>
-__global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const TopkArgs a) {
+__global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_sm_max(kSorted)) topk_kernel(const TopkArgs a) {
+  namespace cg = cooperative_groups;
   constexpr TopkLayout L{kElemBytes, kSorted};
   constexpr int kThreads = TopkLayout::kNumThreads;
   constexpr int kWarps = TopkLayout::kNumWarps;
   constexpr int kVec = L.vec();
   constexpr int kPasses = L.num_passes();
+  // 16-byte loads in flight per thread in the histogram passes (fewer where 64 registers must do)
+  constexpr int kUnroll = kSorted || kElemBytes == 4 ? 4 : 2;
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
-  constexpr int kUnroll = 4;  // 16-byte loads in flight per thread in the histogram passes
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
 
   extern __shared__ __align__(16) uint8_t smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
   uint32_t* warp_sums2 = warp_sums + kWarps;                                     // [kWarps]
-  uint32_t* scalars = warp_sums2 + kWarps;                                       // [16]
+  uint32_t* scalars = warp_sums2 + kWarps;  // [0, 3): find_kth_bin; [4, 6): this CTA's gt/eq counts
+  uint32_t* cta_counts = scalars + 4;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
   uint4* cache = reinterpret_cast<uint4*>(smem + L.cache_offset());
 
+  cg::cluster_group cluster = cg::this_cluster();
+  const int num_ctas = static_cast<int>(cluster.num_blocks());  // C
+  const int rank = static_cast<int>(cluster.block_rank());
+  // Block barrier, or cluster barrier (release/acquire of shared memory) when C > 1.
+  auto row_sync = [&]() {
+    if (num_ctas > 1) cluster.sync();
+    else __syncthreads();
+  };
+  // The sort buffer of the cluster lives in CTA 0.
+  unsigned long long* sort_dst = kSorted ? cluster.map_shared_rank(sort_buf, 0) : sort_buf;
+
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int k = a.k;
+  const int64_t num_clusters = gridDim.x / num_ctas;
 
-  for (int64_t r = blockIdx.x; r < a.num_rows; r += gridDim.x) {
+  for (int64_t r = blockIdx.x / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the row's valid columns [lo, lo + n)
     const int64_t g = r / a.range_next_n;
     const int64_t i_in = r - g * a.range_next_n;
@@ -74,11 +94,15 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
     const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
     const uint4* row_vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
     const int num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
+    // This CTA's run of vectors [v_begin, v_end).
+    const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
+    const int v_begin = min(rank * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
 
-    // Keys of vector v: from the cache for v < cached, else from global memory.
-    auto load_keys = [&](int v, int cached, uint32_t (&key)[kVec]) {
-      if (v < cached) {
-        radix::unpack<kElemBytes>(cache[v], key);
+    // Keys of vector v: from the cache for v < v_cached, else from global memory.
+    int v_cached = v_begin;
+    auto load_keys = [&](int v, uint32_t (&key)[kVec]) {
+      if (v < v_cached) {
+        radix::unpack<kElemBytes>(cache[v - v_begin], key);
       } else {
         radix::unpack<kElemBytes>(__ldg(row_vec + v), key);
 #pragma unroll
@@ -87,47 +111,60 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
     };
 
     // ---- radix select: the threshold `prefix` over the resolved bits `mask`, the number of keys
-    // above it (`greater`) and how many keys equal to it to take (`take_eq`).
+    // above it (`greater`) and how many keys equal to it to take (`take_eq`). Same in every CTA.
     uint32_t prefix = 0, mask = 0, greater = 0, take_eq = static_cast<uint32_t>(n);
-    int cached = 0;
     if (n > k) {
-      cached = min(num_vecs, a.cache_vecs);
+      v_cached = v_begin + min(v_end - v_begin, a.cache_vecs);
       uint32_t k_rem = static_cast<uint32_t>(k);
 #pragma unroll 1
       for (int pass = 0; pass < kPasses; ++pass) {
         const int shift = L.digit_shift(pass);
         const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
+        row_sync();  // the cluster has finished reading this CTA's previous histogram
         for (int b = tid; b < TopkLayout::kHistBins; b += kThreads) hist[b] = 0;
         __syncthreads();
         // Warp-uniform trip counts (warp_hist_add needs all lanes); kUnroll independent 16-byte
         // loads in flight per thread before any of them is used.
-        for (int vb = warp * 32 * kUnroll; vb < num_vecs; vb += kThreads * kUnroll) {
+        for (int vb = v_begin + warp * 32 * kUnroll; vb < v_end; vb += kThreads * kUnroll) {
           uint4 raw[kUnroll];
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int v = vb + u * 32 + lane;
             raw[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (v < num_vecs) raw[u] = pass > 0 && v < cached ? cache[v] : __ldg(row_vec + v);
+            if (v < v_end) raw[u] = pass > 0 && v < v_cached ? cache[v - v_begin] : __ldg(row_vec + v);
           }
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int v = vb + u * 32 + lane;
             uint32_t key[kVec];
             radix::unpack<kElemBytes>(raw[u], key);
-            if (pass == 0 || v >= cached) {
+            if (pass == 0 || v >= v_cached) {
 #pragma unroll
               for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
-              if (pass == 0 && v < cached) cache[v] = radix::pack<kElemBytes>(key);
+              if (pass == 0 && v < v_cached) cache[v - v_begin] = radix::pack<kElemBytes>(key);
             }
 #pragma unroll
             for (int c = 0; c < kVec; ++c) {
               const int j = v * kVec + c - mis;
-              const bool active = v < num_vecs && j >= 0 && j < n && (key[c] & mask) == prefix;
+              const bool active = v < v_end && j >= 0 && j < n && (key[c] & mask) == prefix;
               radix::warp_hist_add(hist, (key[c] >> shift) & digit_mask, active);
             }
           }
         }
-        const radix::KthBin kb = radix::find_kth_bin<kThreads, TopkLayout::kHistBins>(hist, k_rem, warp_sums, scalars);
+        radix::KthBin kb;
+        if (num_ctas > 1) {
+          cluster.sync();  // every CTA's histogram is complete
+          kb = radix::find_kth_bin<kThreads, TopkLayout::kHistBins>(
+              [&](int b) {
+                uint32_t sum = 0;
+                for (int q = 0; q < num_ctas; ++q) sum += cluster.map_shared_rank(hist, q)[b];
+                return sum;
+              },
+              k_rem, warp_sums, scalars);
+        } else {
+          kb = radix::find_kth_bin<kThreads, TopkLayout::kHistBins>([&](int b) { return hist[b]; }, k_rem, warp_sums,
+                                                                    scalars);
+        }
         prefix |= kb.bin << shift;
         mask |= digit_mask << shift;
         greater += kb.above;
@@ -136,31 +173,33 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
         if (k_rem == kb.count) break;  // the whole bin is taken: lower digits cannot matter
       }
     }
-    const uint32_t total = min(greater + take_eq, static_cast<uint32_t>(k));  // = min(k, n)
     DI_TOPK_ASSERT(greater + take_eq == static_cast<uint32_t>(min(k, n)));
+    const uint32_t total = min(greater + take_eq, static_cast<uint32_t>(k));  // = min(k, n)
 
-    // ---- selection in column order. Each warp owns a contiguous run of vectors; pass A counts,
-    // pass B writes at prefix-count positions.
-    const int per_warp = (num_vecs + kWarps - 1) / kWarps;
-    const int wv0 = min(warp * per_warp, num_vecs), wv1 = min(wv0 + per_warp, num_vecs);
-    auto classify = [&](int v, uint32_t (&gt)[kVec], uint32_t (&eq)[kVec]) {
+    // ---- selection in column order. Each warp owns a contiguous part of the CTA's run; pass A
+    // counts (warps, then CTAs), pass B writes at prefix-count positions.
+    const int per_warp = (v_end - v_begin + kWarps - 1) / kWarps;
+    const int wv0 = min(v_begin + warp * per_warp, v_end), wv1 = min(wv0 + per_warp, v_end);
+    // Bit c of gt / eq: key c of vector v is above / equal to the threshold (and valid).
+    auto classify = [&](int v, uint32_t& gt, uint32_t& eq) {
       uint32_t key[kVec] = {};
-      if (v < wv1) load_keys(v, cached, key);
+      if (v < wv1) load_keys(v, key);
+      gt = eq = 0;
 #pragma unroll
       for (int c = 0; c < kVec; ++c) {
         const int j = v * kVec + c - mis;
         const bool valid = v < wv1 && j >= 0 && j < n;
         const uint32_t mk = key[c] & mask;
-        gt[c] = valid && mk > prefix;
-        eq[c] = valid && mk == prefix;
+        gt |= static_cast<uint32_t>(valid && mk > prefix) << c;
+        eq |= static_cast<uint32_t>(valid && mk == prefix) << c;
       }
     };
     uint32_t w_gt = 0, w_eq = 0;
     for (int vb = wv0; vb < wv1; vb += 32) {
-      uint32_t gt[kVec], eq[kVec];
+      uint32_t gt, eq;
       classify(vb + lane, gt, eq);
-#pragma unroll
-      for (int c = 0; c < kVec; ++c) w_gt += gt[c], w_eq += eq[c];
+      w_gt += __popc(gt);
+      w_eq += __popc(eq);
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -169,11 +208,20 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
     }
     if (lane == 0) warp_sums[warp] = w_gt, warp_sums2[warp] = w_eq;
     __syncthreads();
-    uint32_t gt_base = 0, eq_base = 0;  // keys before this warp's run
+    uint32_t gt_base = 0, eq_base = 0;  // keys before this warp's part (in this CTA, then the cluster)
     for (int w = 0; w < warp; ++w) gt_base += warp_sums[w], eq_base += warp_sums2[w];
+    if (num_ctas > 1) {
+      if (tid == kThreads - 1) cta_counts[0] = gt_base + w_gt, cta_counts[1] = eq_base + w_eq;
+      cluster.sync();
+      for (int q = 0; q < rank; ++q) {
+        const uint32_t* other = cluster.map_shared_rank(cta_counts, q);
+        gt_base += other[0];
+        eq_base += other[1];
+      }
+    }
 #ifdef DI_TOPK_DEBUG
-    if (warp == kWarps - 1 && lane == 0)
-      DI_TOPK_ASSERT(gt_base + warp_sums[warp] == greater && eq_base + warp_sums2[warp] >= take_eq);
+    if (warp == kWarps - 1 && lane == 0 && rank == num_ctas - 1)
+      DI_TOPK_ASSERT(gt_base + w_gt == greater && eq_base + w_eq >= take_eq);
 #endif
 
     // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
@@ -203,31 +251,30 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
       DI_TOPK_ASSERT(pos < static_cast<uint32_t>(k));
       if (pos >= static_cast<uint32_t>(k)) return;  // unreachable; never writes out of bounds
       if constexpr (kSorted)
-        sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+        sort_dst[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
       else
         store(static_cast<int>(pos), j);
     };
 
     for (int vb = wv0; vb < wv1; vb += 32) {
       const int v = vb + lane;
-      uint32_t gt[kVec], eq[kVec];
+      uint32_t gt, eq;
       classify(v, gt, eq);
-      uint32_t my_gt = 0, my_eq = 0;
-#pragma unroll
-      for (int c = 0; c < kVec; ++c) my_gt += gt[c], my_eq += eq[c];
+      const uint32_t my_gt = __popc(gt), my_eq = __popc(eq);
       // counts fit 16 bits: a strip holds 32 * kVec <= 256 keys
       const uint32_t packed = radix::warp_prefix_sum(my_gt | (my_eq << 16));
       const uint32_t strip = __shfl_sync(radix::kFullMask, packed, 31);
       uint32_t g_before = gt_base + (packed & 0xFFFFu) - my_gt;
       uint32_t e_before = eq_base + (packed >> 16) - my_eq;
-      if (my_gt + my_eq != 0) {
+      if ((gt | eq) != 0) {
         uint32_t key[kVec];
-        load_keys(v, cached, key);
+        load_keys(v, key);
 #pragma unroll
         for (int c = 0; c < kVec; ++c) {
-          if (gt[c] || (eq[c] && e_before < take_eq)) emit(g_before + min(e_before, take_eq), v * kVec + c - mis, key[c]);
-          g_before += gt[c];
-          e_before += eq[c];
+          const bool is_gt = (gt >> c) & 1u, is_eq = (eq >> c) & 1u;
+          if (is_gt || (is_eq && e_before < take_eq)) emit(g_before + min(e_before, take_eq), v * kVec + c - mis, key[c]);
+          g_before += is_gt;
+          e_before += is_eq;
         }
       }
       gt_base += strip & 0xFFFFu;
@@ -235,40 +282,43 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, 2) topk_kernel(const 
     }
 
     if constexpr (kSorted) {
-      // Bitonic sort (descending) of the composite keys: key, then smaller column first.
-      __syncthreads();
-      int size = 1;
-      while (size < static_cast<int>(total)) size <<= 1;
-      for (int p = static_cast<int>(total) + tid; p < size; p += kThreads) sort_buf[p] = 0ull;  // below every entry
-      __syncthreads();
-      for (int span = 2; span <= size; span <<= 1) {
-        for (int stride = span >> 1; stride > 0; stride >>= 1) {
-          for (int t = tid; t < size / 2; t += kThreads) {
-            const int lo_i = 2 * t - (t & (stride - 1));
-            const int hi_i = lo_i + stride;
-            const bool desc = (lo_i & span) == 0;
-            const unsigned long long x = sort_buf[lo_i], y = sort_buf[hi_i];
-            if ((x < y) == desc) sort_buf[lo_i] = y, sort_buf[hi_i] = x;
+      row_sync();  // every CTA's entries are in CTA 0's sort buffer
+      if (rank == 0) {
+        // Bitonic sort (descending) of the composite keys: key, then smaller column first.
+        int size = 1;
+        while (size < static_cast<int>(total)) size <<= 1;
+        for (int p = static_cast<int>(total) + tid; p < size; p += kThreads) sort_buf[p] = 0ull;  // below every entry
+        __syncthreads();
+        for (int span = 2; span <= size; span <<= 1) {
+          for (int stride = span >> 1; stride > 0; stride >>= 1) {
+            for (int t = tid; t < size / 2; t += kThreads) {
+              const int lo_i = 2 * t - (t & (stride - 1));
+              const int hi_i = lo_i + stride;
+              const bool desc = (lo_i & span) == 0;
+              const unsigned long long x = sort_buf[lo_i], y = sort_buf[hi_i];
+              if ((x < y) == desc) sort_buf[lo_i] = y, sort_buf[hi_i] = x;
+            }
+            __syncthreads();
           }
-          __syncthreads();
         }
-      }
-      for (int p = tid; p < static_cast<int>(total); p += kThreads) {
-        store(p, static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(sort_buf[p] & 0xFFFFFFFFull)));
+        for (int p = tid; p < static_cast<int>(total); p += kThreads)
+          store(p, static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(sort_buf[p] & 0xFFFFFFFFull)));
       }
     }
 
     // ---- padding
-    for (int p = static_cast<int>(total) + tid; p < k; p += kThreads) {
-      a.out[r * a.out_stride + p] = -1;
-      if (a.out_values != nullptr) {
-        if constexpr (kElemBytes == 4)
-          static_cast<uint32_t*>(a.out_values)[r * a.values_stride + p] = kNegInfBits;
-        else
-          static_cast<uint16_t*>(a.out_values)[r * a.values_stride + p] = static_cast<uint16_t>(kNegInfBits);
+    if (rank == 0) {
+      for (int p = static_cast<int>(total) + tid; p < k; p += kThreads) {
+        a.out[r * a.out_stride + p] = -1;
+        if (a.out_values != nullptr) {
+          if constexpr (kElemBytes == 4)
+            static_cast<uint32_t*>(a.out_values)[r * a.values_stride + p] = kNegInfBits;
+          else
+            static_cast<uint16_t*>(a.out_values)[r * a.values_stride + p] = static_cast<uint16_t>(kNegInfBits);
+        }
       }
     }
-    __syncthreads();  // smem (hist, cache, sort buffer, scalars) is reused by the next row
+    row_sync();  // shared memory (read by the cluster) is reused by the next row
   }
 }
 

@@ -13,6 +13,10 @@ struct TopkLayout {
   static constexpr int kNumWarps = kNumThreads / 32;
   static constexpr int kVecBytes = 16;      // one uint4 of logits (or keys) per lane access
 
+  // CTAs per SM the kernel is built for (64 registers per thread for 2): the unsorted kernels
+  // may share an SM between two CTAs; the sorted ones (the bitonic sort) take 1.
+  DI_HOST_DEVICE static constexpr int ctas_per_sm_max(bool sorted) { return sorted ? 1 : 2; }
+
   int elem_bytes;  // 4: float32 (32-bit keys), 2: bfloat16 (16-bit keys)
   bool sorted;     // a [kMaxK] uint64 sort buffer
 
