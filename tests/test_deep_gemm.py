@@ -161,6 +161,9 @@ def test_install_without_deep_gemm_registers_a_stand_in(clean_deep_gemm_module):
 
     assert fp8_fp4_mqa_logits is deep_gemm.fp8_fp4_mqa_logits
     assert sorted(n for n in vars(mod) if not n.startswith("_")) == sorted(deep_gemm.__all__)
+    assert getattr(mod, "fp8_gemm_nt", None) is None  # how engines probe for optional symbols
+    with pytest.raises(AttributeError, match="stand-in.*'fp8_gemm_nt' needs DeepGEMM"):
+        mod.fp8_gemm_nt
     assert deep_gemm.install() is mod  # idempotent
     deep_gemm.uninstall()
     assert "deep_gemm" not in sys.modules
