@@ -262,6 +262,12 @@ def install(module_name: str = "deep_gemm") -> types.ModuleType:
     stub.__all__ = list(INDEXER_NAMES)
     for name in INDEXER_NAMES:
         setattr(stub, name, getattr(this, name))
+
+    def missing(name: str):
+        raise AttributeError(f"module '{module_name}' is deep_indexer's stand-in holding DeepGEMM's indexer functions "
+                             f"only ({', '.join(INDEXER_NAMES)}); '{name}' needs DeepGEMM itself installed")
+
+    stub.__getattr__ = missing  # getattr(deep_gemm, "fp8_gemm_nt", None) still gives None
     sys.modules[module_name] = stub
     return stub
 

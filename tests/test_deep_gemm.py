@@ -161,6 +161,9 @@ def test_install_without_deep_gemm_registers_a_stand_in(clean_deep_gemm_module):
 
     assert fp8_fp4_mqa_logits is deep_gemm.fp8_fp4_mqa_logits
     assert sorted(n for n in vars(mod) if not n.startswith("_")) == sorted(deep_gemm.__all__)
+    assert getattr(mod, "fp8_gemm_nt", None) is None  # how engines probe for optional symbols
+    with pytest.raises(AttributeError, match="stand-in.*'fp8_gemm_nt' needs DeepGEMM"):
+        mod.fp8_gemm_nt
     assert deep_gemm.install() is mod  # idempotent
     deep_gemm.uninstall()
     assert "deep_gemm" not in sys.modules
@@ -321,3 +324,19 @@ def test_gpu_bf16_weights_under_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert_logits_match(out, reference.mqa_logits(q, kv, w16.float(), ks, ke), True, F32, "graph replay")
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_gpu_deep_gemm_names_under_torch_compile():
+    q, cache, w, ctx, table, max_ctx = _paged(19, 2, 64, 128, 64, seed=11)
+    w16 = w.to(torch.bfloat16)
+
+    def step(q, cache, w, ctx, table):
+        meta = deep_gemm.get_paged_mqa_logits_metadata(ctx, 64, 132)
+        return deep_gemm.fp8_fp4_paged_mqa_logits((q, None), cache, w, ctx, table, meta, max_ctx, True)
+
+    eager = step(q, cache, w16, ctx, table)
+    compiled = torch.compile(step, fullgraph=True)(q, cache, w16, ctx, table)
+    assert torch.equal(compiled, eager)
+    assert_logits_match(eager, reference.paged_mqa_logits(q, cache, w16.float(), ctx, table, max_ctx), True, F32)
