@@ -9,6 +9,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import reference as ref
 
@@ -218,6 +219,7 @@ class _IndexerLogits(torch.autograd.Function):
         return ref.indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, *chunks)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         q_i, k_i, w, ks, ke = ctx.saved_tensors
         dq, dk, dw = ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, *ctx.cpu_bounds, *ctx.chunks)
@@ -235,8 +237,8 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     each row's range. The backward gives dq_I, dk_I, dweights (in the inputs' dtypes); the incoming gradient
     is ignored outside the valid range.
 
-    Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: a budget of about
-    32 MiB per temporary), accumulated in float32 (float64 for float64 inputs) in a fixed order: run to
+    Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: tiles of 512 keys
+    and about 32 MiB per temporary on the CPU, 1024 keys and 128 MiB on a GPU), accumulated in float32 (float64 for float64 inputs) in a fixed order: run to
     run bitwise reproducible; `deterministic` is accepted for API symmetry (this op is always deterministic).
     """
     _indexer_args(q_I, k_I, weights)
@@ -265,6 +267,7 @@ class _WarmupKL(torch.autograd.Function):
         return loss, lse_i, mass
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, _g_lse, _g_mass):
         q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke = ctx.saved_tensors
         scale, per_head, total, _partial, chunks = ctx.cfg
@@ -352,6 +355,7 @@ class _SparseKL(torch.autograd.Function):
         return loss, lse_i, lse_set, mass
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, *_unused):
         q_i, k_i, w, q, k, lse_att, idx, ks, ke = ctx.saved_tensors
         scale, per_head, total, _partial, deterministic, chunk_rows = ctx.cfg

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import torch
 
-_TILE_BYTES = 32 << 20  # budget for one [rows, heads, keys] temporary
-_DEFAULT_KEY_TILE = 512
+# Budget for one [rows, heads, keys] temporary and the key tile, per device type: GPUs take larger
+# tiles (fewer kernel launches; a step keeps about 6 such temporaries alive).
+_TILE_BYTES = {"cpu": 32 << 20, "cuda": 128 << 20}
+_KEY_TILE = {"cpu": 512, "cuda": 1024}
+_SPARSE_BYTES = 256 << 20  # budget for one row chunk's gathered keys [rows, K, Dqk + D_I] (sparse)
 _NEG_INF = float("-inf")
 
 
@@ -31,10 +34,12 @@ def accum_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _plan(rows: int, keys: int, heads: int, dtype: torch.dtype, chunk_rows: int | None, chunk_keys: int | None):
+def _plan(rows: int, keys: int, heads: int, dtype: torch.dtype, chunk_rows: int | None, chunk_keys: int | None,
+          device: torch.device):
     esize = torch.finfo(dtype).bits // 8
-    kc = max(1, chunk_keys or min(max(keys, 1), _DEFAULT_KEY_TILE))
-    rc = max(1, chunk_rows or min(max(rows, 1), _TILE_BYTES // (heads * kc * esize)))
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    kc = max(1, chunk_keys or min(max(keys, 1), _KEY_TILE[kind]))
+    rc = max(1, chunk_rows or min(max(rows, 1), _TILE_BYTES[kind] // (heads * kc * esize)))
     return rc, kc
 
 
@@ -62,8 +67,10 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
         return torch.matmul(q, k.t()).mul_(scale)
     r, heads, d = q.shape
     c, hkv = k.shape[0], k.shape[1]
-    a = torch.matmul(q.reshape(r, hkv, heads // hkv, d), k.permute(1, 2, 0).unsqueeze(0))  # [r, Hkv, G, c]
-    return a.reshape(r, heads, c).mul_(scale)
+    # one GEMM per key head, batched over key heads (no broadcast copy of k over the rows)
+    qh = q.reshape(r, hkv, heads // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, r G, D]
+    a = torch.bmm(qh, k.permute(1, 2, 0))  # [Hkv, r G, c]
+    return a.view(hkv, r, heads // hkv, c).permute(1, 0, 2, 3).reshape(r, heads, c).mul_(scale)
 
 
 def gathered_attention_scores(q: torch.Tensor, kg: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,7 +99,7 @@ def indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chu
     rows, heads = q_i.shape[0], q_i.shape[1]
     n = k_i.shape[0]
     out = torch.full((rows, n), _NEG_INF, dtype=acc, device=q_i.device)
-    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys, q_i.device)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
         q = q_i[r0:r1].to(acc)
         wr = w[r0:r1].to(acc)
@@ -124,7 +131,7 @@ def indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=Non
     dq = torch.zeros(q_i.shape, dtype=acc, device=q_i.device)
     dk = torch.zeros(k_i.shape, dtype=acc, device=q_i.device)
     dw = torch.zeros(w.shape, dtype=acc, device=q_i.device)
-    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys, q_i.device)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
         q = q_i[r0:r1].to(acc)
         wr = w[r0:r1].to(acc)
@@ -147,7 +154,7 @@ def attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_ke
     acc = accum_dtype(q, k)
     rows, heads = q.shape[0], q.shape[1]
     lse = torch.full((rows, heads), _NEG_INF, dtype=acc, device=q.device)
-    rc, kc = _plan(rows, k.shape[0], heads, acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, k.shape[0], heads, acc, chunk_rows, chunk_keys, q.device)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
         qr = q[r0:r1].to(acc)
         m = lse[r0:r1]
@@ -192,7 +199,7 @@ def warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per
     plogp = torch.zeros(stat_shape, dtype=acc, device=dev)
     p_i = torch.zeros(stat_shape, dtype=acc, device=dev)
     mass = torch.zeros(stat_shape, dtype=acc, device=dev)
-    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys, q_i.device)
     lse_safe_all = _safe(lse_att.to(acc))
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
         qr, qir, wr = q[r0:r1].to(acc), q_i[r0:r1].to(acc), w[r0:r1].to(acc)
@@ -223,7 +230,7 @@ def warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, 
     dq = torch.zeros(q_i.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k_i.shape, dtype=acc, device=q.device)
     dw = torch.zeros(w.shape, dtype=acc, device=q.device)
-    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys, q_i.device)
     lse_safe_all, lse_i_safe = _safe(lse_att.to(acc)), _safe(lse_i)
     g_all = grad.to(acc) / total_heads if per_head else grad.to(acc)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
@@ -294,7 +301,7 @@ def sparse_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head, tota
     lse_set = torch.full((rows, heads), _NEG_INF, dtype=acc, device=dev)
     mass = torch.zeros(lse_i.shape, dtype=acc, device=dev)
     dk_row = k.shape[-1] * (k.shape[1] if k.dim() == 3 else 1) + k_i.shape[-1]
-    rc = max(1, chunk_rows or _TILE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
+    rc = max(1, chunk_rows or _SPARSE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
     for r0 in range(0, rows, rc):
         r1 = min(rows, r0 + rc)
         c = _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_head, total_heads, acc)
@@ -325,7 +332,7 @@ def sparse_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head
     dw = torch.zeros(w.shape, dtype=acc, device=q.device)
     g_all = grad.to(acc) / total_heads if per_head else grad.to(acc)
     dk_row = k.shape[-1] * (k.shape[1] if k.dim() == 3 else 1) + k_i.shape[-1]
-    rc = max(1, chunk_rows or _TILE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
+    rc = max(1, chunk_rows or _SPARSE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
     for r0 in range(0, rows, rc):
         r1 = min(rows, r0 + rc)
         c = _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_head, total_heads, acc)
