@@ -170,7 +170,8 @@ def _attention_args(q_i, q, k, rows, n_keys, softmax_scale, attn_lse):
         _shape("attn_lse", attn_lse, (rows, heads))
     if softmax_scale is None:
         return 1.0 / math.sqrt(dqk)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+    ok = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if not (ok and softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a positive finite float or None, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -238,8 +239,9 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     is ignored outside the valid range.
 
     Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: tiles of 512 keys
-    and about 32 MiB per temporary on the CPU, 1024 keys and 128 MiB on a GPU), accumulated in float32 (float64 for float64 inputs) in a fixed order: run to
-    run bitwise reproducible; `deterministic` is accepted for API symmetry (this op is always deterministic).
+    and about 32 MiB per temporary on the CPU, 1024 keys and 128 MiB on a GPU), accumulated in float32
+    (float64 for float64 inputs) in a fixed order: run to run bitwise reproducible; `deterministic` is
+    accepted for symmetry with the losses (this op is always deterministic).
     """
     _indexer_args(q_I, k_I, weights)
     if not isinstance(deterministic, bool):
