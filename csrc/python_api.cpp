@@ -4,6 +4,7 @@
 #include "apis/clean_logits.hpp"
 #include "apis/mqa_logits.hpp"
 #include "apis/paged_mqa_logits.hpp"
+#include "apis/training_logits.hpp"
 #include "jit/compiler.hpp"
 #include "jit/runtime.hpp"
 #include "utils/exception.hpp"
@@ -59,9 +60,15 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= 4, "precompile: next_n must be in 1..4");
       py::gil_scoped_release release;
       r = PagedMqaMetadataRuntime::precompile(p, arch);
+    } else if (op == "training_logits") {
+      TrainingLogitsRuntime::Params p{param(params, "num_heads"), param(params, "head_dim")};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = TrainingLogitsRuntime::precompile(p, arch);
     } else {
       throw DIValueError(fmt::format(
-          "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata)",
+          "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata, "
+          "training_logits)",
           op));
     }
   }
@@ -129,4 +136,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, py::arg("q"), py::arg("kv_cache"), py::arg("weights"),
         py::arg("context_lens"), py::arg("block_table"), py::arg("schedule_meta"), py::arg("max_context_len"),
         py::arg("clean_logits"), py::arg("elem_bytes"), py::arg("out"));
+  m.def("bf16_indexer_logits", &bf16_indexer_logits, py::arg("q"), py::arg("k"), py::arg("weights"), py::arg("ks"),
+        py::arg("ke"), py::arg("out"));
 }

@@ -9,7 +9,8 @@ Cases (CUDA, bf16 inputs; one causal sequence per `--tokens` value, or `--seqs` 
   mean      H = 128, Dqk = 576 (one key head), H_I = 64, D_I = 128, causal: TFLOP/s counting per valid (t, s)
             pair 2 (H Dqk + H_I D_I) forward and 2 (H Dqk + 3 H_I D_I) backward, against the bf16 GEMM
             rate measured in the same run.
-  logits    indexer_logits alone at the `mean` sizes: 2 H_I D_I per pair forward, 4 H_I D_I backward.
+  logits    indexer_logits alone at the `mean` sizes: 2 H_I D_I per pair forward, 4 H_I D_I backward;
+            also the forward on the SM90 kernel (backend="sm90").
 The attention LSE is passed in (from the SDPA flash forward for per_head; computed once for mean) so
 the timed forward is the loss's own sweep. `--smoke` runs tiny shapes on any device (a check of the
 script, not a measurement).
@@ -124,6 +125,17 @@ def bench_mean(dev, tokens, timer, iters, rate, logits_only=False):
                         (q_i, k_i, w), timer, iters)
         ff, fb = 2 * hi * di * pairs, 4 * hi * di * pairs
         name = f"logits {tokens}"
+        if dev.type == "cuda":  # the forward on the SM90 kernel (the backward is the portable one)
+            def sm90():
+                with torch.no_grad():
+                    indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
+
+            t = timer(sm90, iters)
+            rows = [(f"logits {tokens} sm90 fwd", t, float("nan"),
+                     f"fwd {ff / t / 1e12:.1f} TFLOP/s = {ff / t / rate:.2f} of GEMM (bar 0.6; includes the -inf fill "
+                     f"of [T, T] fp32)")]
+        else:
+            rows = []
     else:
         scale = 192 ** -0.5
         lse = indexer_kl_loss(q_i.detach(), k_i.detach(), w.detach(), q, k, scale, cu_seqlens=cu).attn_lse
@@ -133,7 +145,7 @@ def bench_mean(dev, tokens, timer, iters, rate, logits_only=False):
         name = f"mean {tokens}"
     note = (f"fwd {ff / f / 1e12:.1f} TFLOP/s = {ff / f / rate:.2f} of GEMM, "
             f"bwd {fb / b / 1e12:.1f} TFLOP/s = {fb / b / rate:.2f} of GEMM")
-    return [(name, f, b, note)]
+    return [(name, f, b, note)] + (rows if logits_only else [])
 
 
 def main(argv=None):
@@ -158,7 +170,7 @@ def main(argv=None):
         commit = "?"
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"# {name}, {datetime.date.today()}, commit {commit}, torch {torch.__version__}; "
-          f"bf16 GEMM {rate / 1e12:.0f} TFLOP/s. Portable PyTorch path (no fused kernels).")
+          f"bf16 GEMM {rate / 1e12:.0f} TFLOP/s. Portable PyTorch path unless the case says sm90.")
     print("| case | forward ms | backward ms | notes |\n|---|---|---|---|")
     rows = []
     if args.case in ("all", "per_head"):

@@ -214,9 +214,11 @@ def _cast(g, like):
 
 class _IndexerLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunks):
+    def forward(ctx, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunks, backend):
         ctx.save_for_backward(q_i, k_i, w, ks, ke)
         ctx.cpu_bounds, ctx.chunks = (ks_cpu, ke_cpu), chunks
+        if backend == "sm90":
+            return _sm90_logits(q_i, k_i, w, ks, ke)
         return ref.indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, *chunks)
 
     @staticmethod
@@ -224,11 +226,22 @@ class _IndexerLogits(torch.autograd.Function):
     def backward(ctx, grad):
         q_i, k_i, w, ks, ke = ctx.saved_tensors
         dq, dk, dw = ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, *ctx.cpu_bounds, *ctx.chunks)
-        return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), None, None, None, None, None
+        return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), None, None, None, None, None, None
+
+
+def _sm90_logits(q_i, k_i, w, ks, ke):
+    """Forward on the SM90 kernel (bf16 WGMMA): -inf-filled output, the kernel writes the valid entries."""
+    from .. import _C
+
+    if q_i.dtype != torch.bfloat16 or k_i.dtype != torch.bfloat16:
+        raise TypeError(f"backend='sm90': q_I and k_I must be bfloat16, got {q_i.dtype} and {k_i.dtype}")
+    out = torch.full((q_i.shape[0], k_i.shape[0]), float("-inf"), dtype=torch.float32, device=q_i.device)
+    return _C.bf16_indexer_logits(q_i.contiguous(), k_i.contiguous(), w.float().contiguous(), ks.int().contiguous(),
+                                  ke.int().contiguous(), out)
 
 
 def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, causal=True, deterministic=False,
-                   chunk_rows=None, chunk_keys=None) -> torch.Tensor:
+                   chunk_rows=None, chunk_keys=None, backend="torch") -> torch.Tensor:
     """Indexer logits with autograd: I[t, s] = sum_h weights[t, h] * relu(q_I[t, h, :] . k_I[s, :]).
 
     q_I [T, H_I, D_I], k_I [N, D_I] (one key head), weights [T, H_I]: bfloat16, float16, float32 or float64.
@@ -242,14 +255,20 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     and about 32 MiB per temporary on the CPU, 1024 keys and 128 MiB on a GPU), accumulated in float32
     (float64 for float64 inputs) in a fixed order: run to run bitwise reproducible; `deterministic` is
     accepted for symmetry with the losses (this op is always deterministic).
+
+    backend: "torch" (the portable code above) or "sm90": the forward runs on a Hopper kernel (bf16 q_I and
+    k_I, WGMMA with fp32 accumulation; H_I in 16/32/64/128, D_I in 64/128; deterministic), the backward on
+    the portable code.
     """
     _indexer_args(q_I, k_I, weights)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _opt_int("chunk_rows", chunk_rows)
     _opt_int("chunk_keys", chunk_keys)
+    if backend not in ("torch", "sm90"):
+        raise ValueError(f"backend: expected 'torch' or 'sm90', got {backend!r}")
     ks, ke, ks_cpu, ke_cpu = _bounds(q_I.shape[0], k_I.shape[0], q_I.device, ks, ke, cu_seqlens, causal)
-    return _IndexerLogits.apply(q_I, k_I, weights, ks, ke, ks_cpu, ke_cpu, (chunk_rows, chunk_keys))
+    return _IndexerLogits.apply(q_I, k_I, weights, ks, ke, ks_cpu, ke_cpu, (chunk_rows, chunk_keys), backend)
 
 
 # ----------------------------------------------------------------------------------------------
