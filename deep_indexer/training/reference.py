@@ -76,11 +76,12 @@ def _fast_gemm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> bool:
         ok = False
         try:
             g = torch.Generator(device=a.device).manual_seed(0)
+            # the operand layouts gemm_nt / bmm_nt pass: contiguous A, transposed views of contiguous B
             x = torch.randn(2, 64, 32, device=a.device, generator=g).to(a.dtype)
-            y = torch.randn(2, 32, 48, device=a.device, generator=g).to(a.dtype)
-            ref = torch.bmm(x.double(), y.double()).float()
-            got_b = torch.bmm(x, y, out_dtype=torch.float32)
-            got_m = torch.mm(x[0], y[0], out_dtype=torch.float32)
+            y = torch.randn(2, 48, 32, device=a.device, generator=g).to(a.dtype)
+            ref = torch.bmm(x.double(), y.double().transpose(1, 2)).float()
+            got_b = torch.bmm(x, y.transpose(1, 2), out_dtype=torch.float32)
+            got_m = torch.mm(x[0], y[0].t(), out_dtype=torch.float32)
             ok = (got_b.dtype == torch.float32 and torch.allclose(got_b, ref, rtol=1e-5, atol=1e-5)
                   and torch.allclose(got_m, ref[0], rtol=1e-5, atol=1e-5))
         except (RuntimeError, TypeError, NotImplementedError):
@@ -92,7 +93,7 @@ def _fast_gemm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> bool:
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """a [..., M, K] @ b[N, K]^T -> [..., M, N] in acc."""
     if _fast_gemm(a, b, acc):
-        out = torch.mm(a.reshape(-1, a.shape[-1]), b.t(), out_dtype=torch.float32)
+        out = torch.mm(a.reshape(-1, a.shape[-1]), b.contiguous().t(), out_dtype=torch.float32)
         return out.view(*a.shape[:-1], b.shape[0])
     return torch.matmul(a.to(acc), b.to(acc).t())
 
@@ -100,7 +101,7 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 def bmm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """a [B, M, K] @ b[B, N, K]^T -> [B, M, N] in acc."""
     if _fast_gemm(a, b, acc):
-        return torch.bmm(a, b.transpose(1, 2), out_dtype=torch.float32)
+        return torch.bmm(a.contiguous(), b.contiguous().transpose(1, 2), out_dtype=torch.float32)
     return torch.bmm(a.to(acc), b.to(acc).transpose(1, 2))
 
 
