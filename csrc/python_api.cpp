@@ -5,6 +5,7 @@
 #include "apis/mqa_logits.hpp"
 #include "apis/paged_mqa_logits.hpp"
 #include "apis/topk.hpp"
+#include "apis/training_logits.hpp"
 #include "jit/compiler.hpp"
 #include "jit/runtime.hpp"
 #include "utils/exception.hpp"
@@ -65,10 +66,15 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkRuntime::precompile(p, arch);
+    } else if (op == "training_logits") {
+      TrainingLogitsRuntime::Params p{param(params, "num_heads"), param(params, "head_dim")};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = TrainingLogitsRuntime::precompile(p, arch);
     } else {
       throw DIValueError(fmt::format(
           "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata, "
-          "topk)",
+          "topk, training_logits)",
           op));
     }
   }
@@ -144,4 +150,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cu_seq_len_k_end"), py::arg("context_lens"), py::arg("next_n"), py::arg("sorted"),
         py::arg("index_mode"), py::arg("block_table"), py::arg("block_size"), py::arg("row_offset"),
         py::arg("return_values"), py::arg("out"), py::arg("out_values"));
+  m.def("bf16_indexer_logits", &bf16_indexer_logits, py::arg("q"), py::arg("k"), py::arg("weights"), py::arg("ks"),
+        py::arg("ke"), py::arg("out"));
 }

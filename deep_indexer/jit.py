@@ -24,10 +24,11 @@ from . import _C
 HEADS = (16, 32, 64, 128)
 MQA_HEAD_DIMS = (32, 64, 128)
 PAGED_HEAD_DIMS = (64, 128)
+TRAINING_HEAD_DIMS = (64, 128)  # bf16 training kernels (deep_indexer.training)
 NEXT_N = (1, 2, 3, 4)
 BLOCK_KV = (32, 64)
 LOGITS_DTYPES = ("float32", "bfloat16")
-OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk")
+OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk", "training_logits")
 _ELEM_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -63,7 +64,7 @@ def variants(
     nn = _check_choice("next_n", next_n or NEXT_N, NEXT_N)
     bk = _check_choice("block_kv", block_kv or BLOCK_KV, BLOCK_KV)
     if head_dims:
-        _check_choice("head dim", head_dims, sorted(set(MQA_HEAD_DIMS) | set(PAGED_HEAD_DIMS)))
+        _check_choice("head dim", head_dims, sorted(set(MQA_HEAD_DIMS) | set(PAGED_HEAD_DIMS) | set(TRAINING_HEAD_DIMS)))
     out: list[Variant] = []
 
     def add(op: str, **params):
@@ -87,6 +88,10 @@ def variants(
         elif op == "topk":
             for dt, srt in itertools.product(dtypes, (0, 1)):
                 add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt)
+        elif op == "training_logits":
+            dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
+            for h, d in itertools.product(hs, dims):
+                add(op, num_heads=h, head_dim=d)
     return out
 
 

@@ -526,9 +526,36 @@ def test_validation_errors():
         sparse_indexer_kl_loss(q_i, k_i, w, q, k, idx)
     with pytest.raises(ValueError, match="indices"):
         sparse_indexer_kl_loss(q_i, k_i, w, q, k, torch.full((6, 2), 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="backend"):
+        indexer_logits(q_i, k_i, w, backend="cuda")
     with pytest.raises(ValueError, match="attn_lse"):
         sparse_indexer_kl_loss(q_i, k_i, w, q[:, :1], k, torch.arange(2).repeat(6, 1), total_heads=2,
                                attn_lse=torch.zeros(6, 1, dtype=F64))
+
+
+def test_sm90_kernel_input_errors_on_cpu():
+    """The kernel entry validates shapes and dtypes (before the device) with clear errors."""
+    import deep_indexer
+
+    bf = torch.bfloat16
+    q_i, k_i = torch.zeros(4, 64, 128, dtype=bf), torch.zeros(9, 128, dtype=bf)
+    w, ks, ke = torch.zeros(4, 64), torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
+    out = torch.zeros(4, 9)
+    f = deep_indexer._C.bf16_indexer_logits
+    with pytest.raises(ValueError, match="q_I has 64 heads of dim 96"):
+        f(torch.zeros(4, 64, 96, dtype=bf), k_i, w, ks, ke, out)
+    with pytest.raises(ValueError, match="k_I"):
+        f(q_i, k_i.float(), w, ks, ke, out)
+    with pytest.raises(ValueError, match="weights"):
+        f(q_i, k_i, w[:, :32], ks, ke, out)
+    with pytest.raises(ValueError, match="ke"):
+        f(q_i, k_i, w, ks, ke.long(), out)
+    with pytest.raises(ValueError, match="out"):
+        f(q_i, k_i, w, ks, ke, out[:, :8])
+    with pytest.raises(ValueError, match="CUDA"):
+        f(q_i, k_i, w, ks, ke, out)
+    with pytest.raises(TypeError, match="bfloat16"):
+        indexer_logits(q_i.float(), k_i.float(), w, backend="sm90")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -572,15 +599,80 @@ def test_cuda_sparse_deterministic_mode():
 
 @pytest.mark.skipif(not HAS_SM90, reason="needs an SM90 GPU")
 def test_cuda_large_bounded_memory():
-    """8K causal tokens, H = 128 x 576 MQA, H_I = 64 x 128: peak memory stays far below a [T, T] fp32 per head."""
+    """8K causal tokens, H = 128 x 576 MQA, H_I = 64 x 128: peak memory stays far below [H, T, T] fp32 (32 GiB)."""
     t = 8192
-    x = [v.cuda() for v in make(t, t, 64, 128, 128, 576, hkv=None, dtype=torch.bfloat16, seed=141)]
+    g = torch.Generator(device="cuda").manual_seed(141)
+
+    def r(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).bfloat16()
+
+    q_i, k_i, w = r(t, 64, 128, std=0.3), r(t, 128, std=0.3), r(t, 64, std=0.25)
+    q, k = r(t, 128, 576), r(t, 576)
     cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    y = [v.clone().requires_grad_(True) for v in x[:3]]
-    res = indexer_kl_loss(*y, x[3], x[4], 576 ** -0.5, cu_seqlens=cu)
+    y = [v.clone().requires_grad_(True) for v in (q_i, k_i, w)]
+    res = indexer_kl_loss(*y, q, k, 576 ** -0.5, cu_seqlens=cu)
     res.loss.backward()
     peak = torch.cuda.max_memory_allocated() - base
     assert peak < 2 << 30, f"peak {peak / 2**20:.0f} MiB"
     assert torch.isfinite(res.loss) and all(torch.isfinite(v.grad).all() for v in y)
+
+
+# ------------------------------------------------------------------------------------------------
+# SM90 kernel: bf16 indexer logits forward (backend="sm90")
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("tokens,keys", [(1, 1), (37, 301), (1031, 2050)])
+def test_sm90_indexer_logits_kernel(heads, dim, tokens, keys):
+    import deep_indexer
+
+    g = torch.Generator(device="cuda").manual_seed(heads * 7 + dim + tokens)
+    q_i = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * dim ** -0.25).bfloat16()
+    k_i = (torch.randn(keys, dim, device="cuda", generator=g) * dim ** -0.25).bfloat16()
+    w = torch.randn(tokens, heads, device="cuda", generator=g)
+    ks = torch.randint(0, keys, (tokens,), device="cuda", generator=g)
+    ke = (ks + torch.randint(-5, keys, (tokens,), device="cuda", generator=g)).clamp(0, keys)
+    ks[0], ke[0] = 0, keys
+    if tokens > 2:
+        ks[1], ke[1] = keys // 2, keys // 2  # an empty row
+    ks, ke = ks.int(), ke.int()
+    # the raw kernel into a NaN-poisoned output: every valid entry written, nothing else touched
+    out = torch.full((tokens, keys), float("nan"), device="cuda")
+    deep_indexer._C.bf16_indexer_logits(q_i, k_i, w, ks, ke, out)
+    ref = indexer_logits(q_i.double(), k_i.double(), w.double(), ks=ks, ke=ke)
+    valid = torch.isfinite(ref)
+    assert torch.isfinite(out[valid]).all(), "valid entries not written"
+    assert torch.isnan(out[~valid]).all(), "entries outside the ranges written"
+    assert calc_diff(out[valid], ref[valid]) < 1e-5
+    # through the autograd op: -inf outside, the backward on the portable path
+    x = [v.clone().requires_grad_(True) for v in (q_i, k_i, w)]
+    got = indexer_logits(*x, ks=ks, ke=ke, backend="sm90")
+    assert torch.equal(got == float("-inf"), ~valid)
+    got.masked_fill(~valid, 0).sum().backward()
+    y = [v.clone().requires_grad_(True) for v in (q_i, k_i, w)]
+    indexer_logits(*y, ks=ks, ke=ke).masked_fill(~valid, 0).sum().backward()
+    for a, b in zip(x, y):
+        assert torch.equal(a.grad, b.grad)
+    # deterministic: bitwise equal run to run
+    assert torch.equal(indexer_logits(q_i, k_i, w, ks=ks, ke=ke, backend="sm90"), got.detach())
+
+
+@pytest.mark.skipif(not HAS_SM90, reason="needs an SM90 GPU")
+def test_sm90_indexer_logits_packed_causal_large():
+    t = 8192
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q_i = (torch.randn(t, 64, 128, device="cuda", generator=g) * 0.3).bfloat16()
+    k_i = (torch.randn(t, 128, device="cuda", generator=g) * 0.3).bfloat16()
+    w = torch.randn(t, 64, device="cuda", generator=g)
+    cu = torch.tensor([0, 1, 1000, 1000, 5003, t], dtype=torch.int32, device="cuda")
+    got = indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
+    ref = indexer_logits(q_i, k_i, w, cu_seqlens=cu)
+    valid = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), valid)
+    assert calc_diff(got[valid], ref[valid]) < 1e-5

@@ -9,6 +9,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import reference as ref
 
@@ -169,7 +170,8 @@ def _attention_args(q_i, q, k, rows, n_keys, softmax_scale, attn_lse):
         _shape("attn_lse", attn_lse, (rows, heads))
     if softmax_scale is None:
         return 1.0 / math.sqrt(dqk)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+    ok = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if not (ok and softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a positive finite float or None, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -212,20 +214,34 @@ def _cast(g, like):
 
 class _IndexerLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunks):
+    def forward(ctx, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunks, backend):
         ctx.save_for_backward(q_i, k_i, w, ks, ke)
         ctx.cpu_bounds, ctx.chunks = (ks_cpu, ke_cpu), chunks
+        if backend == "sm90":
+            return _sm90_logits(q_i, k_i, w, ks, ke)
         return ref.indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, *chunks)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         q_i, k_i, w, ks, ke = ctx.saved_tensors
         dq, dk, dw = ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, *ctx.cpu_bounds, *ctx.chunks)
-        return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), None, None, None, None, None
+        return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), None, None, None, None, None, None
+
+
+def _sm90_logits(q_i, k_i, w, ks, ke):
+    """Forward on the SM90 kernel (bf16 WGMMA): -inf-filled output, the kernel writes the valid entries."""
+    from .. import _C
+
+    if q_i.dtype != torch.bfloat16 or k_i.dtype != torch.bfloat16:
+        raise TypeError(f"backend='sm90': q_I and k_I must be bfloat16, got {q_i.dtype} and {k_i.dtype}")
+    out = torch.full((q_i.shape[0], k_i.shape[0]), float("-inf"), dtype=torch.float32, device=q_i.device)
+    return _C.bf16_indexer_logits(q_i.contiguous(), k_i.contiguous(), w.float().contiguous(), ks.int().contiguous(),
+                                  ke.int().contiguous(), out)
 
 
 def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, causal=True, deterministic=False,
-                   chunk_rows=None, chunk_keys=None) -> torch.Tensor:
+                   chunk_rows=None, chunk_keys=None, backend="torch") -> torch.Tensor:
     """Indexer logits with autograd: I[t, s] = sum_h weights[t, h] * relu(q_I[t, h, :] . k_I[s, :]).
 
     q_I [T, H_I, D_I], k_I [N, D_I] (one key head), weights [T, H_I]: bfloat16, float16, float32 or float64.
@@ -235,17 +251,24 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     each row's range. The backward gives dq_I, dk_I, dweights (in the inputs' dtypes); the incoming gradient
     is ignored outside the valid range.
 
-    Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: a budget of about
-    32 MiB per temporary), accumulated in float32 (float64 for float64 inputs) in a fixed order: run to
-    run bitwise reproducible; `deterministic` is accepted for API symmetry (this op is always deterministic).
+    Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: tiles of 512 keys
+    and about 32 MiB per temporary on the CPU, 1024 keys and 128 MiB on a GPU), accumulated in float32
+    (float64 for float64 inputs) in a fixed order: run to run bitwise reproducible; `deterministic` is
+    accepted for symmetry with the losses (this op is always deterministic).
+
+    backend: "torch" (the portable code above) or "sm90": the forward runs on a Hopper kernel (bf16 q_I and
+    k_I, WGMMA with fp32 accumulation; H_I in 16/32/64/128, D_I in 64/128; deterministic), the backward on
+    the portable code.
     """
     _indexer_args(q_I, k_I, weights)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _opt_int("chunk_rows", chunk_rows)
     _opt_int("chunk_keys", chunk_keys)
+    if backend not in ("torch", "sm90"):
+        raise ValueError(f"backend: expected 'torch' or 'sm90', got {backend!r}")
     ks, ke, ks_cpu, ke_cpu = _bounds(q_I.shape[0], k_I.shape[0], q_I.device, ks, ke, cu_seqlens, causal)
-    return _IndexerLogits.apply(q_I, k_I, weights, ks, ke, ks_cpu, ke_cpu, (chunk_rows, chunk_keys))
+    return _IndexerLogits.apply(q_I, k_I, weights, ks, ke, ks_cpu, ke_cpu, (chunk_rows, chunk_keys), backend)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,6 +288,7 @@ class _WarmupKL(torch.autograd.Function):
         return loss, lse_i, mass
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, _g_lse, _g_mass):
         q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke = ctx.saved_tensors
         scale, per_head, total, _partial, chunks = ctx.cfg
@@ -352,6 +376,7 @@ class _SparseKL(torch.autograd.Function):
         return loss, lse_i, lse_set, mass
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, *_unused):
         q_i, k_i, w, q, k, lse_att, idx, ks, ke = ctx.saved_tensors
         scale, per_head, total, _partial, deterministic, chunk_rows = ctx.cfg

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import torch
 
-_TILE_BYTES = 32 << 20  # budget for one [rows, heads, keys] temporary
-_DEFAULT_KEY_TILE = 512
+# Budget for one [rows, heads, keys] temporary and the key tile, per device type: GPUs take larger
+# tiles (fewer kernel launches; a step keeps about 6 such temporaries alive).
+_TILE_BYTES = {"cpu": 32 << 20, "cuda": 128 << 20}
+_KEY_TILE = {"cpu": 512, "cuda": 1024}
+_SPARSE_BYTES = 256 << 20  # budget for one row chunk's gathered keys [rows, K, Dqk + D_I] (sparse)
 _NEG_INF = float("-inf")
 
 
@@ -31,10 +34,12 @@ def accum_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _plan(rows: int, keys: int, heads: int, dtype: torch.dtype, chunk_rows: int | None, chunk_keys: int | None):
+def _plan(rows: int, keys: int, heads: int, dtype: torch.dtype, chunk_rows: int | None, chunk_keys: int | None,
+          device: torch.device):
     esize = torch.finfo(dtype).bits // 8
-    kc = max(1, chunk_keys or min(max(keys, 1), _DEFAULT_KEY_TILE))
-    rc = max(1, chunk_rows or min(max(rows, 1), _TILE_BYTES // (heads * kc * esize)))
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    kc = max(1, chunk_keys or min(max(keys, 1), _KEY_TILE[kind]))
+    rc = max(1, chunk_rows or min(max(rows, 1), _TILE_BYTES[kind] // (heads * kc * esize)))
     return rc, kc
 
 
@@ -56,24 +61,72 @@ def _valid(ks: torch.Tensor, ke: torch.Tensor, c0: int, c1: int) -> torch.Tensor
     return (cols >= ks.unsqueeze(1)) & (cols < ke.unsqueeze(1))
 
 
-def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """A [r, H, c] from q [r, H, D] and k [c, D] (one key head) or [c, H_kv, D] (query head h reads h // (H / H_kv))."""
+_LOW = (torch.bfloat16, torch.float16)
+_FAST_GEMM: dict = {}
+
+
+def _fast_gemm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether a @ b can run on 16-bit inputs with fp32 output (CUDA `out_dtype`): the products of 16-bit
+    values are exact in fp32, so this equals the fp32 GEMM of the upcast inputs up to summation order.
+    Probed (and checked against the upcast GEMM) once per device and dtype; otherwise inputs are upcast."""
+    if not (a.is_cuda and acc == torch.float32 and a.dtype in _LOW and b.dtype == a.dtype):
+        return False
+    key = (a.device, a.dtype)
+    if key not in _FAST_GEMM:
+        ok = False
+        try:
+            g = torch.Generator(device=a.device).manual_seed(0)
+            # the operand layouts gemm_nt / bmm_nt pass: contiguous A, transposed views of contiguous B
+            x = torch.randn(2, 64, 32, device=a.device, generator=g).to(a.dtype)
+            y = torch.randn(2, 48, 32, device=a.device, generator=g).to(a.dtype)
+            ref = torch.bmm(x.double(), y.double().transpose(1, 2)).float()
+            got_b = torch.bmm(x, y.transpose(1, 2), out_dtype=torch.float32)
+            got_m = torch.mm(x[0], y[0].t(), out_dtype=torch.float32)
+            ok = (got_b.dtype == torch.float32 and torch.allclose(got_b, ref, rtol=1e-5, atol=1e-5)
+                  and torch.allclose(got_m, ref[0], rtol=1e-5, atol=1e-5))
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _FAST_GEMM[key] = ok
+    return _FAST_GEMM[key]
+
+
+def gemm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a [..., M, K] @ b[N, K]^T -> [..., M, N] in acc."""
+    if _fast_gemm(a, b, acc):
+        out = torch.mm(a.reshape(-1, a.shape[-1]), b.contiguous().t(), out_dtype=torch.float32)
+        return out.view(*a.shape[:-1], b.shape[0])
+    return torch.matmul(a.to(acc), b.to(acc).t())
+
+
+def bmm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a [B, M, K] @ b[B, N, K]^T -> [B, M, N] in acc."""
+    if _fast_gemm(a, b, acc):
+        return torch.bmm(a.contiguous(), b.contiguous().transpose(1, 2), out_dtype=torch.float32)
+    return torch.bmm(a.to(acc), b.to(acc).transpose(1, 2))
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """A [r, H, c] (acc) from q [r, H, D] and k [c, D] (one key head) or [c, H_kv, D] (query head h reads
+    key head h // (H / H_kv))."""
     if k.dim() == 2:
-        return torch.matmul(q, k.t()).mul_(scale)
+        return gemm_nt(q, k, acc).mul_(scale)
     r, heads, d = q.shape
     c, hkv = k.shape[0], k.shape[1]
-    a = torch.matmul(q.reshape(r, hkv, heads // hkv, d), k.permute(1, 2, 0).unsqueeze(0))  # [r, Hkv, G, c]
-    return a.reshape(r, heads, c).mul_(scale)
+    # one GEMM per key head, batched over key heads (no broadcast copy of k over the rows)
+    qh = q.reshape(r, hkv, heads // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, r G, D]
+    a = bmm_nt(qh, k.permute(1, 0, 2), acc)  # [Hkv, r G, c]
+    return a.view(hkv, r, heads // hkv, c).permute(1, 0, 2, 3).reshape(r, heads, c).mul_(scale)
 
 
-def gathered_attention_scores(q: torch.Tensor, kg: torch.Tensor, scale: float) -> torch.Tensor:
-    """A [r, H, K] from q [r, H, D] and per-row gathered keys kg [r, K, D] or [r, K, H_kv, D]."""
+def gathered_attention_scores(q: torch.Tensor, kg: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """A [r, H, K] (acc) from q [r, H, D] and per-row gathered keys kg [r, K, D] or [r, K, H_kv, D]."""
     if kg.dim() == 3:
-        return torch.matmul(q, kg.transpose(1, 2)).mul_(scale)
+        return bmm_nt(q, kg, acc).mul_(scale)
     r, heads, d = q.shape
     kk, hkv = kg.shape[1], kg.shape[2]
-    a = torch.matmul(q.reshape(r, hkv, heads // hkv, d), kg.permute(0, 2, 3, 1))  # [r, Hkv, G, K]
-    return a.reshape(r, heads, kk).mul_(scale)
+    qh = q.reshape(r * hkv, heads // hkv, d)  # [r Hkv, G, D]
+    a = bmm_nt(qh, kg.permute(0, 2, 1, 3).reshape(r * hkv, kk, d), acc)  # [r Hkv, G, K]
+    return a.view(r, heads, kk).mul_(scale)
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -92,13 +145,13 @@ def indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chu
     rows, heads = q_i.shape[0], q_i.shape[1]
     n = k_i.shape[0]
     out = torch.full((rows, n), _NEG_INF, dtype=acc, device=q_i.device)
-    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys, q_i.device)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
-        q = q_i[r0:r1].to(acc)
+        q = q_i[r0:r1]
         wr = w[r0:r1].to(acc)
         for c0 in range(lo, hi, kc):
             c1 = min(hi, c0 + kc)
-            s = torch.matmul(q, k_i[c0:c1].to(acc).t())  # [r, H, c]
+            s = gemm_nt(q, k_i[c0:c1], acc)  # [r, H, c]
             blk = torch.einsum("rhc,rh->rc", s.relu_(), wr)
             out[r0:r1, c0:c1] = blk.masked_fill_(~_valid(ks[r0:r1], ke[r0:r1], c0, c1), _NEG_INF)
     return out
@@ -124,14 +177,15 @@ def indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=Non
     dq = torch.zeros(q_i.shape, dtype=acc, device=q_i.device)
     dk = torch.zeros(k_i.shape, dtype=acc, device=q_i.device)
     dw = torch.zeros(w.shape, dtype=acc, device=q_i.device)
-    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys, q_i.device)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
-        q = q_i[r0:r1].to(acc)
+        q_raw = q_i[r0:r1]
+        q = q_raw.to(acc)
         wr = w[r0:r1].to(acc)
         for c0 in range(lo, hi, kc):
             c1 = min(hi, c0 + kc)
             k_t = k_i[c0:c1].to(acc)
-            s = torch.matmul(q, k_t.t())
+            s = gemm_nt(q_raw, k_i[c0:c1], acc)
             g = grad[r0:r1, c0:c1].to(acc).masked_fill(~_valid(ks[r0:r1], ke[r0:r1], c0, c1), 0)
             _indexer_grads_tile(g, s, q, wr, k_t, dq[r0:r1], dw[r0:r1], dk[c0:c1])
     return dq, dk, dw
@@ -147,24 +201,25 @@ def attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_ke
     acc = accum_dtype(q, k)
     rows, heads = q.shape[0], q.shape[1]
     lse = torch.full((rows, heads), _NEG_INF, dtype=acc, device=q.device)
-    rc, kc = _plan(rows, k.shape[0], heads, acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, k.shape[0], heads, acc, chunk_rows, chunk_keys, q.device)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
-        qr = q[r0:r1].to(acc)
+        qr = q[r0:r1]
         m = lse[r0:r1]
         for c0 in range(lo, hi, kc):
             c1 = min(hi, c0 + kc)
-            a = attention_scores(qr, k[c0:c1].to(acc), scale)
+            a = attention_scores(qr, k[c0:c1], scale, acc)
             a.masked_fill_(~_valid(ks[r0:r1], ke[r0:r1], c0, c1).unsqueeze(1), _NEG_INF)
             m.copy_(torch.logaddexp(m, torch.logsumexp(a, dim=-1)))
     return lse
 
 
-def _warmup_tile(qr, k_t, scale, lse_safe, qir, ki_t, wr, valid, per_head, total_heads):
-    """Everything one (row chunk, key tile) step needs: (P or p, S, I or I_h) with P/p zero outside valid."""
-    a = attention_scores(qr, k_t, scale)
+def _warmup_tile(qr, k_t, scale, lse_safe, qir, ki_t, wr, valid, per_head, total_heads, acc):
+    """Everything one (row chunk, key tile) step needs: (P or p, log P, S, I or I_h) with P/p zero outside
+    valid. qr, k_t, qir, ki_t: the inputs' slices in their own dtype; wr, lse_safe in acc."""
+    a = attention_scores(qr, k_t, scale, acc)
     a.sub_(lse_safe.unsqueeze(-1))  # log P
     prob = torch.exp(a).mul_(valid.unsqueeze(1))  # P [r, H, c], zero outside valid
-    s = torch.matmul(qir, ki_t.t())  # [r, H_I, c]
+    s = gemm_nt(qir, ki_t, acc)  # [r, H_I, c]
     if per_head:
         logits = s.clamp_min(0).mul_(wr.unsqueeze(-1))  # I_h [r, H, c]
         return prob, a, s, logits
@@ -192,16 +247,16 @@ def warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per
     plogp = torch.zeros(stat_shape, dtype=acc, device=dev)
     p_i = torch.zeros(stat_shape, dtype=acc, device=dev)
     mass = torch.zeros(stat_shape, dtype=acc, device=dev)
-    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys, q_i.device)
     lse_safe_all = _safe(lse_att.to(acc))
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
-        qr, qir, wr = q[r0:r1].to(acc), q_i[r0:r1].to(acc), w[r0:r1].to(acc)
+        qr, qir, wr = q[r0:r1], q_i[r0:r1], w[r0:r1].to(acc)
         lse_safe = lse_safe_all[r0:r1]
         for c0 in range(lo, hi, kc):
             c1 = min(hi, c0 + kc)
             valid = _valid(ks[r0:r1], ke[r0:r1], c0, c1)
-            tgt, a, _, logits = _warmup_tile(qr, k[c0:c1].to(acc), scale, lse_safe, qir, k_i[c0:c1].to(acc), wr,
-                                             valid, per_head, total_heads)
+            tgt, a, _, logits = _warmup_tile(qr, k[c0:c1], scale, lse_safe, qir, k_i[c0:c1], wr, valid, per_head,
+                                             total_heads, acc)
             vmask = valid.unsqueeze(1) if per_head else valid
             lse_i[r0:r1] = torch.logaddexp(lse_i[r0:r1], logits.masked_fill(~vmask, _NEG_INF).logsumexp(-1))
             if per_head:
@@ -223,11 +278,12 @@ def warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, 
     dq = torch.zeros(q_i.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k_i.shape, dtype=acc, device=q.device)
     dw = torch.zeros(w.shape, dtype=acc, device=q.device)
-    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys)
+    rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys, q_i.device)
     lse_safe_all, lse_i_safe = _safe(lse_att.to(acc)), _safe(lse_i)
     g_all = grad.to(acc) / total_heads if per_head else grad.to(acc)
     for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
-        qr, qir, wr = q[r0:r1].to(acc), q_i[r0:r1].to(acc), w[r0:r1].to(acc)
+        qr, qi_raw, wr = q[r0:r1], q_i[r0:r1], w[r0:r1].to(acc)
+        qir = qi_raw.to(acc)
         g, m, li = g_all[r0:r1].unsqueeze(-1), mass[r0:r1].unsqueeze(-1), lse_i_safe[r0:r1].unsqueeze(-1)
         if per_head:
             g = g.unsqueeze(-1)
@@ -235,8 +291,8 @@ def warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, 
             c1 = min(hi, c0 + kc)
             valid = _valid(ks[r0:r1], ke[r0:r1], c0, c1)
             ki_t = k_i[c0:c1].to(acc)
-            tgt, _, s, logits = _warmup_tile(qr, k[c0:c1].to(acc), scale, lse_safe_all[r0:r1], qir, ki_t, wr,
-                                             valid, per_head, total_heads)
+            tgt, _, s, logits = _warmup_tile(qr, k[c0:c1], scale, lse_safe_all[r0:r1], qi_raw, k_i[c0:c1], wr,
+                                             valid, per_head, total_heads, acc)
             soft = torch.exp_(logits.sub_(li))
             d_i = soft.mul_(m).sub_(tgt).mul_(g).mul_(valid.unsqueeze(1) if per_head else valid)
             _indexer_grads_tile(d_i, s, qir, wr, ki_t, dq[r0:r1], dw[r0:r1], dk[c0:c1])
@@ -255,10 +311,11 @@ def _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_he
     if ks is not None:
         sel &= (ids >= ks[r0:r1].unsqueeze(1)) & (ids < ke[r0:r1].unsqueeze(1))
     ids = torch.where(sel, ids, torch.zeros_like(ids))
-    qir, wr = q_i[r0:r1].to(acc), w[r0:r1].to(acc)
-    kig = k_i[ids].to(acc)  # [r, K, D_I]
-    s = torch.matmul(qir, kig.transpose(1, 2))  # [r, H_I, K]
-    a = gathered_attention_scores(q[r0:r1].to(acc), k[ids].to(acc), scale)  # [r, H, K]
+    qi_raw, wr = q_i[r0:r1], w[r0:r1].to(acc)
+    kig_raw = k_i[ids]  # [r, K, D_I]
+    s = bmm_nt(qi_raw, kig_raw, acc)  # [r, H_I, K]
+    qir, kig = qi_raw.to(acc), kig_raw.to(acc)
+    a = gathered_attention_scores(q[r0:r1], k[ids], scale, acc)  # [r, H, K]
     a.masked_fill_(~sel.unsqueeze(1), _NEG_INF)
     lse_set = a.logsumexp(-1)  # [r, H]: the attention restricted to the set
     log_p_h = a - _safe(lse_set).unsqueeze(-1)  # log softmax over the set, -inf outside
@@ -294,7 +351,7 @@ def sparse_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head, tota
     lse_set = torch.full((rows, heads), _NEG_INF, dtype=acc, device=dev)
     mass = torch.zeros(lse_i.shape, dtype=acc, device=dev)
     dk_row = k.shape[-1] * (k.shape[1] if k.dim() == 3 else 1) + k_i.shape[-1]
-    rc = max(1, chunk_rows or _TILE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
+    rc = max(1, chunk_rows or _SPARSE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
     for r0 in range(0, rows, rc):
         r1 = min(rows, r0 + rc)
         c = _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_head, total_heads, acc)
@@ -325,7 +382,7 @@ def sparse_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head
     dw = torch.zeros(w.shape, dtype=acc, device=q.device)
     g_all = grad.to(acc) / total_heads if per_head else grad.to(acc)
     dk_row = k.shape[-1] * (k.shape[1] if k.dim() == 3 else 1) + k_i.shape[-1]
-    rc = max(1, chunk_rows or _TILE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
+    rc = max(1, chunk_rows or _SPARSE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
     for r0 in range(0, rows, rc):
         r1 = min(rows, r0 + rc)
         c = _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_head, total_heads, acc)

@@ -1,0 +1,190 @@
+"""Benchmark of the indexer-training ops against the bars they are measured by.
+
+    python -m deep_indexer.training.bench [--case all|per_head|mean|logits] [--tokens 8192 ...] [--seqs 4 ...]
+
+Cases (CUDA, bf16 inputs; one causal sequence per `--tokens` value, or `--seqs` packed sequences of 2048):
+  per_head  H = H_I = 64, Dqk = 128, D_I = 64, n packed sequences of 2048 tokens: forward / backward time of
+            indexer_kl_loss(target="per_head") against torch SDPA's flash-attention forward / backward on
+            the same q, k (v = k-sized) as [n, 64, 2048, 128].
+  mean      H = 128, Dqk = 576 (one key head), H_I = 64, D_I = 128, causal: TFLOP/s counting per valid (t, s)
+            pair 2 (H Dqk + H_I D_I) forward and 2 (H Dqk + 3 H_I D_I) backward, against the bf16 GEMM
+            rate measured in the same run.
+  logits    indexer_logits alone at the `mean` sizes: 2 H_I D_I per pair forward, 4 H_I D_I backward;
+            also the forward on the SM90 kernel (backend="sm90").
+The attention LSE is passed in (from the SDPA flash forward for per_head; computed once for mean) so
+the timed forward is the loss's own sweep. `--smoke` runs tiny shapes on any device (a check of the
+script, not a measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import time
+
+import torch
+
+from .ops import indexer_kl_loss, indexer_logits
+
+
+def _timer(dev):
+    if dev.type == "cuda":
+        def run(fn, iters):
+            fn()
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / iters * 1e-3
+    else:
+        def run(fn, iters):
+            fn()
+            t = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            return (time.perf_counter() - t) / iters
+    return run
+
+
+def _rand(*shape, dev, std=1.0, gen=None):
+    return (torch.randn(*shape, device=dev, generator=gen) * std).bfloat16()
+
+
+def _fwd_bwd(make_loss, leaves, timer, iters):
+    """(forward seconds, backward seconds) of make_loss() then loss.backward()."""
+    def fwd():
+        with torch.no_grad():
+            make_loss()
+
+    t_f = timer(fwd, iters)
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        make_loss().backward()
+
+    t_fb = timer(fwd_bwd, iters)
+    return t_f, max(t_fb - t_f, 0.0)
+
+
+def gemm_rate(dev, timer, n=8192):
+    a, b = torch.randn(n, n, device=dev).bfloat16(), torch.randn(n, n, device=dev).bfloat16()
+    t = timer(lambda: torch.mm(a, b), 10)
+    return 2 * n ** 3 / t
+
+
+def bench_per_head(dev, seqs, seq_len, timer, iters):
+    h, dqk, di = 64, 128, 64
+    t = seqs * seq_len
+    g = torch.Generator(device=dev).manual_seed(0)
+    q4 = _rand(seqs, h, seq_len, dqk, dev=dev, gen=g)
+    k4 = _rand(seqs, h, seq_len, dqk, dev=dev, gen=g)
+    v4 = _rand(seqs, h, seq_len, dqk, dev=dev, gen=g)
+    scale = dqk ** -0.5
+    rows = []
+    sdpa_f = sdpa_b = float("nan")
+    lse = None
+    if dev.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            qa, ka, va = (x.clone().requires_grad_(True) for x in (q4, k4, v4))
+            sdpa_f, sdpa_b = _fwd_bwd(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qa, ka, va, is_causal=True, scale=scale).float().sum(), (qa, ka, va), timer, iters)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, True, False, scale=scale)
+        lse = out[1].permute(0, 2, 1).reshape(t, h).float()  # [B, H, S] -> [T, H]
+    # the per_head operator's own layout: keys per head ([T, H_kv = H, Dqk])
+    q = q4.permute(0, 2, 1, 3).reshape(t, h, dqk)
+    k = k4.permute(0, 2, 1, 3).reshape(t, h, dqk)
+    q_i = _rand(t, h, di, dev=dev, std=0.3, gen=g).requires_grad_(True)
+    k_i = _rand(t, di, dev=dev, std=0.3, gen=g).requires_grad_(True)
+    w = (torch.randn(t, h, device=dev, generator=g) * 0.1).requires_grad_(True)
+    cu = torch.arange(0, t + 1, seq_len, device=dev, dtype=torch.int32)
+    f, b = _fwd_bwd(lambda: indexer_kl_loss(q_i, k_i, w, q, k, scale, cu_seqlens=cu, attn_lse=lse,
+                                            target="per_head").loss, (q_i, k_i, w), timer, iters)
+    rows.append((f"per_head {seqs}x{seq_len}", f, b, f"SDPA flash fwd {sdpa_f * 1e3:.2f} ms bwd {sdpa_b * 1e3:.2f} ms; "
+                 f"ratio fwd {f / sdpa_f:.2f}x (bar 1.4x), bwd {b / sdpa_b:.2f}x (bar 0.7x)"))
+    return rows
+
+
+def bench_mean(dev, tokens, timer, iters, rate, logits_only=False):
+    h, dqk, hi, di = 128, 576, 64, 128
+    g = torch.Generator(device=dev).manual_seed(1)
+    q = _rand(tokens, h, dqk, dev=dev, gen=g)
+    k = _rand(tokens, dqk, dev=dev, gen=g)
+    q_i = _rand(tokens, hi, di, dev=dev, std=0.3, gen=g).requires_grad_(True)
+    k_i = _rand(tokens, di, dev=dev, std=0.3, gen=g).requires_grad_(True)
+    w = (torch.randn(tokens, hi, device=dev, generator=g) * 0.1).requires_grad_(True)
+    cu = torch.tensor([0, tokens], device=dev, dtype=torch.int32)
+    pairs = tokens * (tokens + 1) / 2
+    if logits_only:
+        f, b = _fwd_bwd(lambda: indexer_logits(q_i, k_i, w, cu_seqlens=cu).nan_to_num(neginf=0.0).sum(),
+                        (q_i, k_i, w), timer, iters)
+        ff, fb = 2 * hi * di * pairs, 4 * hi * di * pairs
+        name = f"logits {tokens}"
+        if dev.type == "cuda":  # the forward on the SM90 kernel (the backward is the portable one)
+            def sm90():
+                with torch.no_grad():
+                    indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
+
+            t = timer(sm90, iters)
+            rows = [(f"logits {tokens} sm90 fwd", t, float("nan"),
+                     f"fwd {ff / t / 1e12:.1f} TFLOP/s = {ff / t / rate:.2f} of GEMM (bar 0.6; includes the -inf fill "
+                     f"of [T, T] fp32)")]
+        else:
+            rows = []
+    else:
+        scale = 192 ** -0.5
+        lse = indexer_kl_loss(q_i.detach(), k_i.detach(), w.detach(), q, k, scale, cu_seqlens=cu).attn_lse
+        f, b = _fwd_bwd(lambda: indexer_kl_loss(q_i, k_i, w, q, k, scale, cu_seqlens=cu, attn_lse=lse).loss,
+                        (q_i, k_i, w), timer, iters)
+        ff, fb = 2 * (h * dqk + hi * di) * pairs, 2 * (h * dqk + 3 * hi * di) * pairs
+        name = f"mean {tokens}"
+    note = (f"fwd {ff / f / 1e12:.1f} TFLOP/s = {ff / f / rate:.2f} of GEMM, "
+            f"bwd {fb / b / 1e12:.1f} TFLOP/s = {fb / b / rate:.2f} of GEMM")
+    return [(name, f, b, note)] + (rows if logits_only else [])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", default="all", choices=["all", "per_head", "mean", "logits"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda" and not args.smoke:
+        raise SystemExit("needs a CUDA GPU (or --smoke)")
+    timer = _timer(dev)
+    seq_len = 2048
+    if args.smoke:
+        args.tokens, args.seqs, seq_len, args.iters = [256], [2], 128, 1
+    rate = gemm_rate(dev, timer, 1024 if args.smoke else 8192)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"# {name}, {datetime.date.today()}, commit {commit}, torch {torch.__version__}; "
+          f"bf16 GEMM {rate / 1e12:.0f} TFLOP/s. Portable PyTorch path unless the case says sm90.")
+    print("| case | forward ms | backward ms | notes |\n|---|---|---|---|")
+    rows = []
+    if args.case in ("all", "per_head"):
+        for n in args.seqs:
+            rows += bench_per_head(dev, n, seq_len, timer, args.iters)
+    if args.case in ("all", "mean"):
+        for t in args.tokens:
+            rows += bench_mean(dev, t, timer, args.iters, rate)
+    if args.case in ("all", "logits"):
+        for t in args.tokens:
+            rows += bench_mean(dev, t, timer, args.iters, rate, logits_only=True)
+    for name, f, b, note in rows:
+        print(f"| {name} | {f * 1e3:.2f} | {b * 1e3:.2f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
