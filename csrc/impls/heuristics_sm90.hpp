@@ -26,10 +26,18 @@ inline void print_choice(F&& make_line) {
 }
 
 // Prefill math warpgroups: the layout's default (2 with double-buffered accumulators; 3 with one
-// accumulator set each for H = 128), or DI_MQA_MATH_WGS (2 or 3) for tuning.
+// accumulator set each for H = 128), except H = 32 with D <= 64: 4 warpgroups with one accumulator
+// set each and the head weights in shared memory. Those shapes have the least MMA per tile (144
+// columns x D = 64) and were epilogue/latency-bound with 2 warpgroups (2 math warps per scheduler
+// at ~0.35 IPC; WGMMA alone runs them in 0.45x the time); 4 warpgroups give each scheduler 4 warps
+// to hide that latency, as the reference implementation's 4-warpgroup design does.
+// DI_MQA_MATH_WGS (2, 3 or 4; 4 needs H >= 32) forces the count (DI_MQA_MATH_WGS=2 is the previous
+// path of H = 32, D <= 64).
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   const int forced = env::get_int("DI_MQA_MATH_WGS");
-  return forced == 2 || forced == 3 ? forced : MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
+  if ((forced == 2 || forced == 3) || (forced == 4 && num_heads >= 32)) return forced;
+  if (num_heads == 32 && head_dim <= 64) return 4;
+  return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 
 // Prefill epilogue form (MqaLogitsLayout::split_relu): the linear half of relu on the tensor cores
