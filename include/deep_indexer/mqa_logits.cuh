@@ -121,7 +121,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
   constexpr int kNumMathWarps = L.num_math_wgs() * 4;
   constexpr bool kWSmem = L.weights_in_smem();
-  constexpr float kOutScale = kWSmem && kSplitRelu ? 0.5f : 1.0f;  // see the weights below
   static_assert(kNumAccum == 64 + L.linear_rows() / 2 && G >= 1 && T >= 1, "layout assumptions");
   static_assert(!kSplitRelu || kP == MqaLogitsLayout::kLinearPieces, "one piece count");
 
@@ -242,6 +241,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         if (tg < S)
           wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
                             : __ldg(static_cast<const float*>(weights) + wi);
+        if constexpr (kWSmem) {
+          if constexpr (kSplitRelu) wv *= 0.5f;  // see the math warpgroups' weights
+          const int n = i % 128;  // accumulator column 8 g + 2 quad + c of math warpgroup i / 128
+          reinterpret_cast<float*>(info + L.info_offset_wperm())[i - n + ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)] = wv;
+        }
         winfo[i] = wv;
       }
       __syncwarp();
@@ -307,9 +311,10 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
       if (num_tiles > 0) {
         // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c: in registers,
-        // or (weights_in_smem) read from the info area where they are used. split_relu needs
-        // w relu(x) = (w / 2) |x| + (w / 2) x: the registers hold w / 2; from shared memory the
-        // epilogue sums w |x| + 2 (w / 2) x and the halving moves into the k scale (exact).
+        // or (weights_in_smem) read from the info area's permuted copy where they are used.
+        // split_relu needs w relu(x) = (w / 2) |x| + (w / 2) x: the registers hold w / 2 and
+        // coef = sigma / 2; with weights_in_smem the producer stored w / 2 (both copies), so the
+        // pieces are those of q~ / 2 and coef = their sigma (bitwise the same products).
         float wreg[kWSmem ? 1 : kNumAccum / 2];
         if constexpr (!kWSmem) {
           const float* winfo = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * 128;
@@ -320,13 +325,17 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             wreg[2 * g + 1] = kSplitRelu ? 0.5f * w2.y : w2.y;
           }
         }
-        const float* wsm = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * 128 + 2 * quad;
+        const float4* wsm = reinterpret_cast<const float4*>(info + L.info_offset_wperm()) + (wg * 128 + quad * 32) / 4;
         auto weight = [&](int g, int c) -> float {
-          if constexpr (kWSmem) return wsm[8 * g + c];
-          else return wreg[2 * g + c];
+          if constexpr (kWSmem) {
+            const float4 w4 = wsm[g / 2];  // columns of g and g ^ 1
+            return (g & 1) ? (c ? w4.w : w4.z) : (c ? w4.y : w4.x);
+          } else {
+            return wreg[2 * g + c];
+          }
         };
-        // split_relu: the linear rows, and coef[t] = sigma / 2 (sigma with weights_in_smem) of the
-        // piece in this quad's columns.
+        // split_relu: the linear rows, and coef[t] = sigma / 2 (see above) of the piece in this
+        // quad's columns.
         float coef[kSplitRelu ? T : 1];
         if constexpr (kSplitRelu) {
           uint32_t* amax =
@@ -367,10 +376,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
-          {
-            const float v = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
-            sc[jj] = kOutScale == 1.0f ? v : kOutScale * v;
-          }
+            sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
           const uint64_t desc_k = ptx::make_kmajor_desc<D>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();

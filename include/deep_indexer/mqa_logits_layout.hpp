@@ -126,7 +126,7 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr int q_box_bytes() const { return q_box_rows() * head_dim; }
   DI_HOST_DEVICE constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
   DI_HOST_DEVICE constexpr int info_bytes() const {
-    return align_up(info_offset_amax() + (split_relu ? 4 * kLinearPieces * tokens_per_cta() : 0), 128);
+    return align_up(info_offset_wperm() + (weights_in_smem() ? 4 * tokens_per_cta() * num_heads : 0), 128);
   }
   DI_HOST_DEVICE constexpr int offset_q(int stage, int wg) const {
     return (stage * num_math_wgs() + wg) * q_tile_bytes();
@@ -141,10 +141,15 @@ struct MqaLogitsLayout {
   // q block (clamped to [0, SKV]; empty when hi <= lo; (0, 0) for tokens >= S), then the weights
   // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S), then
   // (split_relu) the pieces' per-token max |value| as float bits [tokens_per_cta()][kLinearPieces],
-  // written by the math warpgroups (split_relu::build_pieces).
+  // written by the math warpgroups (split_relu::build_pieces), then (weights_in_smem) the weights
+  // again in the order the epilogue reads them: [math wg][quad][g][c] for accumulator column
+  // 8 g + 2 quad + c (16-byte loads). With weights_in_smem and split_relu both copies hold w / 2.
   DI_HOST_DEVICE constexpr int info_offset_ranges() const { return 16; }
   DI_HOST_DEVICE constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
   DI_HOST_DEVICE constexpr int info_offset_amax() const { return kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads; }
+  DI_HOST_DEVICE constexpr int info_offset_wperm() const {
+    return info_offset_amax() + (split_relu ? 4 * kLinearPieces * tokens_per_cta() : 0);
+  }
   DI_HOST_DEVICE constexpr int offset_barriers() const { return offset_info(kNumQStages); }
   DI_HOST_DEVICE constexpr int num_barriers() const { return 2 * kNumQStages + 2 * num_kv_stages; }
   DI_HOST_DEVICE constexpr int offset_q_full(int s) const { return offset_barriers() + 8 * s; }
@@ -177,7 +182,8 @@ struct MqaLogitsLayout {
                num_threads() * launch_regs() &&
            // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)
            q_tile_bytes() % kAlign == 0 && kv_tile_bytes() % kAlign == 0 && offset_kv(0) % kAlign == 0 &&
-           offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0;
+           offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0 &&
+           info_offset_wperm() % 16 == 0 && (!weights_in_smem() || tokens_per_cta() * num_heads == 128 * num_math_wgs());
   }
 
  private:
