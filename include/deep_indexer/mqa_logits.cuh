@@ -365,8 +365,13 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
                                row_in_tile + (kOwnJ == 1 ? 8 * own_j(0) : 0));
           // Opaque to the compiler, so that it keeps the pointer instead of rebuilding it from the
           // parameters per tile. Measured on H200: 8-25% faster for the store-heavy shapes
-          // (H <= 32, D <= 64, H = 128), 13% slower for H = 64, D = 128, which is left alone.
+          // (H <= 32, D <= 64, H = 128), 13% slower for H = 64, D = 128, which is left alone
+          // (before the split relu). Experiment: -DDI_MQA_OPAQUE_OBASE=1 (every shape) or =0 (none).
+#ifndef DI_MQA_OPAQUE_OBASE
           if constexpr (!(H == 64 && D == 128)) asm volatile("" : "+l"(obase[m]));
+#elif DI_MQA_OPAQUE_OBASE
+          asm volatile("" : "+l"(obase[m]));
+#endif
         }
 
         const uint64_t desc_q = ptx::make_kmajor_desc<D>(smem + L.offset_q(qs, wg));
