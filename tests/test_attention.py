@@ -222,7 +222,7 @@ def test_mqa_logits_compressed_matches_full_width(H, D):
             assert_logits_match(comp, ref, True, torch.float32, f"H={H} D={D} S={S} M={m}")
 
 
-@pytest.mark.parametrize("H,D", [c for c in MQA_CONFIGS if c[0] >= 32])
+@pytest.mark.parametrize("H,D", MQA_CONFIGS)
 @pytest.mark.parametrize("wgs", ["2", "3", "4"])
 def test_mqa_logits_math_wgs(H, D, wgs, monkeypatch):
     # Every math warpgroup count (DI_MQA_MATH_WGS) on every (H, D) it supports, both epilogue forms,

@@ -31,11 +31,11 @@ inline void print_choice(F&& make_line) {
 // columns x D = 64) and were epilogue/latency-bound with 2 warpgroups (2 math warps per scheduler
 // at ~0.35 IPC; WGMMA alone runs them in 0.45x the time); 4 warpgroups give each scheduler 4 warps
 // to hide that latency, as the reference implementation's 4-warpgroup design does.
-// DI_MQA_MATH_WGS (2, 3 or 4; 4 needs H >= 32) forces the count (DI_MQA_MATH_WGS=2 is the previous
-// path of H = 32, D <= 64).
+// DI_MQA_MATH_WGS (2, 3 or 4) forces the count (DI_MQA_MATH_WGS=2 is the previous path of H = 32,
+// D <= 64).
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   const int forced = env::get_int("DI_MQA_MATH_WGS");
-  if ((forced == 2 || forced == 3) || (forced == 4 && num_heads >= 32)) return forced;
+  if (forced >= 2 && forced <= 4) return forced;
   if (num_heads == 32 && head_dim <= 64) return 4;
   return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
@@ -54,7 +54,9 @@ inline bool mqa_logits_split_relu(int num_heads, int /*head_dim*/) {
 // within 1% of each other on H200).
 inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes) {
   const int wgs = mqa_logits_math_wgs(num_heads, head_dim);
-  const bool split = mqa_logits_split_relu(num_heads, head_dim);
+  // 4 math warpgroups (112 registers) hold at most m64n144 accumulators: no split relu for H = 16
+  // there (its pieces need 32 more columns; ptxas spills).
+  const bool split = mqa_logits_split_relu(num_heads, head_dim) && !(wgs == 4 && num_heads == 16);
   const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split), 16);
   const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs, split};
   DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,

@@ -145,8 +145,10 @@ struct MqaLogitsLayout {
   // again in the order the epilogue reads them: [math wg][quad][g][c] for accumulator column
   // 8 g + 2 quad + c (16-byte loads). With weights_in_smem and split_relu both copies hold w / 2.
   DI_HOST_DEVICE constexpr int info_offset_ranges() const { return 16; }
-  DI_HOST_DEVICE constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
-  DI_HOST_DEVICE constexpr int info_offset_amax() const { return kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads; }
+  // The header holds the ranges of up to 30 tokens; 4 math warpgroups of H = 16 have 32.
+  DI_HOST_DEVICE constexpr int info_header_bytes() const { return num_math_wgs() == 4 ? 2 * kInfoHeaderBytes : kInfoHeaderBytes; }
+  DI_HOST_DEVICE constexpr int info_offset_weights() const { return info_header_bytes(); }
+  DI_HOST_DEVICE constexpr int info_offset_amax() const { return info_header_bytes() + 4 * tokens_per_cta() * num_heads; }
   DI_HOST_DEVICE constexpr int info_offset_wperm() const {
     return info_offset_amax() + (split_relu ? 4 * kLinearPieces * tokens_per_cta() : 0);
   }
