@@ -9,6 +9,7 @@
 #include <deep_indexer/mqa_logits_layout.hpp>
 #include <deep_indexer/paged_mqa_logits_layout.hpp>
 
+#include "../jit/compiler.hpp"
 #include "../utils/env.hpp"
 #include "../utils/exception.hpp"
 
@@ -33,10 +34,25 @@ inline void print_choice(F&& make_line) {
 // to hide that latency, as the reference implementation's 4-warpgroup design does.
 // DI_MQA_MATH_WGS (2, 3 or 4) forces the count (DI_MQA_MATH_WGS=2 is the previous path of H = 32,
 // D <= 64).
+// The 4-warpgroup kernel needs __maxnreg__ (nvcc >= 12.4); with an older nvcc it is never chosen.
+inline bool nvcc_has_maxnreg() {
+  static const bool ok = [] {
+    const std::string v = jit::Compiler::instance().nvcc_version();  // "release 12.4, V12.4.131"
+    const size_t at = v.find("release ");
+    if (at == std::string::npos) return true;  // unknown format: assume a current nvcc
+    const char* p = v.c_str() + at + 8;
+    char* end = nullptr;
+    const long major = std::strtol(p, &end, 10);
+    const long minor = (end != nullptr && *end == '.') ? std::strtol(end + 1, nullptr, 10) : 0;
+    return major > 12 || (major == 12 && minor >= 4);
+  }();
+  return ok;
+}
+
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   const int forced = env::get_int("DI_MQA_MATH_WGS");
-  if (forced >= 2 && forced <= 4) return forced;
-  if (num_heads == 32 && head_dim <= 64) return 4;
+  if ((forced >= 2 && forced <= 3) || (forced == 4 && nvcc_has_maxnreg())) return forced;
+  if (num_heads == 32 && head_dim <= 64 && nvcc_has_maxnreg()) return 4;
   return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 
