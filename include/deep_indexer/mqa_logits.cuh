@@ -9,13 +9,15 @@
 //
 // Structure (sizes and offsets: mqa_logits_layout.hpp):
 //   * persistent grid; a CTA walks q blocks blockIdx.x, blockIdx.x + gridDim.x, ... of
-//     tokens_per_cta() = W * (128 / H) query tokens (W = num_math_wgs(): 2, or 3 for H = 128);
+//     tokens_per_cta() = W * (128 / H) query tokens (W = num_math_wgs(): 2, 3 or 4, host heuristic);
 //     math warpgroup w owns the block's tokens [w * 128/H, (w + 1) * 128/H), i.e. 128 rows of the
 //     [S*H, D] view of q.
 //   * warpgroup 0 = producer: warp 0 loads the block's ks/ke/weights into an "info" area of the
 //     q stage, TMA-loads the W q tiles (2 q stages), then TMA-loads the KV tiles of 64 rows
 //     covering the union of the block's ranges into a ring of kNumKVStages stages that all math
-//     warpgroups read. Warps 1..3 exit after giving their registers back.
+//     warpgroups read. Warps 1..3 write the -inf fill (clean) and exit.
+//     With W = 4 the roles are reordered: math warpgroups are warps 0..15, then one TMA warp and
+//     one fill warp (no producer warpgroup, no setmaxnreg; see the layout).
 //   * warpgroups 1..W = math: WGMMA m64n128k32 (A = KV tile: 64 KV rows, B = 128 q rows, both
 //     K-major, D-byte swizzle), then on CUDA cores: relu, head weights (registers), in-thread head
 //     sum, quad reduce-scatter (each lane finishes distinct outputs), k scale, streaming stores.
