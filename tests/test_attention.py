@@ -223,6 +223,31 @@ def test_mqa_logits_compressed_matches_full_width(H, D):
 
 
 @pytest.mark.parametrize("H,D", MQA_CONFIGS)
+@pytest.mark.parametrize("wgs", ["2", "3", "4"])
+def test_mqa_logits_math_wgs(H, D, wgs, monkeypatch):
+    # Every math warpgroup count (DI_MQA_MATH_WGS) on every (H, D) it supports, both epilogue forms,
+    # the fused and the separate -inf fill, full-width and compressed logits, bf16 weights.
+    monkeypatch.setenv("DI_MQA_MATH_WGS", wgs)
+    S, SKV = 150, 1299
+    q, kv, w, ks, ke = make_prefill(S, SKV, H, D, seed=H * D + int(wgs))
+    ref = reference.mqa_logits(q, kv, w, ks, ke)
+    cks, cke = compressed_ranges(S, SKV, 200, seed=int(wgs))
+    wb = w.to(torch.bfloat16)
+    cref = reference.mqa_logits(q, kv, wb, cks, cke, max_seqlen_k=200)
+    for split in ("0", "1"):
+        monkeypatch.setenv("DI_MQA_SPLIT_RELU", split)
+        for fused in ("0", "1"):
+            monkeypatch.setenv("DI_MQA_FUSED_CLEAN", fused)
+            what = f"H={H} D={D} wgs={wgs} split={split} fused={fused}"
+            out = poisoned((S, SKV), torch.float32, pad=2)
+            di.fp8_mqa_logits(q, kv, w, ks, ke, True, out=out)
+            assert_logits_match(out, ref, True, torch.float32, what)
+            out = poisoned((S, 200), torch.bfloat16, pad=2)
+            di.fp8_mqa_logits(q, kv, wb, cks, cke, True, max_seqlen_k=200, logits_dtype=torch.bfloat16, out=out)
+            assert_logits_match(out, cref, True, torch.bfloat16, what + " compressed")
+
+
+@pytest.mark.parametrize("H,D", MQA_CONFIGS)
 def test_mqa_logits_bf16_weights(H, D):
     S, SKV = 77, 1299
     q, kv, w, ks, ke = make_prefill(S, SKV, H, D, seed=H + D, weights_pad=3)

@@ -1,5 +1,6 @@
 """Runs one benchmark shape's op a few times, for a profiler (ncu) to pick a launch:
     ncu --kernel-name regex:paged_mqa --launch-skip 2 --launch-count 1 python3 tools/profile_shape.py D1
+    ncu --kernel-name regex:mqa_logits_kernel --launch-skip 2 --launch-count 1 python3 tools/profile_shape.py 4096:32768:causal:32:64
 """
 from __future__ import annotations
 
@@ -7,16 +8,14 @@ import sys
 
 import torch
 
-import deep_indexer as di
+import deep_indexer  # noqa: F401  (loads the extension)
 from deep_indexer import bench
 
 
 def main(sid: str, calls: int = 4) -> None:
     dev = torch.device("cuda")
-    if sid in bench.PREFILL_SHAPES:
-        S, SKV, pat = bench.PREFILL_SHAPES[sid]
-        x = bench.prefill_inputs(S, SKV, pat, 64, 128, dev)
-        run = lambda: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
+    if bench.is_prefill_shape(sid):  # P1..P5, P2c or S:SKV:pattern[:H[:D[:max_seqlen_k]]]
+        _, run = bench.prefill_case(sid, dev)
     else:
         _, run = bench.decode_case(sid, dev)
     for _ in range(calls):

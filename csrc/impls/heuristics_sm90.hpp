@@ -10,6 +10,7 @@
 #include <deep_indexer/paged_mqa_logits_layout.hpp>
 #include <deep_indexer/topk_layout.hpp>
 
+#include "../jit/compiler.hpp"
 #include "../utils/env.hpp"
 #include "../utils/exception.hpp"
 
@@ -27,10 +28,33 @@ inline void print_choice(F&& make_line) {
 }
 
 // Prefill math warpgroups: the layout's default (2 with double-buffered accumulators; 3 with one
-// accumulator set each for H = 128), or DI_MQA_MATH_WGS (2 or 3) for tuning.
+// accumulator set each for H = 128), except H = 32 with D <= 64: 4 warpgroups with one accumulator
+// set each and the head weights in shared memory. Those shapes have the least MMA per tile (144
+// columns x D = 64) and were epilogue/latency-bound with 2 warpgroups (2 math warps per scheduler
+// at ~0.35 IPC; WGMMA alone runs them in 0.45x the time); 4 warpgroups give each scheduler 4 warps
+// to hide that latency, as the reference implementation's 4-warpgroup design does.
+// DI_MQA_MATH_WGS (2, 3 or 4) forces the count (DI_MQA_MATH_WGS=2 is the previous path of H = 32,
+// D <= 64).
+// The 4-warpgroup kernel needs __maxnreg__ (nvcc >= 12.4); with an older nvcc it is never chosen.
+inline bool nvcc_has_maxnreg() {
+  static const bool ok = [] {
+    const std::string v = jit::Compiler::instance().nvcc_version();  // "release 12.4, V12.4.131"
+    const size_t at = v.find("release ");
+    if (at == std::string::npos) return true;  // unknown format: assume a current nvcc
+    const char* p = v.c_str() + at + 8;
+    char* end = nullptr;
+    const long major = std::strtol(p, &end, 10);
+    const long minor = (end != nullptr && *end == '.') ? std::strtol(end + 1, nullptr, 10) : 0;
+    return major > 12 || (major == 12 && minor >= 4);
+  }();
+  return ok;
+}
+
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   const int forced = env::get_int("DI_MQA_MATH_WGS");
-  return forced == 2 || forced == 3 ? forced : MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
+  if ((forced >= 2 && forced <= 3) || (forced == 4 && nvcc_has_maxnreg())) return forced;
+  if (num_heads == 32 && head_dim <= 64 && nvcc_has_maxnreg()) return 4;
+  return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 
 // Prefill epilogue form (MqaLogitsLayout::split_relu): the linear half of relu on the tensor cores
@@ -47,7 +71,9 @@ inline bool mqa_logits_split_relu(int num_heads, int /*head_dim*/) {
 // within 1% of each other on H200).
 inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes) {
   const int wgs = mqa_logits_math_wgs(num_heads, head_dim);
-  const bool split = mqa_logits_split_relu(num_heads, head_dim);
+  // 4 math warpgroups (112 registers) hold at most m64n144 accumulators: no split relu for H = 16
+  // there (its pieces need 32 more columns; ptxas spills).
+  const bool split = mqa_logits_split_relu(num_heads, head_dim) && !(wgs == 4 && num_heads == 16);
   const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split), 16);
   const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs, split};
   DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,

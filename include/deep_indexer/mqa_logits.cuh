@@ -9,18 +9,21 @@
 //
 // Structure (sizes and offsets: mqa_logits_layout.hpp):
 //   * persistent grid; a CTA walks q blocks blockIdx.x, blockIdx.x + gridDim.x, ... of
-//     tokens_per_cta() = W * (128 / H) query tokens (W = num_math_wgs(): 2, or 3 for H = 128);
+//     tokens_per_cta() = W * (128 / H) query tokens (W = num_math_wgs(): 2, 3 or 4, host heuristic);
 //     math warpgroup w owns the block's tokens [w * 128/H, (w + 1) * 128/H), i.e. 128 rows of the
 //     [S*H, D] view of q.
 //   * warpgroup 0 = producer: warp 0 loads the block's ks/ke/weights into an "info" area of the
 //     q stage, TMA-loads the W q tiles (2 q stages), then TMA-loads the KV tiles of 64 rows
 //     covering the union of the block's ranges into a ring of kNumKVStages stages that all math
-//     warpgroups read. Warps 1..3 exit after giving their registers back.
+//     warpgroups read. Warps 1..3 write the -inf fill (clean) and exit.
+//     With W = 4 the roles are reordered: math warpgroups are warps 0..15, then one TMA warp and
+//     one fill warp (no producer warpgroup, no setmaxnreg; see the layout).
 //   * warpgroups 1..W = math: WGMMA m64n128k32 (A = KV tile: 64 KV rows, B = 128 q rows, both
 //     K-major, D-byte swizzle), then on CUDA cores: relu, head weights (registers), in-thread head
 //     sum, quad reduce-scatter (each lane finishes distinct outputs), k scale, streaming stores.
 //     With W = 2 the accumulators are double-buffered: tile t+1's WGMMAs are in flight while the
-//     epilogue of tile t runs. With W = 3 each warpgroup has one accumulator set.
+//     epilogue of tile t runs. With W = 3 or 4 each warpgroup has one accumulator set (and with
+//     W = 4 reads its head weights from shared memory: 112 registers per thread).
 //
 // Synchronisation (all mbarriers, parities derived from running counters, nothing reset):
 //   q_full[s]   count 32 (every lane of producer warp 0 arrives after writing info) + TMA tx bytes
@@ -119,6 +122,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr uint32_t kQBoxBytes = L.q_box_bytes();  // what one q TMA load delivers (rows 0..127)
   constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
   constexpr int kNumMathWarps = L.num_math_wgs() * 4;
+  constexpr bool kWSmem = L.weights_in_smem();
   static_assert(kNumAccum == 64 + L.linear_rows() / 2 && G >= 1 && T >= 1, "layout assumptions");
   static_assert(!kSplitRelu || kP == MqaLogitsLayout::kLinearPieces, "one piece count");
 
@@ -157,25 +161,28 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
     ptx::fence_mbar_init();
   }
-  if (warp == 0 && lane == 0) {
+  constexpr int kProducer0 = L.producer_warp0();
+  constexpr int kFillWarps = L.producer_warps() - 1;
+  if (warp == kProducer0 && lane == 0) {
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
   }
   __syncthreads();
 
-  if (warp < 4) {
+  if (warp >= kProducer0 && warp < kProducer0 + L.producer_warps()) {
     // ===================================================================== producer
-    ptx::reg_dealloc<L.producer_regs()>();
-    if (warp != 0) {
-      // Warps 1..3 (clean only): -inf outside each owned token's range [a, b); the math warpgroups
-      // write exactly [a, b) when it is not empty, so the two never touch the same element.
+    if constexpr (L.uses_setmaxnreg()) ptx::reg_dealloc<L.producer_regs()>();
+    const int pw = static_cast<int>(warp) - kProducer0;  // producer warp: 0 TMA, 1.. the fill
+    if (pw != 0) {
+      // The fill warps (clean only): -inf outside each owned token's range [a, b); the math
+      // warpgroups write exactly [a, b) when it is not empty, so the two never touch the same element.
       if (clean) {
 #pragma unroll 1
         for (int it = 0;; ++it) {
           const int blk = q_block(it);
           if (blk >= num_blocks) break;
 #pragma unroll 1
-          for (int tb = static_cast<int>(warp) - 1; tb < T2; tb += 3) {
+          for (int tb = pw - 1; tb < T2; tb += kFillWarps) {
             const int tg = blk * T2 + tb;
             if (tg >= S) break;
             const int a = min(max(__ldg(ks + tg), 0), SKV);
@@ -236,6 +243,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         if (tg < S)
           wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
                             : __ldg(static_cast<const float*>(weights) + wi);
+        if constexpr (kWSmem) {
+          if constexpr (kSplitRelu) wv *= 0.5f;  // see the math warpgroups' weights
+          const int n = i % 128;  // accumulator column 8 g + 2 quad + c of math warpgroup i / 128
+          reinterpret_cast<float*>(info + L.info_offset_wperm())[i - n + ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)] = wv;
+        }
         winfo[i] = wv;
       }
       __syncwarp();
@@ -267,8 +279,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
   } else {
     // ===================================================================== math
-    ptx::reg_alloc<L.math_regs()>();
-    const int wg = static_cast<int>(warp / 4) - 1;  // 0 .. num_math_wgs() - 1
+    if constexpr (L.uses_setmaxnreg()) ptx::reg_alloc<L.math_regs()>();
+    const int wg = static_cast<int>(warp / 4) - L.math_warp0() / 4;  // 0 .. num_math_wgs() - 1
     const int warp_in_wg = static_cast<int>(warp % 4);
     const int quad = static_cast<int>(lane & 3);
     const int row_in_tile = warp_in_wg * 16 + static_cast<int>(lane >> 2);  // + 8 * j
@@ -300,18 +312,32 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       const int num_tiles = reinterpret_cast<const int*>(info)[1];
 
       if (num_tiles > 0) {
-        // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c.
-        float wreg[kNumAccum / 2];
-        {
+        // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c: in registers,
+        // or (weights_in_smem) read from the info area's permuted copy where they are used.
+        // split_relu needs w relu(x) = (w / 2) |x| + (w / 2) x: the registers hold w / 2 and
+        // coef = sigma / 2; with weights_in_smem the producer stored w / 2 (both copies), so the
+        // pieces are those of q~ / 2 and coef = their sigma (bitwise the same products).
+        float wreg[kWSmem ? 1 : kNumAccum / 2];
+        if constexpr (!kWSmem) {
           const float* winfo = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * 128;
 #pragma unroll
           for (int g = 0; g < 16; ++g) {
             const float2 w2 = *reinterpret_cast<const float2*>(winfo + 8 * g + 2 * quad);
-            wreg[2 * g] = kSplitRelu ? 0.5f * w2.x : w2.x;  // w relu(x) = (w / 2) |x| + (w / 2) x
+            wreg[2 * g] = kSplitRelu ? 0.5f * w2.x : w2.x;
             wreg[2 * g + 1] = kSplitRelu ? 0.5f * w2.y : w2.y;
           }
         }
-        // split_relu: the linear rows, and coef[t] = sigma / 2 of the piece in this quad's columns.
+        const float4* wsm = reinterpret_cast<const float4*>(info + L.info_offset_wperm()) + (wg * 128 + quad * 32) / 4;
+        auto weight = [&](int g, int c) -> float {
+          if constexpr (kWSmem) {
+            const float4 w4 = wsm[g / 2];  // columns of g and g ^ 1
+            return (g & 1) ? (c ? w4.w : w4.z) : (c ? w4.y : w4.x);
+          } else {
+            return wreg[2 * g + c];
+          }
+        };
+        // split_relu: the linear rows, and coef[t] = sigma / 2 (see above) of the piece in this
+        // quad's columns.
         float coef[kSplitRelu ? T : 1];
         if constexpr (kSplitRelu) {
           uint32_t* amax =
@@ -322,7 +348,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           split_relu::build_pieces<H, D, T>(q_tile, q_tile + L.q_box_bytes(), wts, amax, num_valid,
                                             static_cast<int>(threadIdx.x % 128), 1 + wg);
 #pragma unroll
-          for (int tok = 0; tok < T; ++tok) coef[tok] = 0.5f * split_relu::piece_scale(amax[tok * kP + quad]);
+          for (int tok = 0; tok < T; ++tok)
+            coef[tok] = (kWSmem ? 1.0f : 0.5f) * split_relu::piece_scale(amax[tok * kP + quad]);
         }
         // Ranges and output rows of the owned tokens.
         int rlo[kOwnTok], rhi[kOwnTok];
@@ -340,8 +367,13 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
                                row_in_tile + (kOwnJ == 1 ? 8 * own_j(0) : 0));
           // Opaque to the compiler, so that it keeps the pointer instead of rebuilding it from the
           // parameters per tile. Measured on H200: 8-25% faster for the store-heavy shapes
-          // (H <= 32, D <= 64, H = 128), 13% slower for H = 64, D = 128, which is left alone.
+          // (H <= 32, D <= 64, H = 128), 13% slower for H = 64, D = 128, which is left alone
+          // (before the split relu). Experiment: -DDI_MQA_OPAQUE_OBASE=1 (every shape) or =0 (none).
+#ifndef DI_MQA_OPAQUE_OBASE
           if constexpr (!(H == 64 && D == 128)) asm volatile("" : "+l"(obase[m]));
+#elif DI_MQA_OPAQUE_OBASE
+          asm volatile("" : "+l"(obase[m]));
+#endif
         }
 
         const uint64_t desc_q = ptx::make_kmajor_desc<D>(smem + L.offset_q(qs, wg));
@@ -399,8 +431,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
                   const int g = tok * G + gg;
                   const float x0 = relu_part(acc[4 * g + 2 * j]);
                   const float x1 = relu_part(acc[4 * g + 2 * j + 1]);
-                  s0 = gg == 0 ? wreg[2 * g] * x0 : fmaf(wreg[2 * g], x0, s0);
-                  s1 = gg == 0 ? wreg[2 * g + 1] * x1 : fmaf(wreg[2 * g + 1], x1, s1);
+                  s0 = gg == 0 ? weight(g, 0) * x0 : fmaf(weight(g, 0), x0, s0);
+                  s1 = gg == 0 ? weight(g, 1) * x1 : fmaf(weight(g, 1), x1, s1);
                 }
                 part[j + 2 * tok] = linear_part(acc, tok, j, s0 + s1);
               } else {
@@ -411,7 +443,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
                   for (int c = 0; c < 2; ++c) {
                     const float x = relu_part(acc[4 * g + 2 * j + c]);
-                    s = (gg == 0 && c == 0) ? wreg[2 * g + c] * x : fmaf(wreg[2 * g + c], x, s);
+                    s = (gg == 0 && c == 0) ? weight(g, c) * x : fmaf(weight(g, c), x, s);
                   }
                 }
                 part[j + 2 * tok] = linear_part(acc, tok, j, s);
@@ -533,7 +565,25 @@ __global__ void __launch_bounds__(
                           int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
                           const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
                           int max_seqlen_k, int clean) {
+  static_assert(kMathWGs == 2 || kMathWGs == 3, "4 math warpgroups: mqa_logits_kernel_wg4");
   mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs, kSplitRelu>(
+      tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
+      max_seqlen_k, clean);
+}
+
+// The 4-math-warpgroup layout (576 threads, no setmaxnreg). NOTES: __maxnreg__ instead of
+// __launch_bounds__'s minimum of 1 block: with the latter ptxas caps 576 threads at 96 registers (as
+// for 640); launch_regs() = 112 fit (18 warps x 3584 registers).
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, bool kSplitRelu>
+__global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), 4,
+                                                  kSplitRelu}.num_threads())
+    __maxnreg__((MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), 4, kSplitRelu}.launch_regs()))
+    mqa_logits_kernel_wg4(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
+                          const float* __restrict__ k_scale, const void* __restrict__ weights,
+                          int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
+                          const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
+                          int max_seqlen_k, int clean) {
+  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 4, kSplitRelu>(
       tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
       max_seqlen_k, clean);
 }
