@@ -433,6 +433,15 @@ def test_paged_long_mtp_all_configs(next_n, H, D, block_kv, two_d):
         assert_logits_match(got, ref, clean, dtype, f"next_n={next_n} H={H} D={D} block={block_kv} 2d={two_d}")
 
 
+@pytest.mark.parametrize("next_n,H", [(5, 16), (8, 16), (5, 32), (7, 32)])
+def test_paged_long_mtp_split_relu(next_n, H, monkeypatch):
+    """The tensor-core linear half of relu (DI_PAGED_SPLIT_RELU=1) on the single-chunk next_n 5..8 shapes."""
+    monkeypatch.setenv("DI_PAGED_SPLIT_RELU", "1")
+    q, cache, w, ctx, table, max_ctx = make_paged(12, next_n, H, 128, 64, max_len=700, seed=next_n * 10 + H)
+    got = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32, num_sms=4)
+    assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)
+
+
 # ------------------------------------------------------------------------------------ decode: varlen (indices)
 def make_varlen(runs, H, D, block_kv, seed=0, max_len=900, causal=True, zero_rows=()):
     """A varlen batch: `runs` lists the rows of each request (consecutive runs of equal ids). Row r of a
