@@ -13,9 +13,9 @@
 //     row is the first row of its run of equal consecutive ids (a warp looks back 32 ids at a time).
 //   * W = layout.num_math_wgs() math warpgroups (3 for N = next_n*H <= 128, else 2; DI_PAGED_MATH_WGS)
 //     followed by one producer warpgroup (setmaxnreg: layout.math_regs() / producer_regs()):
-//       producer warp 0 ("Q producer"): for every generation g, waits q_empty[g % 2], stores the
+//       producer warp 0 ("Q producer"): for every generation g, waits q_empty[g % Q], stores the
 //               sequence id and row lengths L(b, i) into the slot info, TMA-loads the next_n*H q rows
-//               (2-D map, q_num_boxes boxes) and bulk-copies the weights rows into slot g % 2.
+//               (2-D map, q_num_boxes boxes) and bulk-copies the weights rows into slot g % Q.
 //       producer warps 1..P ("KV producers", P = layout.num_kv_producers()): every one walks all
 //               tiles and issues tile k when k % P is its index: block-table entries are fetched 32 at
 //               a time (a "group" of segments, prefetched one group ahead), the 64/BLOCK_KV paged
@@ -49,7 +49,7 @@
 //   arrives on q_empty for it only after that wait and after its last use, so the KV producers may
 //   run ahead of the Q producer by any number of sequences without parity aliasing.
 //   pieces_full[x] (split_relu): count 1 (thread 0 of math WG 0 once generation g's pieces are in
-//               slot g % 2); a WG taking generation g waits parity (g / 2) & 1. WG 0 builds every
+//               slot g % Q); a WG taking generation g waits parity (g / Q) & 1. WG 0 builds every
 //               generation in order (also those it has no tile of) before its q_empty arrival for it,
 //               so a phase completes before the slot can be reloaded, and WG 0 never waits on another
 //               WG (stage s feeds only WG s % W), hence no cycle.

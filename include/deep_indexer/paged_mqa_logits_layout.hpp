@@ -16,7 +16,7 @@
 //   tmap_kv: 3-D {head_dim, block_kv, num_blocks} uint8/fp8, strides {head_dim, kv_cache.stride(0)} bytes,
 //            box {head_dim, block_kv, 1}, swizzle = head_dim bytes
 //   kernel template args: <next_n, num_heads, head_dim, block_kv, l.num_kv_stages, l.num_math_wgs(),
-//                          context_lens_2d, OutT, l.split_relu>
+//                          context_lens_2d, OutT, l.split_relu, varlen>
 //
 // Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
 // segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. (64-token segments
