@@ -52,13 +52,15 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
     } else if (op == "paged_mqa_logits") {
       PagedMqaLogitsRuntime::Params p{param(params, "next_n"),   param(params, "num_heads"),
                                       param(params, "head_dim"), param(params, "block_kv"),
-                                      param(params, "elem_bytes"), param(params, "context_lens_2d") != 0};
+                                      param(params, "elem_bytes"), param(params, "context_lens_2d") != 0,
+                                      params.contains("varlen") && params["varlen"].cast<int>() != 0};
+      DI_CHECK_ARG(!p.varlen || p.next_n == 1, "precompile: paged_mqa_logits varlen needs next_n = 1");
       p.layout();  // validates
       py::gil_scoped_release release;
       r = PagedMqaLogitsRuntime::precompile(p, arch);
     } else if (op == "paged_mqa_logits_metadata") {
       PagedMqaMetadataRuntime::Params p{param(params, "next_n"), param(params, "small") != 0};
-      DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= 4, "precompile: next_n must be in 1..4");
+      DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= kMaxPagedNextN, "precompile: next_n must be in 1..{}", kMaxPagedNextN);
       py::gil_scoped_release release;
       r = PagedMqaMetadataRuntime::precompile(p, arch);
     } else if (op == "topk") {
@@ -142,10 +144,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"), py::arg("clean_logits"), py::arg("elem_bytes"),
         py::arg("out"), py::arg("max_seqlen_k") = 0);
   m.def("get_paged_mqa_logits_metadata", &get_paged_mqa_logits_metadata, py::arg("context_lens"), py::arg("block_kv"),
-        py::arg("num_sms"), py::arg("out"));
+        py::arg("num_sms"), py::arg("out"), py::arg("indices") = py::none());
   m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, py::arg("q"), py::arg("kv_cache"), py::arg("weights"),
         py::arg("context_lens"), py::arg("block_table"), py::arg("schedule_meta"), py::arg("max_context_len"),
-        py::arg("clean_logits"), py::arg("elem_bytes"), py::arg("out"));
+        py::arg("clean_logits"), py::arg("elem_bytes"), py::arg("out"), py::arg("indices") = py::none());
   m.def("topk_indices", &topk_indices, py::arg("logits"), py::arg("k"), py::arg("cu_seq_len_k_start"),
         py::arg("cu_seq_len_k_end"), py::arg("context_lens"), py::arg("next_n"), py::arg("sorted"),
         py::arg("index_mode"), py::arg("block_table"), py::arg("block_size"), py::arg("row_offset"),

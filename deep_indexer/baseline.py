@@ -30,19 +30,20 @@ def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_l
 
 
 def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num_sms: Optional[int] = None, *,
+                                  indices: Optional[torch.Tensor] = None,
                                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(context_lens.device).multi_processor_count
-    res = reference.paged_mqa_logits_metadata(context_lens, block_kv, num_sms).to(context_lens.device)
+    res = reference.paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices).to(context_lens.device)
     return _into(res, out)
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len: int,
                          clean_logits: bool = False, *, logits_dtype: torch.dtype = torch.float32,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         indices: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     del schedule_meta  # the reference walks every sequence itself
     res = reference.paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, int(max_context_len),
-                                     bool(clean_logits), logits_dtype=logits_dtype)
+                                     bool(clean_logits), logits_dtype=logits_dtype, indices=indices)
     return _into(res, out)
 
 

@@ -45,6 +45,13 @@ DECODE_SHAPES = {  # id: (B, next_n, avg context)
     "D6": (64, 3, 32768),
     "D7": (64, 4, 32768),
     "D8": (256, 1, 65536),
+    "D9": (64, 8, 32768),  # next_n = 8 (7 speculative tokens)
+}
+# Varlen decode (indices): id: (requests, rows per request, avg context). The same work as the decode
+# shape (requests, rows, avg) but as one q row per token, each run of a request's rows reading the
+# block-table row of its first row (the other rows hold -1).
+VARLEN_SHAPES = {
+    "V1": (64, 4, 32768),
 }
 
 
@@ -95,12 +102,12 @@ def topk_case(sid: str, device, seed: int) -> dict:
 
 
 def decode_shape(spec: str) -> tuple:
-    """(B, next_n, avg context, H) of a decode shape id (D1..D8, H = 64) or of 'B:next_n:avg[:H]'."""
+    """(B, next_n, avg context, H) of a decode shape id (D1..D9, H = 64) or of 'B:next_n:avg[:H]'."""
     if spec in DECODE_SHAPES:
         return (*DECODE_SHAPES[spec], 64)
     parts = [int(v) for v in spec.split(":")]
     if len(parts) not in (3, 4):
-        raise ValueError(f"decode shape must be D1..D8 or B:next_n:avg[:H], got {spec!r}")
+        raise ValueError(f"decode shape must be D1..D9 or B:next_n:avg[:H], got {spec!r}")
     return tuple(parts) if len(parts) == 4 else (*parts, 64)
 
 
@@ -112,7 +119,7 @@ ANCHOR_US = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D8, C1, K-* top-k, KF-* logits + top-k) or 'prefill'/'decode'/'clean'/'topk'/'fused_topk'")
+    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D9, V1, C1, K-* top-k, KF-* logits + top-k) or 'prefill'/'decode'/'clean'/'topk'/'fused_topk'")
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -283,6 +290,18 @@ def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, 
             "max_context_len": int(lens.max()), "bytes": nbytes}
 
 
+def varlen_inputs(requests: int, rows: int, avg: int, H: int, D: int, block_kv: int, device, seed: int = 0) -> dict:
+    """decode_inputs(requests, rows, ...) recast as a varlen batch of requests * rows q rows."""
+    x = decode_inputs(requests, rows, avg, H, D, block_kv, device, seed)
+    R = requests * rows
+    j = torch.arange(rows, device=device)
+    ctx = (x["context_lens"][:, None] - rows + 1 + j).reshape(R).to(torch.int32)
+    table = torch.full((R, x["block_table"].shape[1]), -1, dtype=torch.int32, device=device)
+    table[::rows] = x["block_table"]
+    ids = torch.arange(requests, dtype=torch.int32, device=device).repeat_interleave(rows)
+    return {**x, "q": x["q"].reshape(R, 1, H, D), "context_lens": ctx, "block_table": table, "indices": ids}
+
+
 def prefill_shape(spec: str) -> tuple:
     """(S, SKV, pattern, H, D) of a prefill shape id (P1..P5, P2c; H = 64, D = 128) or of
     'S:SKV:pattern[:H[:D[:max_seqlen_k]]]'."""
@@ -355,7 +374,7 @@ def run(args) -> dict:
     wanted = args.shapes or ["prefill", "decode", "clean"]
     ids = []
     for s in wanted:
-        ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES),
+        ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES) + list(VARLEN_SHAPES),
                 "clean": ["C1"],
                 "topk": list(TOPK_SHAPES), "fused_topk": fused_topk_ids()}.get(s, [s])
     print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
@@ -387,22 +406,27 @@ def run(args) -> dict:
             if other is not None:
                 r["compare_us"] = timer(lambda: call(other), args.iters)
             del x
-        elif sid in DECODE_SHAPES:
-            B, nn, avg = DECODE_SHAPES[sid]
-            x = decode_inputs(B, nn, avg, H, D, args.block_kv, device, seed=n)
+        elif sid in DECODE_SHAPES or sid in VARLEN_SHAPES:
+            varlen = sid in VARLEN_SHAPES
+            B, nn, avg = VARLEN_SHAPES[sid] if varlen else DECODE_SHAPES[sid]
+            x = (varlen_inputs if varlen else decode_inputs)(B, nn, avg, H, D, args.block_kv, device, seed=n)
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
-            call = lambda m, meta=meta, x=x: m.fp8_paged_mqa_logits(
-                x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"], meta, x["max_context_len"], False)
-            meta_call = lambda x=x, num_sms=num_sms: di.get_paged_mqa_logits_metadata(
-                x["context_lens"], args.block_kv, num_sms)
+            kw = {"indices": x["indices"]} if varlen else {}
+            meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms, **kw)
+            call = lambda m, meta=meta, x=x, kw=kw: m.fp8_paged_mqa_logits(
+                x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"], meta, x["max_context_len"], False,
+                **kw)
+            meta_call = lambda x=x, num_sms=num_sms, kw=kw: di.get_paged_mqa_logits_metadata(
+                x["context_lens"], args.block_kv, num_sms, **kw)
             us = timer(lambda: call(di), args.iters)
             meta_us = timer(meta_call, args.iters)
             gbps = x["bytes"] / us / 1e3
             frac = gbps / ceil["copy_GBps"] if ceil else None
-            r = {"id": sid, "kind": "decode", "shape": f"B={B} next_n={nn} avg={avg} H={H} D={D} block={args.block_kv}",
+            shape = (f"varlen {B} requests x {nn} rows" if varlen else f"B={B} next_n={nn}") + \
+                f" avg={avg} H={H} D={D} block={args.block_kv}"
+            r = {"id": sid, "kind": "decode", "shape": shape,
                  "us": us, "GBps": gbps, "fraction_of_ceiling": frac, "metadata_us": meta_us}
-            if other is not None:
+            if other is not None and not varlen:  # (the reference implementation has no varlen on SM90)
                 ometa = other.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
                 r["compare_us"] = timer(lambda: call(other, ometa), args.iters)
             if not args.no_kernel_time:

@@ -25,7 +25,7 @@ HEADS = (16, 32, 64, 128)
 MQA_HEAD_DIMS = (32, 64, 128)
 PAGED_HEAD_DIMS = (64, 128)
 TRAINING_HEAD_DIMS = (64, 128)  # bf16 training kernels (deep_indexer.training)
-NEXT_N = (1, 2, 3, 4)
+NEXT_N = (1, 2, 3, 4, 5, 6, 7, 8)
 BLOCK_KV = (32, 64)
 LOGITS_DTYPES = ("float32", "bfloat16")
 OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk", "training_logits")
@@ -82,6 +82,9 @@ def variants(
             dims = [d for d in (head_dims or PAGED_HEAD_DIMS) if d in PAGED_HEAD_DIMS]
             for n, h, d, b, dt, two_d in itertools.product(nn, hs, dims, bk, dtypes, (0, 1)):
                 add(op, next_n=n, num_heads=h, head_dim=d, block_kv=b, elem_bytes=_ELEM_BYTES[dt], context_lens_2d=two_d)
+                if n == 1:  # varlen (indices) variants exist for next_n = 1 only
+                    add(op, next_n=n, num_heads=h, head_dim=d, block_kv=b, elem_bytes=_ELEM_BYTES[dt],
+                        context_lens_2d=two_d, varlen=1)
         elif op == "paged_mqa_logits_metadata":
             for n, small in itertools.product(nn, (1, 0)):
                 add(op, next_n=n, small=small)

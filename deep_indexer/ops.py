@@ -90,17 +90,24 @@ def fp8_mqa_logits(
 
 
 def get_paged_mqa_logits_metadata(
-    context_lens: torch.Tensor, block_kv: int, num_sms: Optional[int] = None, *, out: Optional[torch.Tensor] = None
+    context_lens: torch.Tensor,
+    block_kv: int,
+    num_sms: Optional[int] = None,
+    *,
+    indices: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode work split (docs/api.md), computed on the GPU without a host sync: int32 [num_sms + 1, 2]
     (sequence, segment) start pairs over segments of 256 tokens; see reference.paged_mqa_logits_metadata.
-    context_lens: int32 [B] or [B, next_n]. num_sms defaults to the device's SM count."""
+    context_lens: int32 [B] or [B, next_n] (next_n 1..8). num_sms defaults to the SM count set by set_num_sms, else the device's.
+    indices: optional int32 [R] request id per q row for a varlen batch (then context_lens is [R] or
+    [R, 1]); pass the same tensor to fp8_paged_mqa_logits. Every row is scheduled by its own length."""
     if _compiling():
         if out is None:
-            return _ops().get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)
-        _ops().get_paged_mqa_logits_metadata_out(context_lens, block_kv, out)
+            return _ops().get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices)
+        _ops().get_paged_mqa_logits_metadata_out(context_lens, block_kv, out, indices)
         return out
-    return _C.get_paged_mqa_logits_metadata(context_lens, int(block_kv), num_sms, out)
+    return _C.get_paged_mqa_logits_metadata(context_lens, int(block_kv), num_sms, out, indices)
 
 
 def fp8_paged_mqa_logits(
@@ -114,26 +121,34 @@ def fp8_paged_mqa_logits(
     clean_logits: bool = False,
     *,
     logits_dtype: torch.dtype = torch.float32,
+    indices: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode indexer logits over a paged fp8 KV cache (docs/api.md): [B * next_n, max_context_len].
 
-    q [B, next_n, H, D] fp8 (next_n 1..4, H 16/32/64/128, D 64/128); kv_cache uint8
+    q [B, next_n, H, D] fp8 (next_n 1..8, H 16/32/64/128, D 64/128); kv_cache uint8
     [num_blocks, block_kv (32/64), 1, D + 4] (fp8 keys then fp32 scales per block); weights
     [B * next_n, H] float32 (rows may be padded to a multiple of 4 elements; 16-byte aligned); context_lens int32 [B] (row (b, i) sees j <= ctx[b] - next_n + i) or
     [B, next_n] (row (b, i) sees j < ctx[b, i]); block_table int32 [B, max_blocks]; schedule_meta from
     get_paged_mqa_logits_metadata with the same block_kv. max_context_len must be >= every context length.
+
+    Varlen batches: indices int32 [R] gives the request id of each q row (q is then [R, 1, H, D],
+    weights [R, H], context_lens [R] or [R, 1] with each row's own length, block_table [R, max_blocks]).
+    A run of equal consecutive ids is one request: all its rows read the block-table row of the run's
+    first row (the other rows' block-table entries are ignored), and row r sees keys j < context_lens[r].
+    Id values are only compared with their neighbours, so any int32 value is safe. Pass the same
+    indices to get_paged_mqa_logits_metadata.
     """
     if _compiling():
         if out is None:
             return _ops().fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
-                                               max_context_len, clean_logits, logits_dtype)
+                                               max_context_len, clean_logits, logits_dtype, indices)
         _ops().fp8_paged_mqa_logits_out(q, kv_cache, weights, context_lens, block_table, schedule_meta,
-                                        max_context_len, clean_logits, out)
+                                        max_context_len, clean_logits, out, indices)
         return out
     return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
                                    int(max_context_len), bool(clean_logits),
-                                   _elem_bytes(logits_dtype, "fp8_paged_mqa_logits"), out)
+                                   _elem_bytes(logits_dtype, "fp8_paged_mqa_logits"), out, indices)
 
 
 def topk_indices(

@@ -143,6 +143,7 @@ def paged_mqa_logits(
     logits_dtype: torch.dtype = torch.float32,
     accum_dtype: torch.dtype = torch.float32,
     chunk: int | None = None,
+    indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode logits over a fused paged cache (docs/api.md): [B * next_n, max_context_len].
 
@@ -151,6 +152,10 @@ def paged_mqa_logits(
     sees j < ctx[b] - next_n + i + 1; or [B, next_n]: row (b, i) sees j < ctx[b, i]. Ranges are
     clipped to [0, max_context_len); -inf elsewhere. Only the first ceil(len_b / block_kv)
     block_table entries of a row are read (len_b = the row group's largest clipped end).
+
+    indices (varlen): int32 [R] request id per q row (q [R, 1, H, D], context_lens [R] or [R, 1]).
+    A run of equal consecutive ids is one request; each of its rows reads the block-table row of
+    the run's first row and sees keys j < context_lens[r].
     """
     _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
     q = _check("q", q, dtypes=(FP8,), ndim=4)
@@ -169,6 +174,13 @@ def paged_mqa_logits(
         raise ValueError(f"context_lens: expected shape [{b_sz}] or [{b_sz}, {next_n}], got {list(ctx.shape)}")
     bt = _check("block_table", block_table, dtypes=(torch.int32,), shape=(b_sz, None), device=dev)
     mcl = _check_int("max_context_len", max_context_len, min_value=0)
+    bt_row = list(range(b_sz))  # block-table row of each sequence
+    if indices is not None:
+        if next_n != 1:
+            raise ValueError(f"q: expected shape [R, 1, H, D] with indices (varlen), got {list(q.shape)}")
+        idx = _check("indices", indices, dtypes=(torch.int32,), shape=(b_sz,), device=dev).cpu().tolist()
+        for r in range(1, b_sz):
+            bt_row[r] = bt_row[r - 1] if idx[r] == idx[r - 1] else r
 
     ctx_c = ctx.cpu().long()
     if ctx_c.dim() == 1:
@@ -187,9 +199,9 @@ def paged_mqa_logits(
         if n_blk > bt.shape[1]:
             raise ValueError(f"block_table: sequence {b} needs {n_blk} blocks, "
                              f"got only {bt.shape[1]} columns")
-        ids = bt_c[b, :n_blk]
+        ids = bt_c[bt_row[b], :n_blk]
         if bool(((ids < 0) | (ids >= nb)).any()):
-            raise ValueError(f"block_table: row {b} expected entries in [0, {nb}) for its first "
+            raise ValueError(f"block_table: row {bt_row[b]} expected entries in [0, {nb}) for its first "
                              f"{n_blk} blocks, got {ids.tolist()}")
         ids = ids.long().to(dev)
         k = k_bytes.index_select(0, ids).view(n_blk * bkv, d)[:n_tok].view(FP8)
@@ -257,7 +269,8 @@ def clean_logits(
 
 
 def paged_mqa_logits_metadata(
-    context_lens: torch.Tensor, block_kv: int, num_sms: int, split_kv: int = 256
+    context_lens: torch.Tensor, block_kv: int, num_sms: int, split_kv: int = 256,
+    indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode work split (the contract the GPU metadata kernel reproduces bit for bit).
 
@@ -265,9 +278,14 @@ def paged_mqa_logits_metadata(
     segs_b = ceil(len_b / split_kv); P = exclusive prefix sums of segs, T = P[B].
     Entry i in 0..num_sms: s_i = i * (T // num_sms) + min(i, T % num_sms); (B, 0) if s_i == T,
     else (b, s_i - P[b]) for the b with P[b] <= s_i < P[b + 1]. SM i owns segments [s_i, s_{i+1}).
-    Returns int32 [num_sms + 1, 2] on the CPU.
+    Returns int32 [num_sms + 1, 2] on the CPU. With indices (varlen, int32 [R], context_lens [R] or
+    [R, 1]) every row is a sequence of its own length: the same split.
     """
     ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2))
+    if indices is not None:
+        _check("indices", indices, dtypes=(torch.int32,), shape=(ctx.shape[0],))
+        if ctx.dim() == 2 and ctx.shape[1] != 1:
+            raise ValueError(f"context_lens: expected shape [R] or [R, 1] with indices, got {list(ctx.shape)}")
     if ctx.dim() == 2 and ctx.shape[1] < 1:
         raise ValueError(f"context_lens: expected shape [B] or [B, next_n >= 1], got {list(ctx.shape)}")
     _check_int("block_kv", block_kv, min_value=1)

@@ -61,43 +61,49 @@ def _(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits
 
 # ------------------------------------------------------------------------------------ decode
 @torch.library.custom_op(f"{_LIB}::get_paged_mqa_logits_metadata", mutates_args=(), device_types="cuda")
-def get_paged_mqa_logits_metadata(context_lens: Tensor, block_kv: int, num_sms: Optional[int] = None) -> Tensor:
-    return _C.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, None)
+def get_paged_mqa_logits_metadata(context_lens: Tensor, block_kv: int, num_sms: Optional[int] = None,
+                                  indices: Optional[Tensor] = None) -> Tensor:
+    return _C.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, None, indices)
 
 @get_paged_mqa_logits_metadata.register_fake
-def _(context_lens, block_kv, num_sms=None):
-    sms = num_sms if num_sms is not None else torch.cuda.get_device_properties(context_lens.device).multi_processor_count
+def _(context_lens, block_kv, num_sms=None, indices=None):
+    # the SM count the real op uses: set_num_sms's cap when set, else the device's
+    sms = num_sms if num_sms is not None else _C.get_num_sms(
+        torch.cuda.current_device() if context_lens.device.index is None else context_lens.device.index)
     return context_lens.new_empty((sms + 1, 2), dtype=torch.int32)
 
 @torch.library.custom_op(f"{_LIB}::get_paged_mqa_logits_metadata_out", mutates_args=("out",), device_types="cuda")
-def get_paged_mqa_logits_metadata_out(context_lens: Tensor, block_kv: int, out: Tensor) -> None:
-    _C.get_paged_mqa_logits_metadata(context_lens, block_kv, out.shape[0] - 1, out)
+def get_paged_mqa_logits_metadata_out(context_lens: Tensor, block_kv: int, out: Tensor,
+                                      indices: Optional[Tensor] = None) -> None:
+    _C.get_paged_mqa_logits_metadata(context_lens, block_kv, out.shape[0] - 1, out, indices)
 
 @get_paged_mqa_logits_metadata_out.register_fake
-def _(context_lens, block_kv, out):
+def _(context_lens, block_kv, out, indices=None):
     return None
 
 @torch.library.custom_op(f"{_LIB}::fp8_paged_mqa_logits", mutates_args=(), device_types="cuda")
 def fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
                          schedule_meta: Tensor, max_context_len: int, clean_logits: bool = False,
-                         logits_dtype: torch.dtype = torch.float32) -> Tensor:
+                         logits_dtype: torch.dtype = torch.float32, indices: Optional[Tensor] = None) -> Tensor:
     return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                                   clean_logits, elem_bytes(logits_dtype), None)
+                                   clean_logits, elem_bytes(logits_dtype), None, indices)
 
 @fp8_paged_mqa_logits.register_fake
 def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False,
-      logits_dtype=torch.float32):
+      logits_dtype=torch.float32, indices=None):
     elem_bytes(logits_dtype)
     return _fake_logits(q, q.shape[0] * q.shape[1], max_context_len, logits_dtype)
 
 @torch.library.custom_op(f"{_LIB}::fp8_paged_mqa_logits_out", mutates_args=("out",), device_types="cuda")
 def fp8_paged_mqa_logits_out(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
-                             schedule_meta: Tensor, max_context_len: int, clean_logits: bool, out: Tensor) -> None:
+                             schedule_meta: Tensor, max_context_len: int, clean_logits: bool, out: Tensor,
+                             indices: Optional[Tensor] = None) -> None:
     _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                            clean_logits, elem_bytes(out.dtype), out)
+                            clean_logits, elem_bytes(out.dtype), out, indices)
 
 @fp8_paged_mqa_logits_out.register_fake
-def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits, out):
+def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits, out,
+      indices=None):
     return None
 
 # ------------------------------------------------------------------------------------ clean

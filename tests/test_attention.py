@@ -544,3 +544,223 @@ def test_capture_of_an_unloaded_kernel_is_a_clear_error():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "RAISED" in r.stdout and "warm-up" in r.stdout, r.stdout + r.stderr
     assert "USABLE" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------ decode: next_n 5..8
+LONG_MTP_CONFIGS = [(n, h, d, b) for n in (5, 6, 7, 8) for h in (16, 32, 64, 128) for d in (64, 128) for b in (32, 64)]
+
+
+@pytest.mark.parametrize("next_n,H,D,block_kv", LONG_MTP_CONFIGS)
+@pytest.mark.parametrize("two_d", [False, True])
+def test_paged_long_mtp_all_configs(next_n, H, D, block_kv, two_d):
+    """next_n 5..8 (several q chunks per tile, one q slot where two do not fit); 5 SMs so that every CTA
+    switches sequences many times."""
+    seed = next_n * 1000 + H * 10 + D + block_kv + two_d
+    q, cache, w, ctx, table, max_ctx = make_paged(9, next_n, H, D, block_kv, max_len=1200, seed=seed, two_d=two_d,
+                                                  stride_pad=16 * (seed % 3))
+    ref = reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx)
+    for dtype, clean, sms in ((torch.float32, False, None), (torch.float32, True, 5), (torch.bfloat16, True, None)):
+        got = run_paged(q, cache, w, ctx, table, max_ctx, clean, dtype, num_sms=sms, pad=clean)
+        assert_logits_match(got, ref, clean, dtype, f"next_n={next_n} H={H} D={D} block={block_kv} 2d={two_d}")
+
+
+@pytest.mark.parametrize("next_n,H", [(5, 16), (8, 16), (5, 32), (7, 32)])
+def test_paged_long_mtp_split_relu(next_n, H, monkeypatch):
+    """The tensor-core linear half of relu (DI_PAGED_SPLIT_RELU=1) on the single-chunk next_n 5..8 shapes."""
+    monkeypatch.setenv("DI_PAGED_SPLIT_RELU", "1")
+    q, cache, w, ctx, table, max_ctx = make_paged(12, next_n, H, 128, 64, max_len=700, seed=next_n * 10 + H)
+    got = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32, num_sms=4)
+    assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)
+
+
+# ------------------------------------------------------------------------------------ decode: varlen (indices)
+def make_varlen(runs, H, D, block_kv, seed=0, max_len=900, causal=True, zero_rows=()):
+    """A varlen batch: `runs` lists the rows of each request (consecutive runs of equal ids). Row r of a
+    run of n rows over a request of L keys sees L - n + 1 + r keys (causal) or a random prefix. Only the
+    run's first row of the block table is real; the other rows hold garbage the kernel must not read.
+    Ids are random int32 (negative and huge too), distinct between neighbouring runs."""
+    g = torch.Generator().manual_seed(seed)
+    R = sum(runs)
+    lens = [int(torch.randint(max(n, 1), max_len, (1,), generator=g)) for n in runs]
+    keys = [torch.randn(L, D, generator=g).to(DEV) for L in lens]
+    cache, req_table, _ = quant.pack_paged_kv_cache(keys, block_kv, generator=g,
+                                                    num_blocks=sum((L + block_kv - 1) // block_kv for L in lens) + 5)
+    table = torch.randint(-2**31, 2**31 - 1, (R, req_table.shape[1]), generator=g, dtype=torch.int32).to(DEV)
+    ids, ctx, prev = [], [], None
+    r = 0
+    for i, (n, L) in enumerate(zip(runs, lens)):
+        table[r] = req_table[i]
+        rid = prev
+        while rid == prev:
+            rid = int(torch.randint(-2**31, 2**31 - 1, (1,), generator=g))
+        prev = rid
+        for j in range(n):
+            ids.append(rid)
+            ctx.append(L - n + 1 + j if causal else int(torch.randint(0, L + 1, (1,), generator=g)))
+        r += n
+    ctx = torch.tensor(ctx, dtype=torch.int32)
+    for z in zero_rows:
+        ctx[z] = 0
+    q = (torch.randn(R, 1, H, D, generator=g) * 2).to(DEV).to(torch.float8_e4m3fn)
+    w = torch.randn(R, H, generator=g).to(DEV)
+    return q, cache, w, ctx.to(DEV), table, torch.tensor(ids, dtype=torch.int32, device=DEV), max(lens) + 3
+
+
+def run_varlen(q, cache, w, ctx, table, ids, max_ctx, clean, dtype, num_sms=None):
+    meta = di.get_paged_mqa_logits_metadata(ctx, cache.shape[1], num_sms, indices=ids)
+    out = poisoned((q.shape[0], max_ctx), dtype)
+    got = di.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx, clean, logits_dtype=dtype, indices=ids,
+                                  out=out)
+    assert got.data_ptr() == out.data_ptr()
+    return got
+
+
+VARLEN_RUNS = {
+    "ones": [1] * 9,
+    "twos": [2] * 6,
+    "fives": [5] * 4,
+    "mixed": [1, 3, 2, 7, 1, 1, 4, 2, 5, 1],
+    "long_run": [40, 1, 70, 3],  # runs longer than a 32-id look-back window
+}
+
+
+@pytest.mark.parametrize("runs", list(VARLEN_RUNS), ids=list(VARLEN_RUNS))
+@pytest.mark.parametrize("H,D,block_kv", [(64, 128, 64), (32, 64, 32), (16, 128, 32), (128, 64, 64)])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_paged_varlen(runs, H, D, block_kv, two_d):
+    runs = VARLEN_RUNS[runs]
+    R = sum(runs)
+    zero = [0, R // 2, R - 1] if R > 3 else []
+    q, cache, w, ctx, table, ids, max_ctx = make_varlen(runs, H, D, block_kv, seed=R * 7 + H + D + block_kv,
+                                                        causal=not two_d, zero_rows=zero)
+    if two_d:
+        ctx = ctx[:, None].contiguous()
+    ref = reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx, indices=ids)
+    for dtype, clean, sms in ((torch.float32, True, None), (torch.float32, False, 3), (torch.bfloat16, True, 1)):
+        got = run_varlen(q, cache, w, ctx, table, ids, max_ctx, clean, dtype, num_sms=sms)
+        assert_logits_match(got, ref, clean, dtype, f"varlen {runs} H={H} D={D} block={block_kv}")
+
+
+def test_paged_varlen_matches_flattened_batch():
+    """A varlen batch equals the same rows as independent sequences with the run's block-table row repeated."""
+    runs = [3, 1, 4, 1, 5]
+    q, cache, w, ctx, table, ids, max_ctx = make_varlen(runs, 64, 128, 64, seed=5)
+    starts = torch.repeat_interleave(torch.tensor([sum(runs[:i]) for i in range(len(runs))]), torch.tensor(runs))
+    flat_table = table[starts.to(DEV)].contiguous()
+    got = run_varlen(q, cache, w, ctx, table, ids, max_ctx, True, torch.float32)
+    want = run_paged(q, cache, w, ctx, flat_table, max_ctx, True, torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_paged_varlen_equal_ids_apart_are_separate_runs():
+    """Equal ids that are not consecutive are separate requests (each run reads its own first row)."""
+    q, cache, w, ctx, table, ids, max_ctx = make_varlen([2, 3, 2], 64, 128, 64, seed=6)
+    ids[5:] = ids[0]  # run 0 and run 2 share an id but run 1 lies between them
+    ref = reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx, indices=ids)
+    got = run_varlen(q, cache, w, ctx, table, ids, max_ctx, True, torch.float32)
+    assert_logits_match(got, ref, True, torch.float32)
+
+
+def test_paged_varlen_cuda_graph_replay_with_new_ids():
+    """metadata + logits captured once with indices, replayed with new ids, run shapes, lengths and tables."""
+    H, D, block_kv, R, max_ctx = 64, 128, 64, 24, 1024
+    shapes = [[1] * 24, [3, 5, 2, 8, 1, 5], [24], [2] * 12]
+    mk = lambda i: make_varlen(shapes[i], H, D, block_kv, seed=50 + i, max_len=max_ctx - 5, zero_rows=[i])
+    q, cache, w, ctx, table, ids, _ = mk(0)
+    nb = 2 * R * (max_ctx // block_kv)
+    cache_buf = torch.zeros(nb, block_kv, 1, D + 4, dtype=torch.uint8, device=DEV)
+    table_buf = torch.zeros(R, max_ctx // block_kv, dtype=torch.int32, device=DEV)
+    out = torch.empty(R, max_ctx, device=DEV)
+    meta = torch.empty(torch.cuda.get_device_properties(0).multi_processor_count + 1, 2, dtype=torch.int32, device=DEV)
+
+    def load(i):
+        q2, cache2, w2, ctx2, table2, ids2, _ = mk(i)
+        q.copy_(q2), w.copy_(w2), ctx.copy_(ctx2), ids.copy_(ids2)
+        cache_buf[: cache2.shape[0]].copy_(cache2)
+        table_buf.zero_()
+        table_buf[:, : table2.shape[1]] = table2
+        return table2
+
+    def step():
+        di.get_paged_mqa_logits_metadata(ctx, block_kv, indices=ids, out=meta)
+        di.fp8_paged_mqa_logits(q, cache_buf, w, ctx, table_buf, meta, max_ctx, True, indices=ids, out=out)
+
+    load(0)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(1, len(shapes)):
+        table2 = load(i)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = reference.paged_mqa_logits(q, cache_buf, w, ctx, table2, max_ctx, indices=ids)
+        assert_logits_match(out, ref, True, torch.float32, f"replay {shapes[i]}")
+
+
+# ------------------------------------------------------------------------------------ decode: engine scale
+@pytest.mark.parametrize("next_n,two_d", [(1, False), (2, True), (8, True), (8, False)])
+def test_paged_65536_rows(next_n, two_d):
+    """65536 q rows (B * next_n), short and zero lengths anywhere: the schedule equals the CPU reference
+    bit for bit, every row's -inf mask is exact, and sampled rows match the reference."""
+    B = 65536 // next_n
+    q, cache, w, ctx, table, max_ctx = make_paged(B, next_n, 32, 64, 64, max_len=300, seed=next_n, two_d=two_d)
+    g = torch.Generator().manual_seed(next_n)
+    zero = torch.rand(B, generator=g) < 0.2
+    ctx[zero.to(DEV)] = 0
+    meta = di.get_paged_mqa_logits_metadata(ctx, 64)
+    assert torch.equal(meta.cpu(), reference.paged_mqa_logits_metadata(ctx.cpu(), 64, meta.shape[0] - 1))
+    out = poisoned((B * next_n, max_ctx), torch.float32)
+    got = di.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_ctx, True, out=out)
+    ends = ctx.long() if two_d else ctx.long()[:, None] - next_n + 1 + torch.arange(next_n, device=DEV)
+    ends = ends.reshape(-1).clamp(0, max_ctx)
+    cols = torch.arange(max_ctx, device=DEV)
+    assert torch.equal(torch.isneginf(got), cols[None, :] >= ends[:, None])
+    seqs = torch.cat([torch.arange(0, 64), torch.randint(0, B, (64,), generator=g), torch.arange(B - 64, B)]).unique()
+    rows = (seqs[:, None] * next_n + torch.arange(next_n)).reshape(-1).to(DEV)
+    s = seqs.to(DEV)
+    ref = reference.paged_mqa_logits(q[s], cache, w[rows], ctx[s], table[s], max_ctx)
+    assert_logits_match(got[rows], ref, True, torch.float32, "sampled rows")
+
+
+def test_paged_varlen_65536_rows():
+    """65536 varlen rows in runs of 1..8 with zero-length rows: the mask of every row is exact and sampled
+    runs match the reference."""
+    g = torch.Generator().manual_seed(65536)
+    runs, total = [], 0
+    while total < 65536:
+        n = min(int(torch.randint(1, 9, (1,), generator=g)), 65536 - total)
+        runs.append(n)
+        total += n
+    q, cache, w, ctx, table, ids, max_ctx = make_varlen(runs, 32, 64, 64, seed=1, max_len=200)
+    ctx[(torch.rand(65536, generator=g) < 0.1).to(DEV)] = 0
+    got = run_varlen(q, cache, w, ctx, table, ids, max_ctx, True, torch.float32)
+    cols = torch.arange(max_ctx, device=DEV)
+    assert torch.equal(torch.isneginf(got), cols[None, :] >= ctx.long().clamp(0, max_ctx)[:, None])
+    starts = torch.tensor([0] + runs[:-1]).cumsum(0)
+    pick = torch.cat([torch.arange(0, 16), torch.randint(0, len(runs), (32,), generator=g),
+                      torch.arange(len(runs) - 16, len(runs))]).unique()
+    rows = torch.cat([torch.arange(int(starts[i]), int(starts[i]) + runs[i]) for i in pick]).to(DEV)
+    sub_ids = ids[rows].clone()
+    ref = reference.paged_mqa_logits(q[rows], cache, w[rows], ctx[rows], table[rows], max_ctx, indices=sub_ids)
+    assert_logits_match(got[rows], ref, True, torch.float32, "sampled runs")
+
+
+@pytest.mark.parametrize("B,next_n", [(1, 1), (5, 3), (4096, 2), (16384, 1), (8192, 8)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_paged_all_zero_lengths_at_scale(B, next_n, varlen):
+    """All-zero context lengths at any batch size: an all-(B, 0) schedule and an all -inf output."""
+    if varlen:
+        B, next_n = B * next_n, 1
+    ctx = torch.zeros(B, next_n, dtype=torch.int32, device=DEV)
+    ids = torch.arange(B, dtype=torch.int32, device=DEV) // 3 if varlen else None
+    meta = di.get_paged_mqa_logits_metadata(ctx, 64, indices=ids)
+    assert (meta[:, 0] == B).all() and (meta[:, 1] == 0).all()
+    q = torch.randn(B, next_n, 32, 64, device=DEV).to(torch.float8_e4m3fn)
+    cache = torch.randint(0, 255, (3, 64, 1, 68), dtype=torch.uint8, device=DEV)
+    table = torch.randint(-5, 5, (B, 2), dtype=torch.int32, device=DEV)
+    out = poisoned((B * next_n, 100), torch.float32)
+    di.fp8_paged_mqa_logits(q, cache, torch.randn(B * next_n, 32, device=DEV), ctx, table, meta, 100, True,
+                            indices=ids, out=out)
+    assert torch.isneginf(out).all()

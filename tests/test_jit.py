@@ -161,9 +161,11 @@ def test_no_gpu_is_a_clear_error():
 def test_variant_enumeration():
     assert len(jit.variants(ops=["clean_logits"])) == 2
     assert len(jit.variants(ops=["mqa_logits"])) == 4 * 3 * 2
-    assert len(jit.variants(ops=["paged_mqa_logits"])) == 4 * 4 * 2 * 2 * 2 * 2
-    assert len(jit.variants(ops=["paged_mqa_logits"], head_dims=[32, 64])) == 4 * 4 * 1 * 2 * 2 * 2
-    assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 4 * 2  # small and general
+    # next_n 1..8 x heads x dims x block_kv x dtypes x context_lens forms, + varlen for next_n = 1
+    assert len(jit.variants(ops=["paged_mqa_logits"])) == 8 * 4 * 2 * 2 * 2 * 2 + 4 * 2 * 2 * 2 * 2
+    assert len(jit.variants(ops=["paged_mqa_logits"], head_dims=[32, 64])) == 8 * 4 * 1 * 2 * 2 * 2 + 4 * 2 * 2 * 2
+    assert len(jit.variants(ops=["paged_mqa_logits"], next_n=[5, 8])) == 2 * 4 * 2 * 2 * 2 * 2
+    assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 8 * 2  # small and general
 
 
 def test_cli_precompile_and_cache(isolated_cache):

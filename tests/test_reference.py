@@ -565,3 +565,72 @@ def test_split_relu_pieces_reconstruct_and_give_the_logits(spread):
     assert calc_diff(split, direct) < 1e-9
     zero_p, zero_s = reference.split_relu_pieces(torch.zeros(2, D))
     assert not zero_p.float().any() and not zero_s.any()
+
+
+@pytest.mark.parametrize("next_n", [5, 6, 7, 8])
+def test_paged_long_mtp_matches_naive(next_n):
+    lens = [random.randint(0, 150) for _ in range(3)] + [0, next_n - 2, 1]
+    kv_cache, bt, ctx, kd = make_paged(lens, 64, 32, num_blocks=40)
+    b_sz = len(lens)
+    q, w = rand_fp8(b_sz, next_n, 16, 64), torch.randn(b_sz * next_n, 16)
+    mcl = max(lens) + 5
+    out = reference.paged_mqa_logits(q, kv_cache, w, ctx, bt, mcl)
+    check_close(out, paged_expected(q, w, kd, [[n - next_n + i + 1 for i in range(next_n)] for n in lens], mcl))
+    ctx2 = torch.tensor([[random.randint(0, n) for _ in range(next_n)] for n in lens], dtype=torch.int32)
+    out2 = reference.paged_mqa_logits(q, kv_cache, w, ctx2, bt, mcl)
+    check_close(out2, paged_expected(q, w, kd, ctx2.tolist(), mcl))
+
+
+def test_paged_varlen_reads_the_run_start_row():
+    """indices: every row of a run of equal consecutive ids reads the block-table row of the run's first
+    row (the other rows' entries are garbage and never read); each row sees its own length; equal ids
+    that are not adjacent are separate runs; id values are arbitrary int32."""
+    req_lens = [50, 130, 7, 90]
+    kv_cache, bt_req, _, kd = make_paged(req_lens, 32, 16, num_blocks=40)
+    runs = [(0, 3), (1, 1), (2, 2), (0, 2), (3, 4)]  # (request, rows); request 0 appears twice, apart
+    ids_of_run = [-5, 2**31 - 1, 7, -5, 0]
+    R = sum(n for _, n in runs)
+    bt = torch.full((R, bt_req.shape[1]), -12345, dtype=torch.int32)  # garbage everywhere...
+    ids, ctx, expect_ranges, expect_keys, r = [], [], [], [], 0
+    for (req, n), rid in zip(runs, ids_of_run):
+        bt[r] = bt_req[req]  # ...except at the run's first row
+        for j in range(n):
+            L = random.randint(0, req_lens[req])
+            ids.append(rid)
+            ctx.append(L)
+            expect_keys.append(req)
+        r += n
+    q, w = rand_fp8(R, 1, 16, 32), torch.randn(R, 16)
+    idx = torch.tensor(ids, dtype=torch.int32)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    mcl = max(req_lens) + 3
+    for c in (ctx_t, ctx_t[:, None].contiguous()):
+        out = reference.paged_mqa_logits(q, kv_cache, w, c, bt, mcl, indices=idx, accum_dtype=torch.float64)
+        want = torch.cat([naive_rows_fast(q[i].double(), kd[expect_keys[i]][: ctx[i]], w[i:i + 1], [(0, ctx[i])], mcl)
+                          for i in range(R)])
+        check_close(out, want, torch.float64)
+
+
+def test_paged_varlen_reference_validation():
+    kv_cache, bt, ctx, _ = make_paged([10, 20], 32, 16)
+    q, w = rand_fp8(2, 2, 16, 32), torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"q: expected shape \[R, 1, H, D\] with indices"):
+        reference.paged_mqa_logits(q, kv_cache, w, ctx, bt, 30, indices=torch.zeros(2, dtype=torch.int32))
+    q, w = rand_fp8(2, 1, 16, 32), torch.randn(2, 16)
+    with pytest.raises(ValueError, match=r"indices: expected shape \[2\], got \[3\]"):
+        reference.paged_mqa_logits(q, kv_cache, w, ctx, bt, 30, indices=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"indices: expected dtype torch.int32"):
+        reference.paged_mqa_logits(q, kv_cache, w, ctx, bt, 30, indices=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"context_lens: expected shape \[R\] or \[R, 1\] with indices"):
+        reference.paged_mqa_logits_metadata(torch.zeros(2, 2, dtype=torch.int32), 64, 4,
+                                            indices=torch.zeros(2, dtype=torch.int32))
+    lens = torch.tensor([0, 300, 5, 0], dtype=torch.int32)
+    assert torch.equal(reference.paged_mqa_logits_metadata(lens, 64, 3, indices=torch.tensor([1, 1, 2, 2], dtype=torch.int32)),
+                       reference.paged_mqa_logits_metadata(lens, 64, 3))
+
+
+@pytest.mark.parametrize("B", [0, 1, 70000])
+def test_paged_metadata_reference_all_zero_lengths(B):
+    """All-zero lengths at any batch size: every entry is (B, 0)."""
+    meta = reference.paged_mqa_logits_metadata(torch.zeros(B, dtype=torch.int32), 64, 132)
+    assert meta.shape == (133, 2) and (meta[:, 0] == B).all() and (meta[:, 1] == 0).all()

@@ -43,6 +43,16 @@ def test_fake_outputs_have_real_layout(dtype):
         logits = OPS.fp8_paged_mqa_logits(qd, cache, torch.empty(6, 64, device=dev), i32(3), i32(3, 4), meta, 999,
                                           False, dtype)
         assert logits.shape == (6, 999) and logits.stride() == (padded_row_stride(999, dtype), 1)
+        # varlen (indices) and next_n = 8
+        ids = i32(5)
+        meta = OPS.get_paged_mqa_logits_metadata(i32(5), 64, 132, ids)
+        logits = OPS.fp8_paged_mqa_logits(torch.empty(5, 1, 64, 128, dtype=FP8, device=dev), cache,
+                                          torch.empty(5, 64, device=dev), i32(5), i32(5, 4), meta, 999, False, dtype,
+                                          ids)
+        assert logits.shape == (5, 999) and logits.stride() == (padded_row_stride(999, dtype), 1)
+        logits = OPS.fp8_paged_mqa_logits(torch.empty(3, 8, 64, 128, dtype=FP8, device=dev), cache,
+                                          torch.empty(24, 64, device=dev), i32(3, 8), i32(3, 4), meta, 999, False, dtype)
+        assert logits.shape == (24, 999)
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -87,6 +97,18 @@ def test_opcheck_all_ops():
                           (qd, cache, wd, ctx, table, meta, max_ctx, True, torch.empty(8, max_ctx, device=DEV)),
                           test_utils=_UTILS)
     torch.library.opcheck(OPS.clean_logits, (torch.randn(64, 1024, device=DEV), None, ke))
+    # varlen: rows of request ids [7, 7, 3, 3, 3, 9, 1, 1]; each run reads its first row's block-table row
+    ids = torch.tensor([7, 7, 3, 3, 3, 9, 1, 1], dtype=torch.int32, device=DEV)
+    qv, wv = qd.reshape(8, 1, *qd.shape[2:]).contiguous(), wd
+    ctxv = torch.randint(0, int(ctx.min()) + 1, (8,), dtype=torch.int32, device=DEV)
+    tablev = table.repeat_interleave(2, dim=0).contiguous()
+    torch.library.opcheck(OPS.get_paged_mqa_logits_metadata, (ctxv, 64, None, ids))
+    metav = OPS.get_paged_mqa_logits_metadata(ctxv, 64, None, ids)
+    torch.library.opcheck(OPS.fp8_paged_mqa_logits,
+                          (qv, cache, wv, ctxv, tablev, metav, max_ctx, True, torch.float32, ids), test_utils=_UTILS)
+    torch.library.opcheck(OPS.fp8_paged_mqa_logits_out,
+                          (qv, cache, wv, ctxv, tablev, metav, max_ctx, True, torch.empty(8, max_ctx, device=DEV), ids),
+                          test_utils=_UTILS)
 
 
 @requires_sm90

@@ -33,7 +33,7 @@ def call_prefill(**over):
 def call_paged(**over):
     a = paged_args()
     a.update(over)
-    extra = {k: a.pop(k) for k in ("logits_dtype", "out") if k in a}
+    extra = {k: a.pop(k) for k in ("logits_dtype", "out", "indices") if k in a}
     return di.fp8_paged_mqa_logits(a["q"], a["kv_cache"], a["weights"], a["context_lens"], a["block_table"],
                                    a["schedule_meta"], a["max_context_len"], **extra)
 
@@ -82,7 +82,7 @@ def test_prefill_out_validation():
 
 @pytest.mark.parametrize("over,pattern", [
     (dict(q=torch.randn(2, 1, 64, 128)), r"q must have dtype Float8_e4m3fn"),
-    (dict(q=torch.randn(2, 5, 64, 128).to(FP8), weights=torch.randn(10, 64)), r"1 <= next_n <= 4, got next_n = 5"),
+    (dict(q=torch.randn(2, 9, 64, 128).to(FP8), weights=torch.randn(18, 64)), r"1 <= next_n <= 8, got next_n = 9"),
     (dict(q=torch.randn(2, 1, 64, 32).to(FP8)), r"64 heads of dim 32; supported: heads 16/32/64/128, dims 64/128"),
     (dict(kv_cache=torch.zeros(4, 64, 1, 128, dtype=torch.uint8)), r"kv_cache must have shape \[\*, \*, 1, 132\]"),
     (dict(kv_cache=torch.zeros(4, 16, 1, 132, dtype=torch.uint8)), r"blocks must hold 32 or 64 tokens, got 16"),
@@ -98,6 +98,14 @@ def test_prefill_out_validation():
     (dict(schedule_meta=torch.zeros(5, 3, dtype=torch.int32)), r"schedule_meta must be \[num_sms \+ 1, 2\]"),
     (dict(max_context_len=-1), r"max_context_len must be in \[0, 2\^31\), got -1"),
     (dict(), r"q must be on a CUDA device, got cpu"),
+    (dict(indices=torch.zeros(2, dtype=torch.int64)), r"indices must have dtype Int, got Long"),
+    (dict(indices=torch.zeros(3, dtype=torch.int32)), r"indices must be \[R\] with R = 2 \(one request id per q row\), got shape \[3\]"),
+    (dict(indices=torch.zeros(2, 1, dtype=torch.int32)), r"indices must be 1-D, got shape \[2, 1\]"),
+    (dict(indices=torch.zeros(4, dtype=torch.int32)[::2]), r"indices must be contiguous"),
+    (dict(q=torch.randn(2, 2, 64, 128).to(FP8), weights=torch.randn(4, 64), indices=torch.zeros(2, dtype=torch.int32)),
+     r"with indices \(varlen\), q must be \[R, 1, H, D\].*got next_n = 2"),
+    (dict(context_lens=torch.zeros(2, 1, dtype=torch.int32), indices=torch.zeros(2, dtype=torch.int32)),
+     r"q must be on a CUDA device"),
 ])
 def test_paged_validation(over, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -106,13 +114,20 @@ def test_paged_validation(over, pattern):
 
 @pytest.mark.parametrize("args,pattern", [
     ((torch.zeros(3, 5, dtype=torch.float32), 64), r"context_lens must have dtype Int, got Float"),
-    ((torch.zeros(3, 5, dtype=torch.int32), 64), r"1 <= next_n <= 4, got 5"),
+    ((torch.zeros(3, 9, dtype=torch.int32), 64), r"1 <= next_n <= 8, got 9"),
     ((torch.zeros(3, dtype=torch.int32), 48), r"block_kv must be 32 or 64, got 48"),
     ((torch.zeros(3, dtype=torch.int32), 64), r"context_lens must be on a CUDA device"),
+    ((torch.zeros(3, 2, dtype=torch.int32), 64, None, torch.zeros(3, dtype=torch.int32)),
+     r"with indices, context_lens must be \[R\] or \[R, 1\]"),
+    ((torch.zeros(3, dtype=torch.int32), 64, None, torch.zeros(4, dtype=torch.int32)), r"indices must be \[R\] with R = 3"),
+    ((torch.zeros(3, dtype=torch.int32), 64, None, torch.zeros(3, dtype=torch.float32)), r"indices must have dtype Int"),
 ])
 def test_metadata_validation(args, pattern):
     with pytest.raises(ValueError, match=pattern):
-        di.get_paged_mqa_logits_metadata(*args)
+        if len(args) == 4:
+            di.get_paged_mqa_logits_metadata(*args[:3], indices=args[3])
+        else:
+            di.get_paged_mqa_logits_metadata(*args)
 
 
 @pytest.mark.parametrize("args,pattern", [

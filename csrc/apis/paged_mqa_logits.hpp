@@ -10,7 +10,9 @@
 
 namespace deep_indexer {
 
-// Shared checks of context_lens: int32 [B] or [B, next_n] (next_n <= 4), contiguous. Returns next_n
+constexpr int kMaxPagedNextN = PagedMqaLogitsLayout::kMaxNextN;
+
+// Shared checks of context_lens: int32 [B] or [B, next_n] (next_n <= 8), contiguous. Returns next_n
 // of the 2-D form (1 for 1-D).
 inline int check_context_lens(const char* op, const at::Tensor& context_lens, int64_t batch) {
   TensorCheck(op, context_lens, "context_lens").dtype(at::kInt).contiguous();
@@ -20,19 +22,38 @@ inline int check_context_lens(const char* op, const at::Tensor& context_lens, in
     DI_CHECK_ARG(context_lens.size(0) == batch, "{}: context_lens must have {} rows (the batch of q), got {}", op,
                  batch, context_lens.size(0));
   const int64_t width = context_lens.dim() == 2 ? context_lens.size(1) : 1;
-  DI_CHECK_ARG(width >= 1 && width <= 4, "{}: context_lens [B, next_n] needs 1 <= next_n <= 4, got {}", op, width);
+  DI_CHECK_ARG(width >= 1 && width <= kMaxPagedNextN, "{}: context_lens [B, next_n] needs 1 <= next_n <= {}, got {}",
+               op, kMaxPagedNextN, width);
   return static_cast<int>(width);
 }
 
+// Varlen request ids: int32 [R] (R = rows of context_lens), contiguous; context_lens must then hold one
+// length per row ([R] or [R, 1]). Id values are only compared for equality. (Device: checked by the caller.)
+inline void check_indices(const char* op, const std::optional<at::Tensor>& indices, const at::Tensor& context_lens) {
+  if (!indices.has_value()) return;
+  TensorCheck(op, *indices, "indices").dtype(at::kInt).ndim(1).contiguous();
+  DI_CHECK_ARG(indices->size(0) == context_lens.size(0),
+               "{}: indices must be [R] with R = {} (one request id per q row), got shape {}", op,
+               context_lens.size(0), shape_str(indices->sizes()));
+  DI_CHECK_ARG(context_lens.dim() == 1 || context_lens.size(1) == 1,
+               "{}: with indices, context_lens must be [R] or [R, 1] (one length per q row), got shape {}", op,
+               shape_str(context_lens.sizes()));
+}
+
+// With indices (varlen) every q row is scheduled as a sequence of its own length: the same work split
+// as without them (rows of one run share KV blocks, which the L2 serves).
 inline at::Tensor get_paged_mqa_logits_metadata(const at::Tensor& context_lens, int64_t block_kv,
                                                 std::optional<int64_t> num_sms,
-                                                const std::optional<at::Tensor>& out) {
+                                                const std::optional<at::Tensor>& out,
+                                                const std::optional<at::Tensor>& indices = std::nullopt) {
   constexpr const char* op = "deep_indexer.get_paged_mqa_logits_metadata";
   const int width = check_context_lens(op, context_lens, -1);
   DI_CHECK_ARG(block_kv == 32 || block_kv == 64, "{}: block_kv must be 32 or 64, got {}", op, block_kv);
   const int64_t batch = context_lens.size(0);
   DI_CHECK_ARG(batch < INT_MAX, "{}: batch too large ({})", op, batch);
+  check_indices(op, indices, context_lens);
   TensorCheck(op, context_lens, "context_lens").cuda();
+  if (indices.has_value()) TensorCheck(op, *indices, "indices").on(context_lens.device());
   const OpDevice dev = op_device(context_lens);
   const int64_t sms = num_sms.value_or(dev.info->num_sms);
   DI_CHECK_ARG(sms >= 1 && sms <= 65536, "{}: num_sms must be in [1, 65536], got {}", op, sms);
@@ -52,11 +73,15 @@ inline at::Tensor get_paged_mqa_logits_metadata(const at::Tensor& context_lens, 
 inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& weights,
                                        const at::Tensor& context_lens, const at::Tensor& block_table,
                                        const at::Tensor& schedule, int64_t max_context_len, bool clean_logits,
-                                       int64_t elem_bytes, const std::optional<at::Tensor>& out) {
+                                       int64_t elem_bytes, const std::optional<at::Tensor>& out,
+                                       const std::optional<at::Tensor>& indices = std::nullopt) {
   constexpr const char* op = "deep_indexer.fp8_paged_mqa_logits";
   TensorCheck(op, q, "q").dtype(at::kFloat8_e4m3fn).ndim(4).contiguous();
   const int64_t B = q.size(0), next_n = q.size(1), H = q.size(2), D = q.size(3);
-  DI_CHECK_ARG(next_n >= 1 && next_n <= 4, "{}: q must be [B, next_n, H, D] with 1 <= next_n <= 4, got next_n = {}", op,
+  DI_CHECK_ARG(next_n >= 1 && next_n <= kMaxPagedNextN,
+               "{}: q must be [B, next_n, H, D] with 1 <= next_n <= {}, got next_n = {}", op, kMaxPagedNextN, next_n);
+  DI_CHECK_ARG(!indices.has_value() || next_n == 1,
+               "{}: with indices (varlen), q must be [R, 1, H, D] (one row per request token), got next_n = {}", op,
                next_n);
   DI_CHECK_ARG((H == 16 || H == 32 || H == 64 || H == 128) && (D == 64 || D == 128),
                "{}: q has {} heads of dim {}; supported: heads 16/32/64/128, dims 64/128", op, H, D);
@@ -87,11 +112,13 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
   DI_CHECK_ARG(max_context_len >= 0 && max_context_len < INT_MAX, "{}: max_context_len must be in [0, 2^31), got {}",
                op, max_context_len);
   DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "{}: logits_dtype must be float32 or bfloat16", op);
+  check_indices(op, indices, context_lens);
   check_out(op, out, B * next_n, max_context_len, static_cast<int>(elem_bytes));
   TensorCheck(op, q, "q").cuda();
   for (auto [t, name] : {std::pair{&kv_cache, "kv_cache"}, {&weights, "weights"}, {&context_lens, "context_lens"},
                          {&block_table, "block_table"}, {&schedule, "schedule_meta"}})
     TensorCheck(op, *t, name).on(q.device());
+  if (indices.has_value()) TensorCheck(op, *indices, "indices").on(q.device());
   at::Tensor logits = logits_output(op, out, B * next_n, max_context_len, static_cast<int>(elem_bytes), q);
   if (B == 0 || max_context_len == 0) return logits;
   TensorCheck(op, q, "q").aligned(16);
@@ -101,13 +128,13 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
   const OpDevice dev = op_device(q);
   const PagedMqaLogitsRuntime::Params params{static_cast<int>(next_n), static_cast<int>(H), static_cast<int>(D),
                                              static_cast<int>(block_kv), static_cast<int>(elem_bytes),
-                                             context_lens.dim() == 2};
+                                             context_lens.dim() == 2, indices.has_value()};
   PagedMqaLogitsRuntime::launch(
       {params, q.data_ptr(), kv_cache.data_ptr<uint8_t>(), num_blocks, kv_cache.stride(0), weights.data_ptr<float>(),
        weights.stride(0), context_lens.data_ptr<int>(), block_table.data_ptr<int>(), block_table.stride(0),
        static_cast<int>(std::min<int64_t>(block_table.size(1), INT_MAX)), schedule.data_ptr<int>(),
        static_cast<int>(schedule.size(0) - 1), logits.data_ptr(), logits.stride(0), static_cast<int>(B),
-       static_cast<int>(max_context_len)},
+       static_cast<int>(max_context_len), indices.has_value() ? indices->data_ptr<int>() : nullptr},
       dev.device, dev.stream);
   if (clean_logits) {
     // [B] lengths: row (b, i) keeps j < ctx[b] - next_n + i + 1 (clean_logits' next_n grouping);

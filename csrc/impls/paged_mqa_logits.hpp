@@ -41,6 +41,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
   struct Params {
     int next_n, num_heads, head_dim, block_kv, elem_bytes;
     bool context_lens_2d;
+    bool varlen = false;  // indices given (next_n == 1): block-table row = first row of the run
     PagedMqaLogitsLayout layout() const {
       return sm90::paged_mqa_logits_layout(next_n, num_heads, head_dim, block_kv, elem_bytes);
     }
@@ -50,16 +51,17 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
   static const char* header() { return "deep_indexer/paged_mqa_logits.cuh"; }
   static std::string name(const Params& p) {
     const PagedMqaLogitsLayout l = p.layout();
-    return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},wgs={},ctx{}d,{}{}>", p.next_n,
+    return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},wgs={},ctx{}d,{}{}{}>", p.next_n,
                        p.num_heads, p.head_dim, p.block_kv, l.num_kv_stages, l.num_math_wgs(),
                        p.context_lens_2d ? 2 : 1, p.elem_bytes == 4 ? "float32" : "bfloat16",
-                       l.split_relu ? ",split_relu" : "");
+                       l.split_relu ? ",split_relu" : "", p.varlen ? ",varlen" : "");
   }
   static std::string instantiation(const Params& p) {
     const PagedMqaLogitsLayout l = p.layout();
-    return fmt::format("&deep_indexer::paged_mqa_logits_kernel<{}, {}, {}, {}, {}, {}, {}, {}, {}>", p.next_n,
+    return fmt::format("&deep_indexer::paged_mqa_logits_kernel<{}, {}, {}, {}, {}, {}, {}, {}, {}{}>", p.next_n,
                        p.num_heads, p.head_dim, p.block_kv, l.num_kv_stages, l.num_math_wgs(),
-                       p.context_lens_2d ? "true" : "false", out_type_name(p.elem_bytes), l.split_relu);
+                       p.context_lens_2d ? "true" : "false", out_type_name(p.elem_bytes), l.split_relu,
+                       p.varlen ? ", true" : "");
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 
@@ -79,11 +81,13 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
     void* logits;
     int64_t logits_stride;
     int batch_size, max_context_len;
+    const int* indices = nullptr;  // varlen: int32 [batch_size] request ids
   };
 
   static void launch(const Args& a, int device, CUstream stream) {
     if (a.batch_size == 0 || a.max_context_len == 0) return;
     const Params& p = a.params;
+    DI_CHECK(!p.varlen || (p.next_n == 1 && a.indices != nullptr), "paged_mqa_logits: varlen needs next_n = 1 and indices");
     const PagedMqaLogitsLayout l = p.layout();
     const CUfunction f = function(p, device, stream);
     const auto swz = jit::swizzle_for_row_bytes(l.swizzle_bytes());
@@ -101,7 +105,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
     cfg.smem = l.smem_bytes();
     jit::launch(f, cfg, stream, tmap_q, tmap_kv, a.kv_cache, a.block_stride_bytes, a.weights, a.weights_stride,
                 a.context_lens, a.block_table, a.block_table_stride, a.block_table_cols, a.schedule, a.logits, a.logits_stride,
-                a.batch_size, a.max_context_len);
+                a.batch_size, a.max_context_len, a.indices);
   }
 };
 

@@ -8,12 +8,14 @@
 //   * Persistent grid: CTA c walks the (sequence, 256-token segment) items [schedule[c], schedule[c+1])
 //     in row-major order; segments are walked as 64-token tiles, numbered k = 0, 1, ... per CTA.
 //     Sequences met in the walk are numbered "generations" g = 0, 1, ...; generation g's q and
-//     weights live in q slot g % 2.
+//     weights live in q slot g % Q (Q = layout.num_q_slots(): 2, or 1 where two slots do not fit).
+//   * Varlen (kVarlen, `indices`): every q row is a sequence of its own (next_n = 1) whose block-table
+//     row is the first row of its run of equal consecutive ids (a warp looks back 32 ids at a time).
 //   * W = layout.num_math_wgs() math warpgroups (3 for N = next_n*H <= 128, else 2; DI_PAGED_MATH_WGS)
 //     followed by one producer warpgroup (setmaxnreg: layout.math_regs() / producer_regs()):
-//       producer warp 0 ("Q producer"): for every generation g, waits q_empty[g % 2], stores the
+//       producer warp 0 ("Q producer"): for every generation g, waits q_empty[g % Q], stores the
 //               sequence id and row lengths L(b, i) into the slot info, TMA-loads the next_n*H q rows
-//               (2-D map, q_num_boxes boxes) and bulk-copies the weights rows into slot g % 2.
+//               (2-D map, q_num_boxes boxes) and bulk-copies the weights rows into slot g % Q.
 //       producer warps 1..P ("KV producers", P = layout.num_kv_producers()): every one walks all
 //               tiles and issues tile k when k % P is its index: block-table entries are fetched 32 at
 //               a time (a "group" of segments, prefetched one group ahead), the 64/BLOCK_KV paged
@@ -36,16 +38,18 @@
 //               i.e. after the epilogue of the previous tile when two tiles are in flight);
 //               KV producer s % P waits parity ((k / S) & 1) ^ 1 before reusing it (S % lcm(W, P) == 0
 //               makes one producer and one WG own each stage).
-//   q_full[x] : count 1 (Q producer) + TMA bytes; generation g is waited with parity (g / 2) & 1.
+//   q_full[x] : count 1 (Q producer) + TMA bytes; generation g is waited with parity (g / Q) & 1.
 //               Math WGs wait for generation 0 before their first tile; in a CTA without work the
 //               Q producer arrives on q_full[0] without loads, with slot_info[0] = -1.
 //   q_empty[x]: count 4W (lane 0 of every math warp, once per generation); the Q producer waits
-//               parity ((g / 2) & 1) ^ 1 before loading generation g into slot g % 2.
+//               parity ((g / Q) & 1) ^ 1 before loading generation g into slot g % Q.
+//   With Q = 1 generation g + 1 loads only once every math WG has handed g back: a WG waiting for it
+//   has released g itself, and the other WGs reach their next tile (or sentinel) without it.
 //   Every math WG waits for every generation's q_full in order (also those it has no tile of) and
 //   arrives on q_empty for it only after that wait and after its last use, so the KV producers may
 //   run ahead of the Q producer by any number of sequences without parity aliasing.
 //   pieces_full[x] (split_relu): count 1 (thread 0 of math WG 0 once generation g's pieces are in
-//               slot g % 2); a WG taking generation g waits parity (g / 2) & 1. WG 0 builds every
+//               slot g % Q); a WG taking generation g waits parity (g / Q) & 1. WG 0 builds every
 //               generation in order (also those it has no tile of) before its q_empty arrival for it,
 //               so a phase completes before the slot can be reloaded, and WG 0 never waits on another
 //               WG (stage s feeds only WG s % W), hence no cycle.
@@ -243,7 +247,8 @@ struct RangeWalker {
 }  // namespace paged_mqa_detail
 
 template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
-          bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */, bool kSplitRelu = false>
+          bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */, bool kSplitRelu = false,
+          bool kVarlen = false /* indices: kNextN == 1, block-table row = first row of the run */>
 __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
                                                        static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu}
                                       .num_threads(),
@@ -253,12 +258,14 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
                             const float* __restrict__ weights, int64_t weights_stride,
                             const int* __restrict__ context_lens, const int* __restrict__ block_table,
                             int64_t block_table_stride, int block_table_cols, const int* __restrict__ schedule,
-                            OutT* __restrict__ logits, int64_t logits_stride, int batch_size, int max_context_len) {
+                            OutT* __restrict__ logits, int64_t logits_stride, int batch_size, int max_context_len,
+                            const int* __restrict__ indices) {
   using namespace paged_mqa_detail;
   static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
   constexpr PagedMqaLogitsLayout kL{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
                                     static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu};
   static_assert(kL.valid(), "unsupported paged_mqa_logits configuration");
+  static_assert(!kVarlen || kNextN == 1, "varlen: one q row per sequence");
 
   constexpr int kStages = kNumKVStages;
   constexpr int kN = kL.n_total();
@@ -276,6 +283,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   constexpr int kSentinel = 1;
   constexpr uint32_t kProducerWarp0 = 4 * kNumMathWGs;  // producer warpgroup: q loader + KV producers
   constexpr int kNumKVProducers = kL.num_kv_producers();
+  constexpr int kQSlots = kL.num_q_slots();        // generation g: q slot g % kQSlots, parity (g / kQSlots) & 1
+  constexpr int kSlotInfoInts = kL.slot_info_ints();
+  static_assert(kQSlots == 1 || kQSlots == 2, "q slots");
+  static_assert(kSlotInfoInts >= 1 + kNextN, "slot info");
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -336,14 +347,40 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   const int p = static_cast<int>(warp) - static_cast<int>(kProducerWarp0) - 1;  // KV producer index
   const bool is_q_producer = warp == kProducerWarp0;
   const bool is_kv_producer = p >= 0 && p < kP;
+  // Varlen: the block-table row of row b is the first row of its run of equal request ids (warp-collective;
+  // ids are only compared, so any value is safe). One 32-row window back per iteration; the last lookup
+  // is cached (a sequence's groups share it).
+  [[maybe_unused]] int cached_b = -1, cached_row = 0;
+  auto table_row = [&](int b) -> int {
+    if constexpr (!kVarlen) {
+      return b;
+    } else {
+      if (b != cached_b) {
+        const int id = __ldg(indices + b);
+        int base = b, row = 0;  // rows [base - 32, base) are examined next
+        while (base > 0) {
+          const int r = base - 32 + static_cast<int>(lane);
+          const uint32_t bal = __ballot_sync(0xffffffffu, r >= 0 && __ldg(indices + r) != id);
+          if (bal != 0) {
+            row = base - 32 + (31 - __clz(static_cast<int>(bal))) + 1;
+            break;
+          }
+          base -= 32;
+        }
+        cached_b = b;
+        cached_row = row;
+      }
+      return cached_row;
+    }
+  };
   // lane l: physical block of logical block grp.g * 32 + l (if it exists)
   auto load_ids = [&](const Group& grp) -> int {
     int id = 0;
     if (Walker::valid(grp)) {
       const int nb = (grp.len / BLOCK_KV) + ((grp.len % BLOCK_KV) != 0 ? 1 : 0);
       const int blk = grp.g * 32 + static_cast<int>(lane);
-      if (blk < nb && blk < block_table_cols)
-        id = __ldg(block_table + static_cast<int64_t>(grp.b) * block_table_stride + blk);
+      const int64_t row = table_row(grp.b);
+      if (blk < nb && blk < block_table_cols) id = __ldg(block_table + row * block_table_stride + blk);
     }
     return id;
   };
@@ -354,7 +391,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 #ifdef DI_PAGED_NO_EARLY_BT
   constexpr bool kEarlyBlockTable = false;
 #else
-  constexpr bool kEarlyBlockTable = true;
+  constexpr bool kEarlyBlockTable = !kVarlen;  // varlen: the row is known only after the run lookup
 #endif
   Walker walker;
   Item q_cur{0, 0, 0};                                 // Q producer: its first sequence
@@ -408,10 +445,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
         int lens[kNextN];
 #pragma unroll
         for (int i = 0; i < kNextN; ++i) lens[i] = __shfl_sync(0xffffffffu, my_len, i);
-        const uint32_t slot = g & 1u;
-        ptx::mbar_wait(&q_empty_bar[slot], ((g >> 1) & 1u) ^ 1u);
+        const uint32_t slot = g % kQSlots;
+        ptx::mbar_wait(&q_empty_bar[slot], ((g / kQSlots) & 1u) ^ 1u);
         if (lane == 0) {
-          int* info = slot_info + slot * 8;
+          int* info = slot_info + slot * kSlotInfoInts;
           info[0] = b;
 #pragma unroll
           for (int i = 0; i < kNextN; ++i) info[1 + i] = lens[i];
@@ -568,8 +605,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // arrivals in h's phase. No WGMMA of this WG may be in flight here.
   // Reads generation gen's slot info and weights (its q_full has been waited for).
   auto take_generation = [&](int gen) {
-    const uint32_t slot = static_cast<uint32_t>(gen) & 1u;
-    const int* sinfo = slot_info + slot * 8;
+    const uint32_t slot = static_cast<uint32_t>(gen) % kQSlots;
+    const int* sinfo = slot_info + slot * kSlotInfoInts;
     seq_b = sinfo[0];
 #pragma unroll
     for (int i = 0; i < kNextN; ++i) row_len[i] = sinfo[1 + i];
@@ -583,7 +620,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     }
     if constexpr (kSplitRelu) {
       if (wg == 0) build_pieces(slot);
-      mbar_wait_loop(&pieces_full_bar[slot], (static_cast<uint32_t>(gen) >> 1) & 1u);
+      mbar_wait_loop(&pieces_full_bar[slot], (static_cast<uint32_t>(gen) / kQSlots) & 1u);
       const uint32_t* amax = amax_of(slot);
 #pragma unroll
       for (int i = 0; i < kNextN; ++i) coef[i] = split_relu::piece_scale(amax[i * kSplitPieces + quad]);
@@ -594,18 +631,18 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   auto switch_generation = [&](const int4& info) -> bool {
     const int gen = info.x;
     __syncwarp();
-    mbar_arrive_if(&q_empty_bar[cur_gen & 1], cur_gen >= 0 && lane == 0);
+    mbar_arrive_if(&q_empty_bar[static_cast<uint32_t>(cur_gen) % kQSlots], cur_gen >= 0 && lane == 0);
     for (int h = cur_gen + 1; h < gen; ++h) {
-      mbar_wait_loop(&q_full_bar[h & 1], (static_cast<uint32_t>(h) >> 1) & 1u);
+      mbar_wait_loop(&q_full_bar[static_cast<uint32_t>(h) % kQSlots], (static_cast<uint32_t>(h) / kQSlots) & 1u);
       // split_relu: WG 0 builds every sequence's pieces, also those it has no tile of
       if constexpr (kSplitRelu) {
-        if (wg == 0) build_pieces(static_cast<uint32_t>(h) & 1u);
+        if (wg == 0) build_pieces(static_cast<uint32_t>(h) % kQSlots);
       }
       __syncwarp();
-      mbar_arrive_if(&q_empty_bar[h & 1], lane == 0);
+      mbar_arrive_if(&q_empty_bar[static_cast<uint32_t>(h) % kQSlots], lane == 0);
     }
     if (info.w & kSentinel) return false;
-    mbar_wait_loop(&q_full_bar[gen & 1], (static_cast<uint32_t>(gen) >> 1) & 1u);
+    mbar_wait_loop(&q_full_bar[static_cast<uint32_t>(gen) % kQSlots], (static_cast<uint32_t>(gen) / kQSlots) & 1u);
     take_generation(gen);
     return true;
   };
@@ -624,7 +661,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     using Mma = ptx::WgmmaFp8<cols>;
     const uint64_t desc_a = ptx::make_kmajor_desc<kHeadDim>(kv_smem + stage * kL.kv_tile_bytes());
     const uint64_t desc_b = ptx::make_kmajor_desc<kHeadDim>(
-        q_smem + (static_cast<uint32_t>(cur_gen) & 1u) * kL.q_slot_bytes() + tok0 * kNumHeads * kHeadDim);
+        q_smem + (static_cast<uint32_t>(cur_gen) % kQSlots) * kL.q_slot_bytes() + tok0 * kNumHeads * kHeadDim);
     ptx::fence_accum<cols / 2>(acc);
     ptx::wgmma_fence();
 #pragma unroll
@@ -644,7 +681,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     constexpr int c = decltype(chunk_c)::value;
     constexpr int tok0 = c * kTPC;
     constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
-    [[maybe_unused]] const float* w_slot = weights_smem + (static_cast<uint32_t>(cur_gen) & 1u) * kN;
+    [[maybe_unused]] const float* w_slot = weights_smem + (static_cast<uint32_t>(cur_gen) % kQSlots) * kN;
     // v[j][t] = sum over my heads of w * relu(acc), rows r0 + 8j, token tok0 + t
     float part[2][tpc][2];
 #pragma unroll

@@ -16,7 +16,7 @@
 //   tmap_kv: 3-D {head_dim, block_kv, num_blocks} uint8/fp8, strides {head_dim, kv_cache.stride(0)} bytes,
 //            box {head_dim, block_kv, 1}, swizzle = head_dim bytes
 //   kernel template args: <next_n, num_heads, head_dim, block_kv, l.num_kv_stages, l.num_math_wgs(),
-//                          context_lens_2d, OutT, l.split_relu>
+//                          context_lens_2d, OutT, l.split_relu, varlen>
 //
 // Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
 // segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. (64-token segments
@@ -26,14 +26,15 @@
 //
 // Shared memory (offsets from a 1024-byte aligned base; smem_bytes() includes 1024 bytes of slack
 // to align the dynamic shared-memory base):
-//   [q slots]      2 x (next_n*H rows x D bytes), TMA-swizzled (double-buffered across sequences)
+//   [q slots]      Q x (next_n*H rows x D bytes), TMA-swizzled; Q = num_q_slots(): 2 (double-buffered
+//                  across sequences) up to 64 KB of q rows, else 1 (next_n >= 5 with H = 128, D = 128)
 //   [kv stages]    S x (64 tokens x D bytes), TMA-swizzled; a BLOCK_KV=32 tile is 2 stacked blocks
 //                  (split_relu: each slot's q rows are followed by linear_cols() pieces rows)
 //   [scales]       S x 64 fp32
-//   [weights]      2 x next_n*H fp32
+//   [weights]      Q x next_n*H fp32
 //   [stage info]   S x int4 {generation, sequence, first token, flags}
-//   [slot info]    2 x 8 int {sequence, row lengths L_0..L_{next_n-1}}
-//   [amax]         (split_relu) 2 x next_n x 4 uint32: per q slot, the pieces' max |value|
+//   [slot info]    Q x slot_info_ints() int {sequence, row lengths L_0..L_{next_n-1}}
+//   [amax]         (split_relu) Q x next_n x 4 uint32: per q slot, the pieces' max |value|
 //   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (+ pieces_full[2]) (uint64 mbarriers)
 #pragma once
 
@@ -48,7 +49,7 @@
 namespace deep_indexer {
 
 struct PagedMqaLogitsLayout {
-  int next_n;         // 1..4
+  int next_n;         // 1..kMaxNextN
   int num_heads;      // 16, 32, 64, 128
   int head_dim;       // 64, 128
   int block_kv;       // 32, 64 (tokens per paged-cache block)
@@ -65,6 +66,8 @@ struct PagedMqaLogitsLayout {
   static constexpr int kSmemLimit = 232448;  // sm_90 max dynamic shared memory per block
   static constexpr int kMaxColsPerChunk = 256;  // WGMMA N limit
   static constexpr int kSmemAlignSlack = 1024;
+  static constexpr int kMaxNextN = 8;
+  static constexpr int kMaxQSlotRowBytes = 65536;  // q rows of one sequence double-buffered up to this size
 
   // ---------------------------------------------------------------- launch
   constexpr DI_HOST_DEVICE int split_kv() const { return kSplitKV; }
@@ -102,16 +105,30 @@ struct PagedMqaLogitsLayout {
 
   // ---------------------------------------------------------------- q / WGMMA N
   constexpr DI_HOST_DEVICE int n_total() const { return next_n * num_heads; }  // q rows per sequence
-  // q rows are processed in equal chunks of whole tokens of at most 256 columns.
+  // q rows are processed in chunks of whole tokens of at most 256 columns: equal chunks for next_n <= 4;
+  // beyond, the fewest chunks, balanced (the last may be smaller: next_n = 5, H = 64 -> 3 + 2 tokens),
+  // except one token per chunk for H = 128 and odd next_n.
   constexpr DI_HOST_DEVICE int tokens_per_chunk() const {
-    int t = next_n < kMaxColsPerChunk / num_heads ? next_n : kMaxColsPerChunk / num_heads;
+    const int cap = next_n < kMaxColsPerChunk / num_heads ? next_n : kMaxColsPerChunk / num_heads;
+    if (next_n > 4) {
+      const int chunks = (next_n + cap - 1) / cap;
+      const int t = (next_n + chunks - 1) / chunks;
+      // H = 128, odd next_n: 2 + ... + 2 + 1 tokens spilled (ptxas, bf16 logits); 1-token chunks do not
+      return t == 2 && next_n % 2 == 1 ? 1 : t;
+    }
+    int t = cap;
     while (next_n % t != 0) --t;
     return t;
   }
   constexpr DI_HOST_DEVICE int num_chunks() const { return (next_n + tokens_per_chunk() - 1) / tokens_per_chunk(); }
   constexpr DI_HOST_DEVICE int chunk_cols() const { return tokens_per_chunk() * num_heads; }  // accumulator N
-  // q of one sequence is loaded with q_num_boxes() TMA boxes of q_box_rows() rows (<= 256 each).
-  constexpr DI_HOST_DEVICE int q_num_boxes() const { return (n_total() + 255) / 256; }
+  // q of one sequence is loaded with q_num_boxes() TMA boxes of q_box_rows() rows (<= 256 each): the
+  // fewest boxes that split the rows evenly into whole swizzle atoms (N = 640: 4 x 160).
+  constexpr DI_HOST_DEVICE int q_num_boxes() const {
+    int boxes = (n_total() + 255) / 256;
+    while (boxes < n_total() && (n_total() % boxes != 0 || (n_total() / boxes * head_dim) % 1024 != 0)) ++boxes;
+    return boxes;
+  }
   constexpr DI_HOST_DEVICE int q_box_rows() const { return n_total() / q_num_boxes(); }
   // Head weights live in registers (n_total() / 4 per thread) for small N when they fit next to the
   // accumulators with kMathRegsOther to spare, otherwise they are read from shared memory (ptxas
@@ -136,23 +153,33 @@ struct PagedMqaLogitsLayout {
 
   // ---------------------------------------------------------------- shared memory
   constexpr DI_HOST_DEVICE int swizzle_bytes() const { return head_dim; }  // 128B or 64B swizzle
+  // q slots (generation g uses slot g % Q, parity (g / Q) & 1). One slot where two would crowd out the KV
+  // ring: the next sequence's q then loads once every math WG is done with the current one.
+  constexpr DI_HOST_DEVICE int num_q_slots() const { return n_total() * head_dim <= kMaxQSlotRowBytes ? 2 : 1; }
+  // Ints of a slot's info: {sequence, L_0..L_{next_n-1}}, 8 or 16.
+  constexpr DI_HOST_DEVICE int slot_info_ints() const { return next_n + 1 <= 8 ? 8 : 16; }
   // A q slot: the sequence's q rows (+ the pieces rows with split_relu), 1024-aligned.
   constexpr DI_HOST_DEVICE int q_slot_bytes() const { return align1024((n_total() + linear_cols()) * head_dim); }
   constexpr DI_HOST_DEVICE int kv_tile_bytes() const { return kTileTokens * head_dim; }
   constexpr DI_HOST_DEVICE int scales_bytes_per_stage() const { return kTileTokens * 4; }
   constexpr DI_HOST_DEVICE int weights_slot_bytes() const { return n_total() * 4; }
   constexpr DI_HOST_DEVICE int q_offset() const { return 0; }
-  constexpr DI_HOST_DEVICE int kv_offset() const { return q_offset() + 2 * q_slot_bytes(); }
+  constexpr DI_HOST_DEVICE int kv_offset() const { return q_offset() + num_q_slots() * q_slot_bytes(); }
   constexpr DI_HOST_DEVICE int scales_offset() const { return kv_offset() + num_kv_stages * kv_tile_bytes(); }
   constexpr DI_HOST_DEVICE int weights_offset() const {
     return scales_offset() + num_kv_stages * scales_bytes_per_stage();
   }
-  constexpr DI_HOST_DEVICE int stage_info_offset() const { return weights_offset() + 2 * weights_slot_bytes(); }
+  constexpr DI_HOST_DEVICE int stage_info_offset() const {
+    return weights_offset() + num_q_slots() * weights_slot_bytes();
+  }
   constexpr DI_HOST_DEVICE int slot_info_offset() const { return stage_info_offset() + num_kv_stages * 16; }
   // split_relu: per q slot, the pieces' max |value| (float bits) [next_n][4]
-  constexpr DI_HOST_DEVICE int amax_offset() const { return slot_info_offset() + 2 * 32; }
-  constexpr DI_HOST_DEVICE int barrier_offset() const { return amax_offset() + (split_relu ? 2 * next_n * 16 : 0); }
-  // full[S], empty[S], q_full[2], q_empty[2], and with split_relu pieces_full[2]
+  constexpr DI_HOST_DEVICE int amax_offset() const { return slot_info_offset() + num_q_slots() * slot_info_ints() * 4; }
+  constexpr DI_HOST_DEVICE int barrier_offset() const {
+    return amax_offset() + (split_relu ? num_q_slots() * next_n * 16 : 0);
+  }
+  // full[S], empty[S], q_full[2], q_empty[2], and with split_relu pieces_full[2] (with one q slot the
+  // second of each pair is unused)
   constexpr DI_HOST_DEVICE int num_barriers() const { return 2 * num_kv_stages + 4 + (split_relu ? 2 : 0); }
   constexpr DI_HOST_DEVICE int smem_used_bytes() const { return barrier_offset() + num_barriers() * 8; }
   constexpr DI_HOST_DEVICE int smem_bytes() const { return smem_used_bytes() + kSmemAlignSlack; }
@@ -163,7 +190,7 @@ struct PagedMqaLogitsLayout {
 
   // ---------------------------------------------------------------- checks
   constexpr DI_HOST_DEVICE bool shape_supported() const {
-    return next_n >= 1 && next_n <= 4 &&
+    return next_n >= 1 && next_n <= kMaxNextN &&
            (num_heads == 16 || num_heads == 32 || num_heads == 64 || num_heads == 128) &&
            (head_dim == 64 || head_dim == 128) && (block_kv == 32 || block_kv == 64) &&
            (out_bytes == 4 || out_bytes == 2);
