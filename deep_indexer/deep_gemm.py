@@ -108,14 +108,16 @@ def fp8_fp4_mqa_logits(
     """Prefill indexer logits, as deep_indexer.fp8_mqa_logits (see docs/api.md).
 
     q: (q [S, H, D] float8_e4m3fn, None) or q. kv: (k [SKV, D] float8_e4m3fn, k_scale [SKV] float32).
-    weights: [S, H] float32 (bfloat16/float16 are converted). max_seqlen_k = 0: logits [S, SKV];
+    weights: [S, H] float32 or bfloat16 (float16 is converted). max_seqlen_k = 0: logits [S, SKV];
     max_seqlen_k > 0: compressed logits [S, max_seqlen_k] with logits[i, j] = I[i, ks[i] + j].
     """
     op = "fp8_fp4_mqa_logits"
     q = _unpack_q(op, q)
     _check_kv(op, kv)
     extra = {"max_seqlen_k": int(max_seqlen_k)} if max_seqlen_k else {}
-    return ops.fp8_mqa_logits(q, kv, _float_weights(weights), cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
+    # the prefill kernel reads bf16 weights itself; other half types are converted
+    w = weights if isinstance(weights, torch.Tensor) and weights.dtype == torch.bfloat16 else _float_weights(weights)
+    return ops.fp8_mqa_logits(q, kv, w, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
                               logits_dtype=logits_dtype, out=out, **extra)
 
 
