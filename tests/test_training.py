@@ -707,6 +707,31 @@ def test_cuda_matches_cpu_fp64(target):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_bounds_given_on_the_host():
+    """cu_seqlens, ks/ke and token_mask may be CPU tensors for CUDA inputs (no device-to-host copy): the same
+    results, bitwise, as the device tensors; a tensor on another device is refused."""
+    t = n = 300
+    x = [v.cuda() for v in make(t, n, 4, 64, 8, 64, dtype=torch.bfloat16, seed=151)]
+    mask = torch.rand(t, generator=torch.Generator().manual_seed(3)) > 0.2
+    ks, ke = packed_bounds(CU_BF16)
+    runs = []
+    for host in (False, True):
+        dev = "cpu" if host else "cuda"
+        kw = dict(token_mask=mask.to(dev), reduction="sum")
+        a = grads(lambda a, b, c: indexer_kl_loss(a, b, c, x[3], x[4], cu_seqlens=CU_BF16.to(dev), **kw).per_token,
+                  x[:3])
+        b = grads(lambda a, b, c: indexer_kl_loss(a, b, c, x[3], x[4], ks=ks.to(dev), ke=ke.to(dev), **kw).per_token,
+                  x[:3])
+        c = grads(lambda a, b, c: indexer_logits(a, b, c, cu_seqlens=CU_BF16.to(dev)), x[:3])
+        runs.append([a[0], *a[1], b[0], *b[1], c[0], *c[1]])
+    for u, v in zip(*runs):
+        assert torch.equal(u, v)
+    torch.testing.assert_close(runs[0][0], runs[0][4])  # cu_seqlens and its (ks, ke): same rows
+    with pytest.raises(ValueError, match="ke: expected the device of ks"):
+        indexer_logits(*x[:3], ks=ks, ke=ke.cuda())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_cuda_sparse_deterministic_mode():
     t = n = 512
     x = [v.cuda() for v in make(t, n, 8, 64, 8, 64, dtype=torch.bfloat16, seed=131)]

@@ -417,8 +417,10 @@ def sparse_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head
         ds = (d3 * wr.unsqueeze(-1)).mul_(s > 0)  # [r, H_I, K]
         dq[r0:r1] += torch.matmul(ds, c["kig"])
         u = torch.matmul(ds.transpose(1, 2), qir)  # [r, K, D_I]: contribution to k_I[ids]
-        sel = c["sel"]
-        ids, u = c["ids"][sel], u[sel]
+        # NOTES: every slot is scattered (unselected ones carry zeros into key 0, ids = 0 there): a boolean
+        # selection would copy its count to the host (a sync) on CUDA.
+        u = u.mul_(c["sel"].unsqueeze(-1)).reshape(-1, u.shape[-1])
+        ids = c["ids"].reshape(-1)
         if deterministic and dk.is_cuda:
             dk.index_put_((ids,), u, accumulate=True)  # sort-based on CUDA: order-independent
         else:
