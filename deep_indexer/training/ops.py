@@ -85,7 +85,8 @@ def packed_bounds(cu_seqlens: torch.Tensor, causal: bool = True, query_positions
     sequences. Query row t is key token t unless `query_positions` [T] gives the global position of each
     local query row (context parallelism: a rank's query rows are a slice of the packed sequence while the
     keys are all of it). A row sees its own sequence's keys: all of them, or with `causal` those at
-    positions <= its own.
+    positions <= its own. The result is on cu_seqlens' device; compute it on the CPU (and pass ks/ke as CPU
+    tensors) to keep the training ops free of host synchronisation.
     """
     _tensor("cu_seqlens", cu_seqlens, 1, _INTS)
     if cu_seqlens.numel() < 1:
@@ -271,8 +272,12 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     Row t's valid keys: ks[t] <= s < ke[t] (int32/int64 [T], values in [0, N]); or packed sequences
     `cu_seqlens` [B + 1] with T = N (row t sees its own sequence, up to itself when `causal`); or, with
     neither, every key. Returns float32 logits [T, N] (float64 for float64 inputs), exactly -inf outside
-    each row's range. The backward gives dq_I, dk_I, dweights (in the inputs' dtypes); the incoming gradient
-    is ignored outside the valid range.
+    each row's range. The backward gives dq_I, dk_I, dweights (computed in float32, returned in the inputs'
+    dtypes); the incoming gradient is ignored outside the valid range.
+
+    Host synchronisation: the loops are planned on the host from a CPU copy of the bounds. For inputs on a
+    GPU, give ks/ke or cu_seqlens as CPU tensors (or no bounds) to avoid any device-to-host copy; bounds on
+    the GPU cost one synchronising copy in the forward (the backward reuses it).
 
     Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: tiles of 512 keys
     and about 32 MiB per temporary on the CPU, 1024 keys and 128 MiB on a GPU), accumulated in float32
@@ -347,6 +352,9 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     share of the loss. "mean" gives this rank's share of the cross-entropy -sum_s p log softmax(I) (the
     target's entropy, constant for the indexer, is left out): summed over ranks it is the loss plus that
     constant. In both cases the gradients summed over ranks (one all-reduce) are exact.
+
+    Host synchronisation: as in `indexer_logits`; ks/ke, cu_seqlens and token_mask may be CPU tensors for
+    GPU inputs (no device-to-host copy); on the GPU they cost one synchronising copy in the forward.
 
     Compute: one sweep over key tiles per chunk of query rows (two when attn_lse is None), online
     log-sum-exp; the backward recomputes the tiles. No [T, N] tensor is formed. Accumulation in float32
@@ -432,6 +440,10 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
     `deterministic=True`: the gradient of k_I (a scatter into selected key rows) is accumulated with a
     sort-based, order-independent reduction on CUDA, bitwise reproducible; the default uses atomics there.
     On the CPU both are sequential.
+
+    Host synchronisation: the forward validates `indices` (range, distinct keys) on the host: one
+    synchronisation per call. Bounds and token_mask may be CPU tensors. The backward makes no device-to-host
+    copy.
 
     Returns KLLoss(loss, per_token, num_tokens, indexer_lse over the set, attn_lse over the set [T, H],
     target_mass).
