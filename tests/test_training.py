@@ -647,9 +647,12 @@ def _emulated_fp32_out_gemms(monkeypatch):
     float64 products and sums rounded once to fp32, as accurate as cuBLAS's fp32 accumulation can be."""
     from deep_indexer.training import reference as ref
 
+    calls = []
+
     def emulate(f):
         def run(a, b_t):
             assert a.dtype == b_t.dtype == torch.bfloat16, "the fp32-out GEMM takes the bf16 inputs only"
+            calls.append(f.__name__)
             return f(a.double(), b_t.double()).float()
         return run
 
@@ -657,13 +660,38 @@ def _emulated_fp32_out_gemms(monkeypatch):
                         and b.dtype == a.dtype)
     monkeypatch.setattr(ref, "_mm_fp32_out", emulate(torch.mm))
     monkeypatch.setattr(ref, "_bmm_fp32_out", emulate(torch.bmm))
+    return calls
 
 
 @pytest.mark.parametrize("target", ["mean", "per_head"])
 def test_bf16_cuda_gemm_branch_on_cpu(target, monkeypatch):
     """The CUDA path's own branch (bf16 x bf16 -> fp32 GEMMs, layouts as on the GPU), run on the CPU."""
-    _emulated_fp32_out_gemms(monkeypatch)
+    calls = _emulated_fp32_out_gemms(monkeypatch)
     check_bf16_against_fp64(_bf16_case(target), target)
+    assert "mm" in calls
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_cuda_gemm_branch_layouts_on_cpu(sparse, monkeypatch):
+    """The fp32-out GEMM branch's layouts with H_kv key heads and gathered (sparse) keys: bmm_nt and the
+    head-grouped reshapes give what the upcast CPU path gives (to fp32 rounding)."""
+    t = n = 40
+    q_i, k_i, w, q, k = make(t, n, 4, 16, 8, 32, hkv=2, dtype=torch.bfloat16, seed=161)
+    idx = torch.randn(t, n, generator=torch.Generator().manual_seed(4)).topk(12, dim=1).indices.int()
+    idx[3, 5:] = -1  # padding
+
+    def run():
+        if sparse:
+            return grads(lambda a, b, c: sparse_indexer_kl_loss(a, b, c, q, k, idx).per_token, (q_i, k_i, w))
+        return grads(lambda a, b, c: indexer_kl_loss(a, b, c, q, k, chunk_keys=16).per_token, (q_i, k_i, w))
+
+    want = run()
+    calls = _emulated_fp32_out_gemms(monkeypatch)
+    got = run()
+    assert set(calls) == ({"bmm"} if sparse else {"mm", "bmm"}), set(calls)
+    close(got[0], want[0], "loss", tol=1e-6)
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), got[1], want[1]):
+        assert calc_diff(a, b) < GRAD_BF16_TOL, name
 
 
 def _tf32(x):
