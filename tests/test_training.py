@@ -106,7 +106,10 @@ def grads(fn, tensors, gout=None):
     ts = [x.detach().clone().requires_grad_(True) for x in tensors]
     out = fn(*ts)
     if gout is None:
-        gout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(7)).to(out.device)
+        # drawn in float64 and then cast: torch.randn gives different values for float32 and float64 (its
+        # vectorised path differs from 16 elements on), and runs compared across dtypes need the same gout
+        gout = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(7))
+    gout = gout.to(device=out.device, dtype=out.dtype)
     if out.dtype.is_floating_point:
         gout = torch.where(torch.isfinite(out), gout, torch.zeros_like(gout))
     (torch.where(torch.isfinite(out), out, torch.zeros_like(out)) * gout).sum().backward()
@@ -559,6 +562,164 @@ def test_sm90_kernel_input_errors_on_cpu():
 
 
 # ------------------------------------------------------------------------------------------------
+# bf16 inputs: fp32 inside, bf16 only in the returned gradients (CPU emulations of the CUDA path, and CUDA)
+# ------------------------------------------------------------------------------------------------
+
+# Bars for bf16 inputs against float64 on the same (bf16-valued) inputs, calc_diff = 1 - 2<x,y>/(|x|^2+|y|^2):
+# - GRAD_BF16_TOL for the gradients autograd returns: a leaf's gradient has the leaf's dtype, so they are the
+#   fp32 gradients rounded once to bf16 (8 significant bits, relative error up to 2^-9 per entry, uniform).
+#   That rounding alone gives calc_diff ~ 1.1e-6 to 1.5e-6 (measured); 1e-5 keeps a 7x margin.
+# - GRAD_FP32_TOL for the fp32 gradients inside (reference.warmup_kl_bwd): fp32 accumulation gives ~1e-13
+#   (measured 3e-14 to 8e-14). One bf16 rounding of any intermediate (>= ~1e-6) or a TF32 GEMM of fp32
+#   operands (2e-8 to 2e-7) fails it: this is the check that everything except the given inputs stays fp32.
+# - LOSS_TOL (max abs error over max(1, |loss|)): fp32 loss, measured 3e-7 to 6e-7; TF32 logits would give 3e-4.
+GRAD_BF16_TOL, GRAD_FP32_TOL, LOSS_TOL = 1e-5, 1e-10, 1e-5
+CU_BF16 = torch.tensor([0, 101, 101, 257, 300], dtype=torch.int32)
+
+
+def _bf16_case(target):
+    h = 8
+    return make(300, 300, h if target == "per_head" else 4, 64, h, 192, dtype=torch.bfloat16, seed=121)
+
+
+def _naive_bf16_reference(x, target):
+    """Loss and gradients of the naive float64 math (independent of the code under test) on x's values."""
+    cpu = [v.double() for v in x]
+    ks, ke = packed_bounds(CU_BF16)
+    return grads(lambda a, b, c: naive_warmup(a, b, c, cpu[3], cpu[4], cpu[4].shape[-1] ** -0.5, ks, ke, target),
+                 cpu[:3])
+
+
+def _fp32_internal_grads(x, cu, target, chunk_keys=None):
+    """(dq_I, dk_I, dw) of sum(gout * per_token) straight from the reference backward, in its accumulation
+    dtype (fp32 for bf16 inputs): what autograd rounds to the inputs' dtype."""
+    from deep_indexer.training import reference as ref
+
+    q_i, k_i, w, q, k = x
+    ks, ke = packed_bounds(cu.to(q.device))
+    ks_c, ke_c = ks.cpu(), ke.cpu()
+    per_head, heads, scale = target == "per_head", q.shape[1], q.shape[-1] ** -0.5
+    lse = ref.attention_lse(q, k, scale, ks, ke, ks_c, ke_c, None, chunk_keys)
+    loss, lse_i, mass = ref.warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse, ks, ke, ks_c, ke_c, per_head, heads,
+                                          False, None, chunk_keys)
+    gout = torch.randn(loss.shape, dtype=F64, generator=torch.Generator().manual_seed(7)).to(loss)
+    return ref.warmup_kl_bwd(gout, q_i, k_i, w, q, k, scale, lse, lse_i, mass, ks, ke, ks_c, ke_c, per_head,
+                             heads, None, chunk_keys)
+
+
+def check_bf16_against_fp64(x, target, device="cpu"):
+    """The warm-up loss on bf16 inputs x (moved to `device`, key tiles of 64) against float64 on the CPU."""
+    cu = CU_BF16
+    dev = [v.to(device) for v in x]
+    out, g = grads(lambda a, b, c: indexer_kl_loss(a, b, c, dev[3], dev[4], cu_seqlens=cu.to(device), target=target,
+                                                   chunk_keys=64).per_token, dev[:3])
+    ref_out, g_ref = _naive_bf16_reference(x, target)
+    assert out.dtype == torch.float32
+    close(out, ref_out, "loss", tol=LOSS_TOL)
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), g, g_ref):
+        assert a.dtype == torch.bfloat16, name
+        d = calc_diff(a.cpu(), b)
+        assert d < GRAD_BF16_TOL, f"{name}: calc_diff {d:.3g} vs float64 (returned bf16 gradient)"
+    inner = _fp32_internal_grads(dev, cu, target, chunk_keys=64)
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), inner, g_ref):
+        assert a.dtype == torch.float32, name
+        d = calc_diff(a.cpu(), b)
+        assert d < GRAD_FP32_TOL, f"{name}: calc_diff {d:.3g} vs float64 (fp32 gradient inside)"
+
+
+def test_grads_helper_same_gout_across_dtypes():
+    """grads() must feed float32 and float64 outputs the same upstream gradient (torch.randn does not)."""
+    seen = []
+    for dt in (torch.float32, F64):
+        x = torch.ones(40, dtype=dt)
+        seen.append(grads(lambda a: a * 1, [x])[1][0])
+    assert torch.equal(seen[0], seen[1].float())  # the float64 draw rounded to float32
+
+
+@pytest.mark.parametrize("target", ["mean", "per_head"])
+def test_bf16_cpu_matches_fp64(target):
+    """The CPU path (bf16 inputs upcast to fp32 GEMMs) under the bars above."""
+    check_bf16_against_fp64(_bf16_case(target), target)
+
+
+def _emulated_fp32_out_gemms(monkeypatch):
+    """Force the CUDA-only branch (16-bit GEMM with fp32 output) on the CPU: the GEMM is emulated by exact
+    float64 products and sums rounded once to fp32, as accurate as cuBLAS's fp32 accumulation can be."""
+    from deep_indexer.training import reference as ref
+
+    calls = []
+
+    def emulate(f):
+        def run(a, b_t):
+            assert a.dtype == b_t.dtype == torch.bfloat16, "the fp32-out GEMM takes the bf16 inputs only"
+            calls.append(f.__name__)
+            return f(a.double(), b_t.double()).float()
+        return run
+
+    monkeypatch.setattr(ref, "_fast_gemm", lambda a, b, acc: acc == torch.float32 and a.dtype in ref._LOW
+                        and b.dtype == a.dtype)
+    monkeypatch.setattr(ref, "_mm_fp32_out", emulate(torch.mm))
+    monkeypatch.setattr(ref, "_bmm_fp32_out", emulate(torch.bmm))
+    return calls
+
+
+@pytest.mark.parametrize("target", ["mean", "per_head"])
+def test_bf16_cuda_gemm_branch_on_cpu(target, monkeypatch):
+    """The CUDA path's own branch (bf16 x bf16 -> fp32 GEMMs, layouts as on the GPU), run on the CPU."""
+    calls = _emulated_fp32_out_gemms(monkeypatch)
+    check_bf16_against_fp64(_bf16_case(target), target)
+    assert "mm" in calls
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_cuda_gemm_branch_layouts_on_cpu(sparse, monkeypatch):
+    """The fp32-out GEMM branch's layouts with H_kv key heads and gathered (sparse) keys: bmm_nt and the
+    head-grouped reshapes give what the upcast CPU path gives (to fp32 rounding)."""
+    t = n = 40
+    q_i, k_i, w, q, k = make(t, n, 4, 16, 8, 32, hkv=2, dtype=torch.bfloat16, seed=161)
+    idx = torch.randn(t, n, generator=torch.Generator().manual_seed(4)).topk(12, dim=1).indices.int()
+    idx[3, 5:] = -1  # padding
+
+    def run():
+        if sparse:
+            return grads(lambda a, b, c: sparse_indexer_kl_loss(a, b, c, q, k, idx).per_token, (q_i, k_i, w))
+        return grads(lambda a, b, c: indexer_kl_loss(a, b, c, q, k, chunk_keys=16).per_token, (q_i, k_i, w))
+
+    want = run()
+    calls = _emulated_fp32_out_gemms(monkeypatch)
+    got = run()
+    assert set(calls) == ({"bmm"} if sparse else {"mm", "bmm"}), set(calls)
+    close(got[0], want[0], "loss", tol=1e-6)
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), got[1], want[1]):
+        assert calc_diff(a, b) < GRAD_BF16_TOL, name
+
+
+def _tf32(x):
+    """fp32 -> TF32 (10 mantissa bits, round half away from zero), as tensor cores read fp32 operands."""
+    if x.dtype != torch.float32:
+        return x
+    return ((x.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+@pytest.mark.parametrize("target", ["mean", "per_head"])
+def test_bf16_loss_immune_to_tf32_gemms(target, monkeypatch):
+    """With TF32 enabled for fp32 matmuls (a common training setting), the fp32 GEMMs of the backward round
+    their operands to TF32 (the fp32-inside bar then does not hold: 2e-8 to 2e-7), but the loss and the logits
+    never go through an fp32 GEMM, and the returned bf16 gradients stay under their bar."""
+    x = _bf16_case(target)
+    ref_out, g_ref = _naive_bf16_reference(x, target)  # before the patches: exact float64
+    for name in ("matmul", "mm", "bmm"):
+        monkeypatch.setattr(torch, name, lambda a, b, f=getattr(torch, name): f(_tf32(a), _tf32(b)))
+    einsum = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda eq, *ops: einsum(eq, *[_tf32(o) for o in ops]))
+    out, g = grads(lambda a, b, c: indexer_kl_loss(a, b, c, x[3], x[4], cu_seqlens=CU_BF16, target=target,
+                                                   chunk_keys=64).per_token, x[:3])
+    close(out, ref_out, "loss", tol=LOSS_TOL)
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), g, g_ref):
+        assert calc_diff(a, b) < GRAD_BF16_TOL, name
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU (the same portable code on CUDA): against float64 on the CPU, and determinism
 # ------------------------------------------------------------------------------------------------
 
@@ -566,19 +727,36 @@ def test_sm90_kernel_input_errors_on_cpu():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("target", ["mean", "per_head"])
 def test_cuda_matches_cpu_fp64(target):
+    """bf16 inputs on CUDA (bf16 x bf16 -> fp32 GEMMs, fp32 everything else) against float64 on the CPU, with
+    fp32 matmuls in full fp32 (torch's default; the TF32 case is covered on the CPU above)."""
+    if torch.backends.cuda.matmul.allow_tf32:
+        pytest.skip("TF32 enabled for fp32 matmuls in this process: the fp32-inside bar assumes IEEE fp32")
+    check_bf16_against_fp64(_bf16_case(target), target, device="cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_bounds_given_on_the_host():
+    """cu_seqlens, ks/ke and token_mask may be CPU tensors for CUDA inputs (no device-to-host copy): the same
+    results, bitwise, as the device tensors; a tensor on another device is refused."""
     t = n = 300
-    h = 8
-    cu = torch.tensor([0, 101, 101, 257, 300], dtype=torch.int32)
-    x = make(t, n, h if target == "per_head" else 4, 64, h, 192, dtype=torch.bfloat16, seed=121)
-    dev = [v.cuda() for v in x]
-    g_dev = grads(lambda a, b, c: indexer_kl_loss(a, b, c, dev[3], dev[4], cu_seqlens=cu.cuda(), target=target,
-                                                  chunk_keys=64).per_token, dev[:3])
-    cpu = [v.double() for v in x]
-    g_cpu = grads(lambda a, b, c: indexer_kl_loss(a, b, c, cpu[3], cpu[4], cu_seqlens=cu, target=target).per_token,
-                  cpu[:3])
-    close(g_dev[0], g_cpu[0], "loss", tol=1e-4)
-    for name, a, b in zip(("dq_I", "dk_I", "dw"), g_dev[1], g_cpu[1]):
-        assert calc_diff(a.float().cpu(), b) < 1e-4, name
+    x = [v.cuda() for v in make(t, n, 4, 64, 8, 64, dtype=torch.bfloat16, seed=151)]
+    mask = torch.rand(t, generator=torch.Generator().manual_seed(3)) > 0.2
+    ks, ke = packed_bounds(CU_BF16)
+    runs = []
+    for host in (False, True):
+        dev = "cpu" if host else "cuda"
+        kw = dict(token_mask=mask.to(dev), reduction="sum")
+        a = grads(lambda a, b, c: indexer_kl_loss(a, b, c, x[3], x[4], cu_seqlens=CU_BF16.to(dev), **kw).per_token,
+                  x[:3])
+        b = grads(lambda a, b, c: indexer_kl_loss(a, b, c, x[3], x[4], ks=ks.to(dev), ke=ke.to(dev), **kw).per_token,
+                  x[:3])
+        c = grads(lambda a, b, c: indexer_logits(a, b, c, cu_seqlens=CU_BF16.to(dev)), x[:3])
+        runs.append([a[0], *a[1], b[0], *b[1], c[0], *c[1]])
+    for u, v in zip(*runs):
+        assert torch.equal(u, v)
+    torch.testing.assert_close(runs[0][0], runs[0][4])  # cu_seqlens and its (ks, ke): same rows
+    with pytest.raises(ValueError, match="ke: expected the device of ks"):
+        indexer_logits(*x[:3], ks=ks, ke=ke.cuda())
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

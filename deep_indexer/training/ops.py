@@ -85,7 +85,8 @@ def packed_bounds(cu_seqlens: torch.Tensor, causal: bool = True, query_positions
     sequences. Query row t is key token t unless `query_positions` [T] gives the global position of each
     local query row (context parallelism: a rank's query rows are a slice of the packed sequence while the
     keys are all of it). A row sees its own sequence's keys: all of them, or with `causal` those at
-    positions <= its own.
+    positions <= its own. The result is on cu_seqlens' device; compute it on the CPU (and pass ks/ke as CPU
+    tensors) to keep the training ops free of host synchronisation.
     """
     _tensor("cu_seqlens", cu_seqlens, 1, _INTS)
     if cu_seqlens.numel() < 1:
@@ -111,30 +112,52 @@ def packed_bounds(cu_seqlens: torch.Tensor, causal: bool = True, query_positions
     return ks, ke
 
 
+def _index_pair(name: str, t: torch.Tensor, device: torch.device):
+    """(t on `device`, t on the CPU) for a small index/mask tensor given on either. A CPU tensor reaches a CUDA
+    device through pinned memory with non_blocking (no host sync); a device tensor is copied back (a sync)."""
+    if t.device == device:
+        return t, t.cpu()
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: expected device {device} or cpu, got {t.device}")
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True), t
+    return t.to(device), t
+
+
 def _bounds(rows: int, n_keys: int, device, ks, ke, cu_seqlens, causal):
-    """(ks, ke) on the device and on the CPU, int64, validated."""
+    """(ks, ke) on the device and on the CPU, int64, validated.
+
+    NOTES: the CPU copy plans the Python loop over row chunks and key tiles (and validates). Bounds given on
+    the CPU (cu_seqlens, ks/ke) or no bounds cost no device-to-host copy; bounds on the device cost one
+    synchronising copy here, in the forward only (the backward reuses the CPU copy)."""
+    device = torch.device(device)
     if cu_seqlens is not None:
         if ks is not None or ke is not None:
             raise ValueError("give either (ks, ke) or cu_seqlens, not both")
-        _same_device(torch.empty(0, device=device), cu_seqlens=cu_seqlens)
         _tensor("cu_seqlens", cu_seqlens, 1, _INTS)
-        total = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+        if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+            raise ValueError(f"cu_seqlens: expected device {device} or cpu, got {cu_seqlens.device}")
+        cu_host = cu_seqlens.cpu()  # the one synchronising copy when cu_seqlens is on the device
+        total = int(cu_host[-1]) if cu_host.numel() else 0
         if total != rows or total != n_keys:
             raise ValueError(f"cu_seqlens: expected the last entry to equal the query rows ({rows}) and the keys "
                              f"({n_keys}), got {total}; use packed_bounds(..., query_positions=) for local rows")
-        ks, ke = packed_bounds(cu_seqlens, causal)
+        ks, ke = packed_bounds(cu_host, causal)  # on the host, then to the device without a sync
     elif ks is None and ke is None:
-        ks = torch.zeros(rows, dtype=torch.int64, device=device)
-        ke = torch.full((rows,), n_keys, dtype=torch.int64, device=device)
+        ks_cpu = torch.zeros(rows, dtype=torch.int64)
+        ke_cpu = torch.full((rows,), n_keys, dtype=torch.int64)
+        return (torch.zeros(rows, dtype=torch.int64, device=device),
+                torch.full((rows,), n_keys, dtype=torch.int64, device=device), ks_cpu, ke_cpu)
     else:
         if ks is None or ke is None:
             raise ValueError("ks and ke: give both or neither")
         for name, t in (("ks", ks), ("ke", ke)):
             _tensor(name, t, 1, _INTS)
             _shape(name, t, (rows,))
-        _same_device(torch.empty(0, device=device), ks=ks, ke=ke)
+        if ks.device != ke.device:
+            raise ValueError(f"ke: expected the device of ks ({ks.device}), got {ke.device}")
         ks, ke = ks.long(), ke.long()
-    ks_cpu, ke_cpu = ks.cpu(), ke.cpu()
+    (ks, ks_cpu), (ke, ke_cpu) = _index_pair("ks", ks, device), _index_pair("ke", ke, device)
     for name, t in (("ks", ks_cpu), ("ke", ke_cpu)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) > n_keys):
             raise ValueError(f"{name}: expected values in [0, {n_keys}], got [{int(t.min())}, {int(t.max())}]")
@@ -192,7 +215,8 @@ def _loss_options(target, reduction, total_heads, heads, heads_i, token_mask, ro
     if token_mask is not None:
         _tensor("token_mask", token_mask, 1, (torch.bool,))
         _shape("token_mask", token_mask, (rows,))
-        _same_device(torch.empty(0, device=device), token_mask=token_mask)
+        if token_mask.device != device and token_mask.device.type != "cpu":
+            raise ValueError(f"token_mask: expected device {device} or cpu, got {token_mask.device}")
     return per_head, total, total != heads
 
 
@@ -248,8 +272,12 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     Row t's valid keys: ks[t] <= s < ke[t] (int32/int64 [T], values in [0, N]); or packed sequences
     `cu_seqlens` [B + 1] with T = N (row t sees its own sequence, up to itself when `causal`); or, with
     neither, every key. Returns float32 logits [T, N] (float64 for float64 inputs), exactly -inf outside
-    each row's range. The backward gives dq_I, dk_I, dweights (in the inputs' dtypes); the incoming gradient
-    is ignored outside the valid range.
+    each row's range. The backward gives dq_I, dk_I, dweights (computed in float32, returned in the inputs'
+    dtypes); the incoming gradient is ignored outside the valid range.
+
+    Host synchronisation: the loops are planned on the host from a CPU copy of the bounds. For inputs on a
+    GPU, give ks/ke or cu_seqlens as CPU tensors (or no bounds) to avoid any device-to-host copy; bounds on
+    the GPU cost one synchronising copy in the forward (the backward reuses it).
 
     Compute: chunks of `chunk_rows` query rows x tiles of `chunk_keys` keys (defaults: tiles of 512 keys
     and about 32 MiB per temporary on the CPU, 1024 keys and 128 MiB on a GPU), accumulated in float32
@@ -325,6 +353,9 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     target's entropy, constant for the indexer, is left out): summed over ranks it is the loss plus that
     constant. In both cases the gradients summed over ranks (one all-reduce) are exact.
 
+    Host synchronisation: as in `indexer_logits`; ks/ke, cu_seqlens and token_mask may be CPU tensors for
+    GPU inputs (no device-to-host copy); on the GPU they cost one synchronising copy in the forward.
+
     Compute: one sweep over key tiles per chunk of query rows (two when attn_lse is None), online
     log-sum-exp; the backward recomputes the tiles. No [T, N] tensor is formed. Accumulation in float32
     (float64 for float64 inputs), fixed order: bitwise reproducible run to run (`deterministic` has no
@@ -343,8 +374,9 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     _opt_int("chunk_keys", chunk_keys)
     ks, ke, ks_cpu, ke_cpu = _bounds(rows, n_keys, q_I.device, ks, ke, cu_seqlens, causal)
     if token_mask is not None:  # a masked row becomes empty: no work, no loss
-        ke = torch.where(token_mask, ke, ks)
-        ke_cpu = torch.where(token_mask.cpu(), ke_cpu, ks_cpu)
+        mask, mask_cpu = _index_pair("token_mask", token_mask, q_I.device)
+        ke = torch.where(mask, ke, ks)
+        ke_cpu = torch.where(mask_cpu, ke_cpu, ks_cpu)
     valid = ke > ks
     chunks = (chunk_rows, chunk_keys)
     with torch.no_grad():
@@ -409,6 +441,10 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
     sort-based, order-independent reduction on CUDA, bitwise reproducible; the default uses atomics there.
     On the CPU both are sequential.
 
+    Host synchronisation: the forward validates `indices` (range, distinct keys) on the host: one
+    synchronisation per call. Bounds and token_mask may be CPU tensors. The backward makes no device-to-host
+    copy.
+
     Returns KLLoss(loss, per_token, num_tokens, indexer_lse over the set, attn_lse over the set [T, H],
     target_mass).
     """
@@ -441,7 +477,7 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
         ks, ke, _, _ = _bounds(rows, n_keys, q_I.device, ks, ke, cu_seqlens, causal)
     idx = indices
     if token_mask is not None:
-        idx = torch.where(token_mask.unsqueeze(1), idx, torch.full_like(idx, -1))
+        idx = torch.where(token_mask.to(q_I.device).unsqueeze(1), idx, torch.full_like(idx, -1))
     sel = idx >= 0
     if bounded:
         sel &= (idx >= ks.unsqueeze(1)) & (idx < ke.unsqueeze(1))

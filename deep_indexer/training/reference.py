@@ -90,10 +90,20 @@ def _fast_gemm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> bool:
     return _FAST_GEMM[key]
 
 
+def _mm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """16-bit a [M, K] @ b_t [K, N] -> fp32 (the CUDA-only `out_dtype` GEMM; tests stand in an emulation)."""
+    return torch.mm(a, b_t, out_dtype=torch.float32)
+
+
+def _bmm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """16-bit a [B, M, K] @ b_t [B, K, N] -> fp32 (as `_mm_fp32_out`)."""
+    return torch.bmm(a, b_t, out_dtype=torch.float32)
+
+
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """a [..., M, K] @ b[N, K]^T -> [..., M, N] in acc."""
     if _fast_gemm(a, b, acc):
-        out = torch.mm(a.reshape(-1, a.shape[-1]), b.contiguous().t(), out_dtype=torch.float32)
+        out = _mm_fp32_out(a.reshape(-1, a.shape[-1]), b.contiguous().t())
         return out.view(*a.shape[:-1], b.shape[0])
     return torch.matmul(a.to(acc), b.to(acc).t())
 
@@ -101,8 +111,16 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 def bmm_nt(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """a [B, M, K] @ b[B, N, K]^T -> [B, M, N] in acc."""
     if _fast_gemm(a, b, acc):
-        return torch.bmm(a.contiguous(), b.contiguous().transpose(1, 2), out_dtype=torch.float32)
+        return _bmm_fp32_out(a.contiguous(), b.contiguous().transpose(1, 2))
     return torch.bmm(a.to(acc), b.to(acc).transpose(1, 2))
+
+
+def _head_sum(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_h r[:, h, :] * w[:, h] -> [rows, keys], consuming r (overwritten).
+
+    NOTES: an elementwise product and a sum, not a GEMM: with TF32 enabled for fp32 matmuls on CUDA
+    (torch.backends.cuda.matmul), a GEMM would round relu(S) to 10 mantissa bits (logit errors ~1e-3)."""
+    return r.mul_(w.unsqueeze(-1)).sum(1)
 
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
@@ -152,7 +170,7 @@ def indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chu
         for c0 in range(lo, hi, kc):
             c1 = min(hi, c0 + kc)
             s = gemm_nt(q, k_i[c0:c1], acc)  # [r, H, c]
-            blk = torch.einsum("rhc,rh->rc", s.relu_(), wr)
+            blk = _head_sum(s.relu_(), wr)
             out[r0:r1, c0:c1] = blk.masked_fill_(~_valid(ks[r0:r1], ke[r0:r1], c0, c1), _NEG_INF)
     return out
 
@@ -224,7 +242,7 @@ def _warmup_tile(qr, k_t, scale, lse_safe, qir, ki_t, wr, valid, per_head, total
         logits = s.clamp_min(0).mul_(wr.unsqueeze(-1))  # I_h [r, H, c]
         return prob, a, s, logits
     target = prob.sum(1).div_(total_heads)  # p [r, c]
-    logits = torch.einsum("rhc,rh->rc", s.clamp_min(0), wr)
+    logits = _head_sum(s.clamp_min(0), wr)
     return target, a, s, logits
 
 
@@ -331,7 +349,7 @@ def _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_he
             tgt = (log_p_h + log_wt.unsqueeze(-1)).logsumexp(1).exp()
         else:
             tgt = log_p_h.exp().sum(1).div_(total_heads)
-        logits = torch.einsum("rhk,rh->rk", s.clamp_min(0), wr)
+        logits = _head_sum(s.clamp_min(0), wr)
         vmask = sel
     tgt = torch.nan_to_num_(tgt, nan=0.0).mul_(vmask)
     lse_i = logits.masked_fill(~vmask, _NEG_INF).logsumexp(-1)
@@ -399,8 +417,10 @@ def sparse_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head
         ds = (d3 * wr.unsqueeze(-1)).mul_(s > 0)  # [r, H_I, K]
         dq[r0:r1] += torch.matmul(ds, c["kig"])
         u = torch.matmul(ds.transpose(1, 2), qir)  # [r, K, D_I]: contribution to k_I[ids]
-        sel = c["sel"]
-        ids, u = c["ids"][sel], u[sel]
+        # NOTES: every slot is scattered (unselected ones carry zeros into key 0, ids = 0 there): a boolean
+        # selection would copy its count to the host (a sync) on CUDA.
+        u = u.mul_(c["sel"].unsqueeze(-1)).reshape(-1, u.shape[-1])
+        ids = c["ids"].reshape(-1)
         if deterministic and dk.is_cuda:
             dk.index_put_((ids,), u, accumulate=True)  # sort-based on CUDA: order-independent
         else:
