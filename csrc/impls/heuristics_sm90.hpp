@@ -139,9 +139,8 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   return (cols + align - 1) / align * align;
 }
 
-// Top-k launch: a cluster of C CTAs per row (grid-stride over rows). Few rows (fewer than half
-// the SMs) get C = 2, 4 or 8 CTAs each while every CTA keeps >= kTopkMinKeysPerCta keys, so one
-// row is read by several SMs at once. Otherwise C = 1 and, with at least 1.5 rows per SM and the
+// Top-k launch: one CTA per row (grid-stride over rows; clusters of C = 2, 4 or 8 CTAs per row
+// only when forced, see below). With at least 1.5 rows per SM and the
 // unsorted kernel, two CTAs share an SM (one loads while the other selects; each with half the
 // SM's shared memory); else one CTA per SM with the largest row cache. Each CTA caches up to its
 // whole share of the row in shared memory; longer rows re-read their tail from global memory (L2)
@@ -149,8 +148,6 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
 // topk.cuh) gets 1.5x the expected share: (k + cols / 32) / kNumWarps entries (a random row has
 // ~3% of its keys in that bin), 32 to 512. Tuning overrides: DI_TOPK_CLUSTER (1, 2, 4, 8),
 // DI_TOPK_CTAS_PER_SM (1, 2) and DI_TOPK_CAND (entries per warp list; 0: no lists).
-constexpr int64_t kTopkMinKeysPerCta = 4096;
-constexpr int kTopkMaxCluster = 8;  // portable cluster size
 struct TopkLaunch {
   unsigned grid, cluster;
   int cache_vecs;
@@ -164,10 +161,9 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   const int forced_cluster = env::get_int("DI_TOPK_CLUSTER");
   if (forced_cluster == 1 || forced_cluster == 2 || forced_cluster == 4 || forced_cluster == 8) {
     cluster = forced_cluster;
-  } else {
-    while (cluster < kTopkMaxCluster && rows * cluster * 2 <= sms && cols / (cluster * 2) >= kTopkMinKeysPerCta)
-      cluster *= 2;
   }
+  // NOTES: clusters are off by default: measured on H100 (2026-11-24) one CTA per row beats them on
+  // few rows (1 x 32K: 21.1 vs 28.5 us with 8 CTAs; 64 x 8K: 16.0 vs 20.5 us with 2).
   const int64_t cta_cols = (cols + cluster - 1) / cluster;
   int cand = static_cast<int>(std::min<int64_t>(
       512, std::max<int64_t>(32, (3 * (std::min<int64_t>(k, cta_cols) + cta_cols / 32) / (2 * TopkLayout::kNumWarps) + 31) / 32 * 32)));
