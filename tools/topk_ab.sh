@@ -30,8 +30,8 @@ for v in ${VARIANTS:-cand0 match ctas1 cluster1 ctas2}; do
     ctas1) run ctas1 DI_TOPK_CTAS_PER_SM=1 -- K-D5 K-P2 K-P3 ;;
     ctas2) run ctas2 DI_TOPK_CTAS_PER_SM=2 -- K-D3 K-D8 ;;
     cluster8) run cluster8 DI_TOPK_CLUSTER=8 -- K-D1 ;;
-    copies2) run copies2 DI_JIT_EXTRA_FLAGS=-DDI_TOPK_HIST_COPIES=2 -- K-D1 K-D5 K-P2 K-P3 ;;
-    copies4) run copies4 DI_JIT_EXTRA_FLAGS=-DDI_TOPK_HIST_COPIES=4 -- K-D1 K-D5 K-P2 K-P3 ;;
+
+
     base) run base -- K-D1 K-D5 K-P2 K-P3 ;;
   esac
 done

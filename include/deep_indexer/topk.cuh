@@ -47,19 +47,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
   constexpr int kVec = L.vec();
   constexpr int kPasses = L.num_passes();
   // 16-byte loads in flight per thread in the histogram passes (fewer where 64 registers must do)
-#ifdef DI_TOPK_UNROLL
-  constexpr int kUnroll = DI_TOPK_UNROLL;
-#else
   constexpr int kUnroll = kSorted || kElemBytes == 4 ? 4 : 2;
-#endif
-  // Pass 0 spreads its histogram over up to kHistCopies copies (by lane) to cut same-address
-  // atomics; the copies beyond the first live in the (still unused) candidate lists.
-#ifdef DI_TOPK_HIST_COPIES
-  constexpr int kHistCopies = DI_TOPK_HIST_COPIES;
-#else
-  constexpr int kHistCopies = 1;
-#endif
-  static_assert(kHistCopies == 1 || kHistCopies == 2 || kHistCopies == 4, "1, 2 or 4 histogram copies");
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
@@ -158,14 +146,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
         const int shift = L.digit_shift(pass);
         const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
         row_sync();  // the cluster has finished reading this CTA's previous histogram
-        int copies = 1;
-        if (pass == 0 && kHistCopies > 1 && !use_lists)
-          copies = min(kHistCopies, 1 + cand_cap * kWarps / TopkLayout::kHistBins) >= 4 ? 4
-                   : min(kHistCopies, 1 + cand_cap * kWarps / TopkLayout::kHistBins) >= 2 ? 2 : 1;
-        uint32_t* hist_x = reinterpret_cast<uint32_t*>(smem + L.cand_offset());  // copies 1..
         for (int b = tid; b < TopkLayout::kHistBins; b += kThreads) hist[b] = 0;
-        for (int b = tid; b < (copies - 1) * TopkLayout::kHistBins; b += kThreads) hist_x[b] = 0;
-        uint32_t* my_hist = (lane & (copies - 1)) == 0 ? hist : hist_x + ((lane & (copies - 1)) - 1) * TopkLayout::kHistBins;
         if (tid == 0) *overflow = 0;
         __syncthreads();
         if (use_lists) {
@@ -201,17 +182,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
 #ifdef DI_TOPK_MATCH_HIST
                 radix::warp_hist_add(hist, (key[c] >> shift) & digit_mask, active);
 #else
-                if (active) atomicAdd(my_hist + ((key[c] >> shift) & digit_mask), 1u);
+                if (active) atomicAdd(hist + ((key[c] >> shift) & digit_mask), 1u);
 #endif
               }
-            }
-          }
-          if (copies > 1) {
-            __syncthreads();
-            for (int b = tid; b < TopkLayout::kHistBins; b += kThreads) {
-              uint32_t sum = hist[b];
-              for (int q = 1; q < copies; ++q) sum += hist_x[(q - 1) * TopkLayout::kHistBins + b];
-              hist[b] = sum;
             }
           }
         }
