@@ -18,8 +18,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <deep_indexer/ptx.cuh>
-
 #include "radix_select.cuh"
 #include "topk_layout.hpp"
 
@@ -49,8 +47,12 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
   constexpr int kVec = L.vec();
   constexpr int kPasses = L.num_passes();
   // 16-byte loads in flight per thread in the histogram passes (fewer where 64 registers must do)
-  constexpr int kUnroll = kSorted ? 4 : 2;
-  constexpr int kListUnroll = 2;  // strips per step of the list pass (64 registers)
+  constexpr int kUnroll = kSorted || kElemBytes == 4 ? 4 : 2;
+#ifdef DI_TOPK_LIST_UNROLL
+  constexpr int kListUnroll = DI_TOPK_LIST_UNROLL;  // strips per step of the list pass
+#else
+  constexpr int kListUnroll = 2;
+#endif
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
@@ -63,7 +65,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
   uint32_t* scalars = warp_sums2 + kWarps;
   uint32_t* cta_counts = scalars + 4;
   uint32_t* overflow = scalars + 6;
-  uint64_t* load_bars = reinterpret_cast<uint64_t*>(scalars + 16);  // [kLoadChunks]
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
   const int cand_cap = a.cand_per_warp;
   uint4* cache = reinterpret_cast<uint4*>(smem + L.cache_offset(cand_cap));
@@ -87,14 +88,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
   uint32_t* my_cand = reinterpret_cast<uint32_t*>(smem + L.cand_offset()) + warp * cand_cap;
   const int k = a.k;
   const int64_t num_clusters = gridDim.x / num_ctas;
-  constexpr int kChunks = TopkLayout::kLoadChunks;
-  constexpr int kMaxCluster = 8;
-  if (tid == 0) {
-    for (int q = 0; q < kChunks; ++q) ptx::mbar_init(load_bars + q, 1);
-    ptx::fence_mbar_init();
-  }
-  __syncthreads();
-  uint32_t load_phase = 0;  // every chunk barrier completes one phase per row
 
   for (int64_t r = blockIdx.x / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the row's valid columns [lo, lo + n)
@@ -140,31 +133,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
       return radix::to_key<kElemBytes>(__ldg(row_words + e));
     };
 
-    // NOTES: the cached part of the run [v_begin, v_cached) arrives by bulk copies (kChunks
-    // parts, one mbarrier each) issued at the row start, so the whole cache is in flight at once;
-    // pass 0 transforms it in place. Every barrier completes one phase per row (a plain arrive when
-    // its part is empty). The previous row's shared-memory accesses are ordered before the copies
-    // by the row barrier and the proxy fence.
-    const int cached_vecs = n > k ? min(v_end - v_begin, a.cache_vecs) : 0;
-    const int chunk_vecs = (cached_vecs + kChunks - 1) / kChunks;
-    (void)chunk_vecs;
-#ifndef DI_TOPK_NO_BULK
-    if (tid == 0) {
-      ptx::fence_proxy_async();
-#pragma unroll 1
-      for (int q = 0; q < kChunks; ++q) {
-        const int c0 = min(q * chunk_vecs, cached_vecs), c1 = min(c0 + chunk_vecs, cached_vecs);
-        if (c1 > c0) {
-          ptx::mbar_arrive_expect_tx(load_bars + q, static_cast<uint32_t>(c1 - c0) * TopkLayout::kVecBytes);
-          ptx::bulk_load(cache + c0, row_vec + v_begin + c0, static_cast<uint32_t>(c1 - c0) * TopkLayout::kVecBytes,
-                         load_bars + q);
-        } else {
-          ptx::mbar_arrive(load_bars + q);
-        }
-      }
-    }
-#endif
-
     // ---- radix select: the threshold `prefix` over the resolved bits `mask`, the number of keys
     // above it (`greater`) and how many keys equal to it to take (`take_eq`). Same in every CTA.
     uint32_t prefix = 0, mask = 0, greater = 0, take_eq = static_cast<uint32_t>(n);
@@ -192,14 +160,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
             if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
           }
         } else {
-#ifndef DI_TOPK_NO_BULK
-          const int scan_begin = pass == 0 ? v_cached : v_begin;  // pass 0: the tail only, here
-#else
-          const int scan_begin = v_begin;
-#endif
           // Warp-uniform trip counts; kUnroll independent 16-byte loads in flight per thread
           // before any of them is used.
-          for (int vb = scan_begin + warp * 32 * kUnroll; vb < v_end; vb += kThreads * kUnroll) {
+          for (int vb = v_begin + warp * 32 * kUnroll; vb < v_end; vb += kThreads * kUnroll) {
             uint4 raw[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
@@ -230,30 +193,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
             }
           }
         }
-#ifndef DI_TOPK_NO_BULK
-        if (pass == 0) {  // the cached part, chunk by chunk as the copies land: keys in place
-#pragma unroll 1
-          for (int q = 0; q < kChunks; ++q) {
-            const int c0 = min(q * chunk_vecs, cached_vecs), c1 = min(c0 + chunk_vecs, cached_vecs);
-            if (c1 <= c0) break;
-            ptx::mbar_wait(load_bars + q, load_phase);
-#pragma unroll 1
-            for (int cv = c0 + tid; cv < c1; cv += kThreads) {
-              uint32_t key[kVec];
-              radix::unpack<kElemBytes>(cache[cv], key);
-#pragma unroll
-              for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
-              cache[cv] = radix::pack<kElemBytes>(key);
-              const int v = v_begin + cv;
-#pragma unroll
-              for (int c = 0; c < kVec; ++c) {
-                const int j = v * kVec + c - mis;
-                if (j >= 0 && j < n) atomicAdd(hist + (key[c] >> shift), 1u);  // pass 0: mask == 0
-              }
-            }
-          }
-        }
-#endif
         radix::KthBin kb;
         if (num_ctas > 1) {
           cluster.sync();  // every CTA's histogram is complete
@@ -277,7 +216,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
 
         if (pass == 0 && cand_cap > 0) {
           // The lists: keys (valid) with (key & mask) >= prefix, in column order.
-          // kListUnroll strips at a time: their loads (global for the uncached tail) all in flight.
+          // kListUnroll strips at a time: their loads (global for an uncached tail) all in flight.
           for (int vg = wv0; vg < wv1; vg += 32 * kListUnroll) {
           uint32_t keys[kListUnroll][kVec];
 #pragma unroll
@@ -483,7 +422,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
         }
       }
     }
-    load_phase ^= 1u;
     row_sync();  // shared memory (read by the cluster) is reused by the next row
   }
 }

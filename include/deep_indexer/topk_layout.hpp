@@ -34,9 +34,7 @@ struct TopkLayout {
   // (kNumWarps x `cand_per_warp` uint32 element indices) and the row cache are sized per launch.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + kHistBins * 4; }
-  static constexpr int kLoadChunks = 16;  // bulk copies (one mbarrier each) filling the row cache
-  // warp sums x2, row scalars, the chunks' mbarriers
-  static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4 + kLoadChunks * 8;
+  static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4;  // warp sums x2 + row scalars
   DI_HOST_DEVICE constexpr unsigned sort_offset() const { return scratch_offset() + kScratchBytes; }
   DI_HOST_DEVICE constexpr unsigned sort_bytes() const { return sorted ? kMaxK * 8u : 0u; }
   DI_HOST_DEVICE constexpr unsigned cand_offset() const { return sort_offset() + sort_bytes(); }
