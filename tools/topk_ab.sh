@@ -23,12 +23,11 @@ run() {  # name, env..., -- shapes...
 X= run all DI_JIT_DEBUG=1 -- topk
 X=--no-ceilings
 
-for v in ${VARIANTS:-list1 list2}; do
+for v in ${VARIANTS:-base ctas1}; do
   case $v in
     cand0) run cand0 DI_TOPK_CAND=0 -- K-D5 K-P2 ;;
     match) run match DI_TOPK_CAND=0 DI_JIT_EXTRA_FLAGS=-DDI_TOPK_MATCH_HIST -- K-D5 K-P2 ;;
-    list1) run list1 DI_JIT_EXTRA_FLAGS=-DDI_TOPK_LIST_UNROLL=1 -- K-D1 K-D5 K-D8 K-P2 K-P3 K-P5 ;;
-    list2) run list2 -- K-D1 K-D5 K-D8 K-P2 K-P3 K-P5 ;;
+    base) run base -- K-D1 K-D5 K-D8 K-P2 K-P3 K-P5 ;;
     ctas1) run ctas1 DI_TOPK_CTAS_PER_SM=1 -- K-D5 K-D8 K-P2 K-P3 K-P5 ;;
     ctas2) run ctas2 DI_TOPK_CTAS_PER_SM=2 -- K-D3 K-D8 ;;
     cluster8) run cluster8 DI_TOPK_CLUSTER=8 -- K-D1 ;;

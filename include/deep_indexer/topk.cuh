@@ -48,11 +48,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
   constexpr int kPasses = L.num_passes();
   // 16-byte loads in flight per thread in the histogram passes (fewer where 64 registers must do)
   constexpr int kUnroll = kSorted || kElemBytes == 4 ? 4 : 2;
-#ifdef DI_TOPK_LIST_UNROLL
-  constexpr int kListUnroll = DI_TOPK_LIST_UNROLL;  // strips per step of the list pass
-#else
-  constexpr int kListUnroll = 2;
-#endif
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
@@ -216,20 +211,10 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
 
         if (pass == 0 && cand_cap > 0) {
           // The lists: keys (valid) with (key & mask) >= prefix, in column order.
-          // kListUnroll strips at a time: their loads (global for an uncached tail) all in flight.
-          for (int vg = wv0; vg < wv1; vg += 32 * kListUnroll) {
-          uint32_t keys[kListUnroll][kVec];
-#pragma unroll
-          for (int u = 0; u < kListUnroll; ++u) {
-#pragma unroll
-            for (int c = 0; c < kVec; ++c) keys[u][c] = 0;
-            if (vg + u * 32 + lane < wv1) load_keys(vg + u * 32 + lane, keys[u]);
-          }
-#pragma unroll
-          for (int u = 0; u < kListUnroll; ++u) {
-            const int vb = vg + u * 32;
+          for (int vb = wv0; vb < wv1; vb += 32) {
             const int v = vb + lane;
-            const uint32_t (&key)[kVec] = keys[u];
+            uint32_t key[kVec] = {};
+            if (v < wv1) load_keys(v, key);
             uint32_t sel = 0;
 #pragma unroll
             for (int c = 0; c < kVec; ++c) {
@@ -247,7 +232,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
                 ++pos;
               }
             }
-          }
           }
           if (lane == 0 && cand_n > static_cast<uint32_t>(cand_cap)) atomicOr(overflow, 1u);
           __syncthreads();
