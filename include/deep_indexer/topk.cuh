@@ -1,17 +1,18 @@
 // topk: exact, deterministic top-k indices of every row of a logits matrix (docs/topk.md).
 //
-// One cluster of C CTAs per row (C = 1 for large batches; up to 8 for few or long rows),
-// grid-stride over rows. CTA q of the cluster owns a contiguous run of the row's 16-byte vectors.
-// Keys: radix::float_key / bf16_key. Radix select of the k-th largest key over TopkLayout's digit
-// schedule: pass 0 reads the CTA's run from global memory once, builds the first histogram and
-// keeps the keys in a shared-memory cache (its first `cache_vecs` vectors; the rest is re-read
-// from global memory, usually L2, by later passes). Each later pass histograms the next digit of
-// the keys whose resolved prefix matches; passes stop once the k-th bin is taken whole. With C > 1
-// every CTA sums the cluster's histograms through distributed shared memory and runs the same
-// search, so all CTAs agree on the threshold. Selection: key > threshold, plus the first
-// (k - count_greater) keys equal to the threshold in column order; every output position is a
-// prefix count in column order (over CTAs, warps, lanes; no atomics), so the result is unique and
-// run-to-run identical.
+// One cluster of C CTAs per row (C = 1 by default; 2 to 8 when forced, see heuristics_sm90.hpp),
+// grid-stride over rows. CTA q of the cluster owns a contiguous run of the row's 16-byte vectors,
+// warp w of the CTA a contiguous part of that run. Keys: radix::float_key / bf16_key. Radix select
+// of the k-th largest key over TopkLayout's digit schedule: pass 0 reads the CTA's run from global
+// memory once, builds the first histogram (plain shared atomics) and keeps the keys in a
+// shared-memory cache (its first `cache_vecs` vectors; the rest is re-read from global memory,
+// usually L2). Then each warp lists its keys whose first digit is >= the k-th key's (column order);
+// later passes histogram the next digit over the lists only and stop once the k-th bin is taken
+// whole; when a list overflows, the CTA re-scans its run instead (same result). With C > 1 every
+// CTA sums the cluster's histograms through distributed shared memory and runs the same search, so
+// all CTAs agree on the threshold. Selection: key > threshold, plus the first (k - count_greater)
+// keys equal to the threshold in column order; every output position is a prefix count in column
+// order (over CTAs, warps, lanes; no atomics), so the result is unique and run-to-run identical.
 #pragma once
 #include <cooperative_groups.h>
 
