@@ -525,3 +525,24 @@ def test_topk_forced_launches(monkeypatch, cluster, ctas, sorted_):
     ks = torch.tensor([0, 17, 1000, 5, 199990], dtype=torch.int32)
     ke = torch.tensor([n, n - 3, 150000, 2000, n], dtype=torch.int32)
     _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("cand", ["0", "32", "512", ""])
+@pytest.mark.parametrize("kind", ["random", "ties", "low_contrast", "equal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_candidate_lists(monkeypatch, cand, kind, dtype):
+    # the candidate lists (default size, forced sizes) and the re-scan path (0, or a list that
+    # overflows) on rows of every length class, one CTA per row and clusters
+    monkeypatch.setenv("DI_TOPK_CAND", cand)
+    gen = torch.Generator().manual_seed(len(cand) * 7 + KINDS.index(kind))
+    m, n = 12, 70000
+    x = make_rows(kind, m, n + 3, dtype, gen)[:, 1:n + 1]
+    ke = torch.tensor([n, 1, 2048, 2049, 3000, 8192, 20000, 33000, 65536, n - 1, 40000, 9000], dtype=torch.int32)
+    ks = torch.tensor([0, 0, 0, 0, 1, 5, 0, 3, 0, 7, 30000, 0], dtype=torch.int32)
+    for k in (2048, 512, 1):
+        _check(x, k, ks, ke, sorted=False, index_mode="absolute", return_values=True)
+    _check(x, 2048, ks, ke, sorted=True, index_mode="relative")
+    monkeypatch.setenv("DI_TOPK_CLUSTER", "4")
+    _check(x[:2], 2048, ks[:2], ke[:2], sorted=False, index_mode="absolute", return_values=True)

@@ -1,21 +1,23 @@
 // topk: exact, deterministic top-k indices of every row of a logits matrix (docs/topk.md).
 //
-// One cluster of C CTAs per row (C = 1 for large batches; up to 8 for few or long rows),
-// grid-stride over rows. CTA q of the cluster owns a contiguous run of the row's 16-byte vectors.
-// Keys: radix::float_key / bf16_key. Radix select of the k-th largest key over TopkLayout's digit
-// schedule: pass 0 reads the CTA's run from global memory once, builds the first histogram and
-// keeps the keys in a shared-memory cache (its first `cache_vecs` vectors; the rest is re-read
-// from global memory, usually L2, by later passes). Each later pass histograms the next digit of
-// the keys whose resolved prefix matches; passes stop once the k-th bin is taken whole. With C > 1
-// every CTA sums the cluster's histograms through distributed shared memory and runs the same
-// search, so all CTAs agree on the threshold. Selection: key > threshold, plus the first
-// (k - count_greater) keys equal to the threshold in column order; every output position is a
-// prefix count in column order (over CTAs, warps, lanes; no atomics), so the result is unique and
-// run-to-run identical.
+// One cluster of C CTAs per row (C = 1 by default; 2 to 8 when forced, see heuristics_sm90.hpp),
+// grid-stride over rows. CTA q of the cluster owns a contiguous run of the row's 16-byte vectors,
+// warp w of the CTA a contiguous part of that run. Keys: radix::float_key / bf16_key. Radix select
+// of the k-th largest key over TopkLayout's digit schedule: pass 0 reads the CTA's run from global
+// memory once, builds the first histogram (plain shared atomics) and keeps the keys in a
+// shared-memory cache (its first `cache_vecs` vectors; the rest is re-read from global memory,
+// usually L2). Then each warp lists its keys whose first digit is >= the k-th key's (column order);
+// later passes histogram the next digit over the lists only and stop once the k-th bin is taken
+// whole; when a list overflows, the CTA re-scans its run instead (same result). With C > 1 every
+// CTA sums the cluster's histograms through distributed shared memory and runs the same search, so
+// all CTAs agree on the threshold. Selection: key > threshold, plus the first (k - count_greater)
+// keys equal to the threshold in column order; every output position is a prefix count in column
+// order (over CTAs, warps, lanes; no atomics), so the result is unique and run-to-run identical.
 #pragma once
 #include <cooperative_groups.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "radix_select.cuh"
 #include "topk_layout.hpp"
@@ -55,10 +57,15 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
   uint32_t* warp_sums2 = warp_sums + kWarps;                                     // [kWarps]
-  uint32_t* scalars = warp_sums2 + kWarps;  // [0, 3): find_kth_bin; [4, 6): this CTA's gt/eq counts
+  // [0, 3): find_kth_bin; [4, 6): this CTA's gt/eq counts; [6]: a candidate list overflowed
+  uint32_t* scalars = warp_sums2 + kWarps;
   uint32_t* cta_counts = scalars + 4;
+  uint32_t* overflow = scalars + 6;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
-  uint4* cache = reinterpret_cast<uint4*>(smem + L.cache_offset());
+  const int cand_cap = a.cand_per_warp;
+  uint4* cache = reinterpret_cast<uint4*>(smem + L.cache_offset(cand_cap));
+  using KeyWord = std::conditional_t<kElemBytes == 4, uint32_t, uint16_t>;
+  const KeyWord* cache_words = reinterpret_cast<const KeyWord*>(cache);
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = static_cast<int>(cluster.num_blocks());  // C
@@ -72,6 +79,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
   unsigned long long* sort_dst = kSorted ? cluster.map_shared_rank(sort_buf, 0) : sort_buf;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  // This warp's candidate list: element indices (column + mis), in column order.
+  uint32_t* my_cand = reinterpret_cast<uint32_t*>(smem + L.cand_offset()) + warp * cand_cap;
   const int k = a.k;
   const int64_t num_clusters = gridDim.x / num_ctas;
 
@@ -93,10 +103,13 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
     const uint8_t* row_bytes = static_cast<const uint8_t*>(a.logits) + (r * a.row_stride + lo) * kElemBytes;
     const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
     const uint4* row_vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
+    const KeyWord* row_words = reinterpret_cast<const KeyWord*>(row_vec);
     const int num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
-    // This CTA's run of vectors [v_begin, v_end).
+    // This CTA's run of vectors [v_begin, v_end); warp w owns the contiguous part [wv0, wv1).
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
+    const int per_warp = (v_end - v_begin + kWarps - 1) / kWarps;
+    const int wv0 = min(v_begin + warp * per_warp, v_end), wv1 = min(wv0 + per_warp, v_end);
 
     // Keys of vector v: from the cache for v < v_cached, else from global memory.
     int v_cached = v_begin;
@@ -109,45 +122,70 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
         for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
       }
     };
+    // The key of element e = v * kVec + c (a candidate list entry).
+    auto key_at = [&](uint32_t e) -> uint32_t {
+      const int v = static_cast<int>(e / kVec);
+      if (v < v_cached) return cache_words[e - static_cast<uint32_t>(v_begin) * kVec];
+      return radix::to_key<kElemBytes>(__ldg(row_words + e));
+    };
 
     // ---- radix select: the threshold `prefix` over the resolved bits `mask`, the number of keys
     // above it (`greater`) and how many keys equal to it to take (`take_eq`). Same in every CTA.
     uint32_t prefix = 0, mask = 0, greater = 0, take_eq = static_cast<uint32_t>(n);
+    // NOTES: after pass 0, each warp lists (in column order) its keys whose first digit is >= the
+    // k-th key's: at most k - 1 keys above that bin plus the bin itself. Later passes and the
+    // selection read only these lists. `use_lists` is false when a list of this CTA overflowed
+    // (low-contrast or clustered rows): then they re-scan the CTA's whole run (same results).
+    bool use_lists = false;
+    uint32_t cand_n = 0;  // entries of this warp's list (warp-uniform)
     if (n > k) {
       v_cached = v_begin + min(v_end - v_begin, a.cache_vecs);
       uint32_t k_rem = static_cast<uint32_t>(k);
+      bool done = false;
 #pragma unroll 1
-      for (int pass = 0; pass < kPasses; ++pass) {
+      for (int pass = 0; pass < kPasses && !done; ++pass) {
         const int shift = L.digit_shift(pass);
         const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
         row_sync();  // the cluster has finished reading this CTA's previous histogram
         for (int b = tid; b < TopkLayout::kHistBins; b += kThreads) hist[b] = 0;
+        if (tid == 0) *overflow = 0;
         __syncthreads();
-        // Warp-uniform trip counts (warp_hist_add needs all lanes); kUnroll independent 16-byte
-        // loads in flight per thread before any of them is used.
-        for (int vb = v_begin + warp * 32 * kUnroll; vb < v_end; vb += kThreads * kUnroll) {
-          uint4 raw[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int v = vb + u * 32 + lane;
-            raw[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (v < v_end) raw[u] = pass > 0 && v < v_cached ? cache[v - v_begin] : __ldg(row_vec + v);
+        if (use_lists) {
+          for (uint32_t i = lane; i < cand_n; i += 32) {
+            const uint32_t key = key_at(my_cand[i]);
+            if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
           }
+        } else {
+          // Warp-uniform trip counts; kUnroll independent 16-byte loads in flight per thread
+          // before any of them is used.
+          for (int vb = v_begin + warp * 32 * kUnroll; vb < v_end; vb += kThreads * kUnroll) {
+            uint4 raw[kUnroll];
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int v = vb + u * 32 + lane;
-            uint32_t key[kVec];
-            radix::unpack<kElemBytes>(raw[u], key);
-            if (pass == 0 || v >= v_cached) {
-#pragma unroll
-              for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
-              if (pass == 0 && v < v_cached) cache[v - v_begin] = radix::pack<kElemBytes>(key);
+            for (int u = 0; u < kUnroll; ++u) {
+              const int v = vb + u * 32 + lane;
+              raw[u] = make_uint4(0u, 0u, 0u, 0u);
+              if (v < v_end) raw[u] = pass > 0 && v < v_cached ? cache[v - v_begin] : __ldg(row_vec + v);
             }
 #pragma unroll
-            for (int c = 0; c < kVec; ++c) {
-              const int j = v * kVec + c - mis;
-              const bool active = v < v_end && j >= 0 && j < n && (key[c] & mask) == prefix;
-              radix::warp_hist_add(hist, (key[c] >> shift) & digit_mask, active);
+            for (int u = 0; u < kUnroll; ++u) {
+              const int v = vb + u * 32 + lane;
+              uint32_t key[kVec];
+              radix::unpack<kElemBytes>(raw[u], key);
+              if (pass == 0 || v >= v_cached) {
+#pragma unroll
+                for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
+                if (pass == 0 && v < v_cached) cache[v - v_begin] = radix::pack<kElemBytes>(key);
+              }
+#pragma unroll
+              for (int c = 0; c < kVec; ++c) {
+                const int j = v * kVec + c - mis;
+                const bool active = v < v_end && j >= 0 && j < n && (key[c] & mask) == prefix;
+#ifdef DI_TOPK_MATCH_HIST
+                radix::warp_hist_add(hist, (key[c] >> shift) & digit_mask, active);
+#else
+                if (active) atomicAdd(hist + ((key[c] >> shift) & digit_mask), 1u);
+#endif
+              }
             }
           }
         }
@@ -170,19 +208,47 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
         greater += kb.above;
         k_rem -= kb.above;
         take_eq = k_rem;
-        if (k_rem == kb.count) break;  // the whole bin is taken: lower digits cannot matter
+        done = k_rem == kb.count;  // the whole bin is taken: lower digits cannot matter
+
+        if (pass == 0 && cand_cap > 0) {
+          // The lists: keys (valid) with (key & mask) >= prefix, in column order.
+          for (int vb = wv0; vb < wv1; vb += 32) {
+            const int v = vb + lane;
+            uint32_t key[kVec] = {};
+            if (v < wv1) load_keys(v, key);
+            uint32_t sel = 0;
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              const int j = v * kVec + c - mis;
+              sel |= static_cast<uint32_t>(v < wv1 && j >= 0 && j < n && (key[c] & mask) >= prefix) << c;
+            }
+            const uint32_t my = __popc(sel);
+            const uint32_t incl = radix::warp_prefix_sum(my);
+            uint32_t pos = cand_n + incl - my;
+            cand_n += __shfl_sync(radix::kFullMask, incl, 31);
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              if ((sel >> c) & 1u) {
+                if (pos < static_cast<uint32_t>(cand_cap)) my_cand[pos] = static_cast<uint32_t>(v * kVec + c);
+                ++pos;
+              }
+            }
+          }
+          if (lane == 0 && cand_n > static_cast<uint32_t>(cand_cap)) atomicOr(overflow, 1u);
+          __syncthreads();
+          use_lists = *overflow == 0u;
+        }
       }
     }
     DI_TOPK_ASSERT(greater + take_eq == static_cast<uint32_t>(min(k, n)));
     const uint32_t total = min(greater + take_eq, static_cast<uint32_t>(k));  // = min(k, n)
 
-    // ---- selection in column order. Each warp owns a contiguous part of the CTA's run; pass A
-    // counts (warps, then CTAs), pass B writes at prefix-count positions.
-    const int per_warp = (v_end - v_begin + kWarps - 1) / kWarps;
-    const int wv0 = min(v_begin + warp * per_warp, v_end), wv1 = min(wv0 + per_warp, v_end);
+    // ---- selection in column order: pass A counts (warps, then CTAs), pass B writes at
+    // prefix-count positions. From the candidate lists, or by a scan of the warp's part.
     // Bit c of gt / eq: key c of vector v is above / equal to the threshold (and valid).
-    auto classify = [&](int v, uint32_t& gt, uint32_t& eq) {
-      uint32_t key[kVec] = {};
+    auto classify = [&](int v, uint32_t (&key)[kVec], uint32_t& gt, uint32_t& eq) {
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) key[c] = 0;
       if (v < wv1) load_keys(v, key);
       gt = eq = 0;
 #pragma unroll
@@ -195,11 +261,19 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
       }
     };
     uint32_t w_gt = 0, w_eq = 0;
-    for (int vb = wv0; vb < wv1; vb += 32) {
-      uint32_t gt, eq;
-      classify(vb + lane, gt, eq);
-      w_gt += __popc(gt);
-      w_eq += __popc(eq);
+    if (use_lists) {
+      for (uint32_t i = lane; i < cand_n; i += 32) {
+        const uint32_t mk = key_at(my_cand[i]) & mask;
+        w_gt += mk > prefix;
+        w_eq += mk == prefix;
+      }
+    } else {
+      for (int vb = wv0; vb < wv1; vb += 32) {
+        uint32_t key[kVec], gt, eq;
+        classify(vb + lane, key, gt, eq);
+        w_gt += __popc(gt);
+        w_eq += __popc(eq);
+      }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -256,29 +330,44 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
         store(static_cast<int>(pos), j);
     };
 
-    for (int vb = wv0; vb < wv1; vb += 32) {
-      const int v = vb + lane;
-      uint32_t gt, eq;
-      classify(v, gt, eq);
-      const uint32_t my_gt = __popc(gt), my_eq = __popc(eq);
-      // counts fit 16 bits: a strip holds 32 * kVec <= 256 keys
-      const uint32_t packed = radix::warp_prefix_sum(my_gt | (my_eq << 16));
-      const uint32_t strip = __shfl_sync(radix::kFullMask, packed, 31);
-      uint32_t g_before = gt_base + (packed & 0xFFFFu) - my_gt;
-      uint32_t e_before = eq_base + (packed >> 16) - my_eq;
-      if ((gt | eq) != 0) {
-        uint32_t key[kVec];
-        load_keys(v, key);
-#pragma unroll
-        for (int c = 0; c < kVec; ++c) {
-          const bool is_gt = (gt >> c) & 1u, is_eq = (eq >> c) & 1u;
-          if (is_gt || (is_eq && e_before < take_eq)) emit(g_before + min(e_before, take_eq), v * kVec + c - mis, key[c]);
-          g_before += is_gt;
-          e_before += is_eq;
-        }
+    if (use_lists) {
+      for (uint32_t i0 = 0; i0 < cand_n; i0 += 32) {
+        const uint32_t i = i0 + lane;
+        const uint32_t e = i < cand_n ? my_cand[i] : 0u;
+        const uint32_t key = i < cand_n ? key_at(e) : 0u;
+        const uint32_t mk = key & mask;
+        const bool is_gt = i < cand_n && mk > prefix, is_eq = i < cand_n && mk == prefix;
+        const uint32_t bg = __ballot_sync(radix::kFullMask, is_gt), be = __ballot_sync(radix::kFullMask, is_eq);
+        const uint32_t g_before = gt_base + __popc(bg & lanes_below);
+        const uint32_t e_before = eq_base + __popc(be & lanes_below);
+        if (is_gt || (is_eq && e_before < take_eq))
+          emit(g_before + min(e_before, take_eq), static_cast<int>(e) - mis, key);
+        gt_base += __popc(bg);
+        eq_base += __popc(be);
       }
-      gt_base += strip & 0xFFFFu;
-      eq_base += strip >> 16;
+    } else {
+      for (int vb = wv0; vb < wv1; vb += 32) {
+        const int v = vb + lane;
+        uint32_t key[kVec], gt, eq;
+        classify(v, key, gt, eq);
+        const uint32_t my_gt = __popc(gt), my_eq = __popc(eq);
+        // counts fit 16 bits: a strip holds 32 * kVec <= 256 keys
+        const uint32_t packed = radix::warp_prefix_sum(my_gt | (my_eq << 16));
+        const uint32_t strip = __shfl_sync(radix::kFullMask, packed, 31);
+        uint32_t g_before = gt_base + (packed & 0xFFFFu) - my_gt;
+        uint32_t e_before = eq_base + (packed >> 16) - my_eq;
+        if ((gt | eq) != 0) {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) {
+            const bool is_gt = (gt >> c) & 1u, is_eq = (eq >> c) & 1u;
+            if (is_gt || (is_eq && e_before < take_eq)) emit(g_before + min(e_before, take_eq), v * kVec + c - mis, key[c]);
+            g_before += is_gt;
+            e_before += is_eq;
+          }
+        }
+        gt_base += strip & 0xFFFFu;
+        eq_base += strip >> 16;
+      }
     }
 
     if constexpr (kSorted) {

@@ -30,17 +30,24 @@ struct TopkLayout {
     return elem_bytes == 4 ? (pass == 2 ? 10 : 11) : (pass == 0 ? 11 : 5);
   }
 
-  // Byte offsets inside dynamic shared memory (every region 16-byte aligned).
+  // Byte offsets inside dynamic shared memory (every region 16-byte aligned). The candidate lists
+  // (kNumWarps x `cand_per_warp` uint32 element indices) and the row cache are sized per launch.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + kHistBins * 4; }
   static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4;  // warp sums x2 + row scalars
   DI_HOST_DEVICE constexpr unsigned sort_offset() const { return scratch_offset() + kScratchBytes; }
   DI_HOST_DEVICE constexpr unsigned sort_bytes() const { return sorted ? kMaxK * 8u : 0u; }
-  DI_HOST_DEVICE constexpr unsigned cache_offset() const { return sort_offset() + sort_bytes(); }
-  DI_HOST_DEVICE constexpr unsigned fixed_bytes() const { return cache_offset(); }
+  DI_HOST_DEVICE constexpr unsigned cand_offset() const { return sort_offset() + sort_bytes(); }
+  DI_HOST_DEVICE static constexpr unsigned cand_bytes(int cand_per_warp) {
+    return static_cast<unsigned>(cand_per_warp) * kNumWarps * 4u;
+  }
+  DI_HOST_DEVICE constexpr unsigned cache_offset(int cand_per_warp) const {
+    return cand_offset() + cand_bytes(cand_per_warp);
+  }
+  DI_HOST_DEVICE constexpr unsigned fixed_bytes(int cand_per_warp = 0) const { return cache_offset(cand_per_warp); }
   // Dynamic shared memory for a row cache of `cache_vecs` 16-byte vectors of keys.
-  DI_HOST_DEVICE constexpr unsigned smem_bytes(int cache_vecs) const {
-    return fixed_bytes() + static_cast<unsigned>(cache_vecs) * kVecBytes;
+  DI_HOST_DEVICE constexpr unsigned smem_bytes(int cache_vecs, int cand_per_warp) const {
+    return fixed_bytes(cand_per_warp) + static_cast<unsigned>(cache_vecs) * kVecBytes;
   }
 };
 
@@ -69,6 +76,7 @@ struct TopkArgs {
   void* out_values;       // may be null; logits dtype
   int64_t values_stride;
   int cache_vecs;         // 16-byte vectors of keys cached in shared memory per row
+  int cand_per_warp;      // entries of each warp's candidate list (a multiple of 4)
 };
 
 }  // namespace deep_indexer
