@@ -118,6 +118,17 @@ ANCHOR_US = {
 }
 
 
+def source_commit() -> str:
+    """The commit measured: DI_BENCH_COMMIT when set (a copied tree's .git may be stale), else git's HEAD."""
+    if os.environ.get("DI_BENCH_COMMIT"):
+        return os.environ["DI_BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        return ""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D9, V1, C1, K-* top-k, KF-* logits + top-k) or 'prefill'/'decode'/'clean'/'topk'/'fused_topk'")
     p.add_argument("--heads", type=int, default=64)
@@ -507,11 +518,7 @@ def run(args) -> dict:
             ks = kernel_durations(fn, timer, args.iters, match)
             if ks:
                 r[key] = statistics.median(ks)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = source_commit()
     return {"device": name, "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
             "host": platform.node(), "flush": args.flush, "host_slack_us": args.host_slack_us, "ceilings": ceil,
             "compare": args.compare, "results": rows}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import time
 
 import torch
@@ -164,10 +163,9 @@ def main(argv=None):
     if args.smoke:
         args.tokens, args.seqs, seq_len, args.iters = [256], [2], 128, 1
     rate = gemm_rate(dev, timer, 1024 if args.smoke else 8192)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    from ..bench import source_commit
+
+    commit = source_commit()
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"# {name}, {datetime.date.today()}, commit {commit}, torch {torch.__version__}; "
           f"bf16 GEMM {rate / 1e12:.0f} TFLOP/s. Portable PyTorch path unless the case says sm90.")
