@@ -382,7 +382,7 @@ def run(args) -> dict:
     anchor_col = 0 if "H200" in name else 1
     other = importlib.import_module(args.compare) if args.compare else None
     timer = Timer(device, args.flush, args.host_slack_us)
-    wanted = args.shapes or ["prefill", "decode", "clean"]
+    wanted = args.shapes or ["prefill", "decode", "clean", "topk"]
     ids = []
     for s in wanted:
         ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES) + list(VARLEN_SHAPES),
