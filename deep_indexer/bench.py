@@ -75,7 +75,7 @@ TOPK_SHAPES = {
 # Logits -> top-k in one call (fp8_paged_mqa_topk_indices / fp8_mqa_topk_indices, k = 2048 unless
 # noted) against the logits alone (clean_logits=False): "KF-<decode or prefill id>[:k]".
 def fused_topk_ids() -> list:
-    return [f"KF-{d}" for d in ("D1", "D2", "D3", "D4", "D5")] + ["KF-P2", "KF-P2:512", "KF-P3", "KF-P5"]
+    return [f"KF-{d}" for d in ("D1", "D2", "D3", "D4", "D5", "D8")] + ["KF-P2", "KF-P2:512", "KF-P3", "KF-P5"]
 
 
 def topk_case(sid: str, device, seed: int) -> dict:
