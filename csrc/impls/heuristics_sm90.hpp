@@ -28,33 +28,11 @@ inline void print_choice(F&& make_line) {
 }
 
 // Prefill math warpgroups: the layout's default (2 with double-buffered accumulators; 3 with one
-// accumulator set each for H = 128), except H = 32 with D <= 64: 4 warpgroups with one accumulator
-// set each and the head weights in shared memory. Those shapes have the least MMA per tile (144
-// columns x D = 64) and were epilogue/latency-bound with 2 warpgroups (2 math warps per scheduler
-// at ~0.35 IPC; WGMMA alone runs them in 0.45x the time); 4 warpgroups give each scheduler 4 warps
-// to hide that latency, as the reference implementation's 4-warpgroup design does.
-// DI_MQA_MATH_WGS (2, 3 or 4) forces the count (DI_MQA_MATH_WGS=2 is the previous path of H = 32,
-// D <= 64).
-// The 4-warpgroup kernel needs __maxnreg__ (nvcc >= 12.4); with an older nvcc it is never chosen.
-inline bool nvcc_has_maxnreg() {
-  static const bool ok = [] {
-    const std::string v = jit::Compiler::instance().nvcc_version();  // "release 12.4, V12.4.131"
-    const size_t at = v.find("release ");
-    if (at == std::string::npos) return true;  // unknown format: assume a current nvcc
-    const char* p = v.c_str() + at + 8;
-    char* end = nullptr;
-    const long major = std::strtol(p, &end, 10);
-    const long minor = (end != nullptr && *end == '.') ? std::strtol(end + 1, nullptr, 10) : 0;
-    return major > 12 || (major == 12 && minor >= 4);
-  }();
-  return ok;
-}
-
+// accumulator set each for H = 128). DI_MQA_MATH_WGS (2, 3 or 4) forces the count; 4 = one
+// accumulator set each, the head weights from shared memory, 640 threads (setmaxnreg 24/112).
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   const int forced = env::get_int("DI_MQA_MATH_WGS");
-  // NOTES: the 4-warpgroup layout (576 threads at 112 registers) does not launch: 18 warps put 5 on two
-  // SM sub-partitions, 5 x 112 x 32 registers > the 16K of one sub-partition. Not selectable until fixed.
-  if (forced >= 2 && forced <= 3) return forced;
+  if (forced >= 2 && forced <= 4) return forced;
   return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 

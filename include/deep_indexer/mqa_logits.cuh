@@ -161,7 +161,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
     ptx::fence_mbar_init();
   }
-  constexpr int kProducer0 = L.producer_warp0();
+  constexpr int kProducer0 = 0;  // warpgroup 0
   constexpr int kFillWarps = L.producer_warps() - 1;
   if (warp == kProducer0 && lane == 0) {
     ptx::prefetch_tensor_map(&tmap_q);
@@ -171,7 +171,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
   if (warp >= kProducer0 && warp < kProducer0 + L.producer_warps()) {
     // ===================================================================== producer
-    if constexpr (L.uses_setmaxnreg()) ptx::reg_dealloc<L.producer_regs()>();
+    ptx::reg_dealloc<L.producer_regs()>();
     const int pw = static_cast<int>(warp) - kProducer0;  // producer warp: 0 TMA, 1.. the fill
     if (pw != 0) {
       // The fill warps (clean only): -inf outside each owned token's range [a, b); the math
@@ -279,8 +279,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
   } else {
     // ===================================================================== math
-    if constexpr (L.uses_setmaxnreg()) ptx::reg_alloc<L.math_regs()>();
-    const int wg = static_cast<int>(warp / 4) - L.math_warp0() / 4;  // 0 .. num_math_wgs() - 1
+    ptx::reg_alloc<L.math_regs()>();
+    const int wg = static_cast<int>(warp / 4) - 1;  // 0 .. num_math_wgs() - 1
     const int warp_in_wg = static_cast<int>(warp % 4);
     const int quad = static_cast<int>(lane & 3);
     const int row_in_tile = warp_in_wg * 16 + static_cast<int>(lane >> 2);  // + 8 * j
@@ -554,8 +554,8 @@ __global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVSta
                                                                      SKV, max_seqlen_k, clean);
 }
 
-// Same kernel with an explicit number of math warpgroups (2 or 3) and epilogue form; the host must
-// then use MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs, kSplitRelu} for threads, shared
+// Same kernel with an explicit number of math warpgroups (2, 3 or 4) and epilogue form; the host
+// must then use MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs, kSplitRelu} for threads, shared
 // memory and q blocks.
 template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu = false>
 __global__ void __launch_bounds__(
@@ -565,25 +565,8 @@ __global__ void __launch_bounds__(
                           int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
                           const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
                           int max_seqlen_k, int clean) {
-  static_assert(kMathWGs == 2 || kMathWGs == 3, "4 math warpgroups: mqa_logits_kernel_wg4");
+  static_assert(kMathWGs >= 2 && kMathWGs <= 4, "2, 3 or 4 math warpgroups");
   mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs, kSplitRelu>(
-      tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
-      max_seqlen_k, clean);
-}
-
-// The 4-math-warpgroup layout (576 threads, no setmaxnreg). NOTES: __maxnreg__ instead of
-// __launch_bounds__'s minimum of 1 block: with the latter ptxas caps 576 threads at 96 registers (as
-// for 640); launch_regs() = 112 fit (18 warps x 3584 registers).
-template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, bool kSplitRelu>
-__global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), 4,
-                                                  kSplitRelu}.num_threads())
-    __maxnreg__((MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), 4, kSplitRelu}.launch_regs()))
-    mqa_logits_kernel_wg4(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                          const float* __restrict__ k_scale, const void* __restrict__ weights,
-                          int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
-                          const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
-                          int max_seqlen_k, int clean) {
-  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 4, kSplitRelu>(
       tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
       max_seqlen_k, clean);
 }

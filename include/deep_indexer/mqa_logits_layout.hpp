@@ -11,22 +11,20 @@
 //   num_math_wgs()     math warpgroups per CTA: default_math_wgs(H, D) = 2 (accumulators double-
 //                      buffered, setmaxnreg 40/232) or 3 for H = 128 (single-buffered, 24/160).
 //                      The optional 5th field math_wgs overrides it (for mqa_logits_kernel_wgs):
-//                      4 = single-buffered, the head weights read from the info area in the
-//                      epilogue instead of being held in registers (weights_in_smem()); more warps
-//                      per scheduler to hide the epilogue's latency. ptxas compiles the whole kernel
-//                      within the launch's registers per thread (setmaxnreg only moves them at run
-//                      time), so this layout has no producer warpgroup: the math warpgroups are
-//                      warps 0..15 and two producer warps (TMA, -inf fill) follow: 576 threads,
-//                      112 registers each, no setmaxnreg.
+//                      4 = single-buffered, setmaxnreg 24/112, the head weights read from the info
+//                      area in the epilogue instead of being held in registers (weights_in_smem());
+//                      more warps per scheduler to hide the epilogue's latency. launch_regs() and
+//                      valid() check the register split against the CTA's allocation and one SM
+//                      sub-partition's register file (a layout that cannot launch is not valid()).
 //   tokens_per_cta()   num_math_wgs() * block_q(): query tokens of one "q block". The persistent
 //                      grid walks q blocks round-robin (block = blockIdx.x + k * gridDim.x);
 //                      number of q blocks = ceil(S / tokens_per_cta()); grid = min(that, #SMs).
 //   block_kv()         64: KV rows per KV tile; also the TMA box height of the k tensor map.
 //   swizzle_bytes()    D: the TMA swizzle mode of both tensor maps (32B, 64B or 128B), the inner
 //                      box dimension is D elements (= D bytes of fp8).
-//   num_threads()      128 * num_math_wgs() + 32 * producer_warps() = 384 (512 for H = 128):
+//   num_threads()      128 * (num_math_wgs() + 1) = 384 (512 for 3, 640 for 4 math warpgroups):
 //                      warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf fill), the
-//                      math warpgroups follow (4 math warpgroups: they come first, see above).
+//                      math warpgroups follow.
 //   num_kv_stages      depth of the KV ring (template parameter kNumKVStages).
 //   q_tile_bytes()     mma_n() * D rounded up to 1024 (q_box_bytes() = 128 * D of it come by TMA),
 //                      kv_tile_bytes() 64 * D.
@@ -64,7 +62,7 @@ struct MqaLogitsLayout {
   int head_dim;       // D: 32, 64 or 128 (fp8 bytes per row)
   int num_kv_stages;  // KV ring depth
   int out_bytes;      // 4 (float32 logits) or 2 (bfloat16 logits); does not change the layout
-  int math_wgs = 0;   // math warpgroups per CTA (2 or 3); 0 = default_math_wgs(H, D). Leave it out.
+  int math_wgs = 0;   // math warpgroups per CTA (2, 3 or 4); 0 = default_math_wgs(H, D). Leave it out.
   bool split_relu = false;  // linear half of relu on the tensor cores (see above)
 
   static constexpr int kMaxSmem = 232448;  // 227 KB opt-in dynamic shared memory on SM90
@@ -91,26 +89,32 @@ struct MqaLogitsLayout {
   // Extra B rows per math warpgroup: an 8-row group per pair of tokens (4 pieces x 2 tokens).
   DI_HOST_DEVICE constexpr int linear_rows() const { return split_relu ? 8 * ((block_q() + 1) / 2) : 0; }
   DI_HOST_DEVICE constexpr int mma_n() const { return kQRowsPerTile + linear_rows(); }
-  // Producer warps and where the roles sit: a whole warpgroup first (setmaxnreg works per
-  // warpgroup), or with 4 math warpgroups two warps after them (no setmaxnreg).
-  DI_HOST_DEVICE constexpr int producer_warps() const { return num_math_wgs() == 4 ? 2 : 4; }
-  DI_HOST_DEVICE constexpr int producer_warp0() const { return num_math_wgs() == 4 ? 4 * num_math_wgs() : 0; }
-  DI_HOST_DEVICE constexpr int math_warp0() const { return num_math_wgs() == 4 ? 0 : 4; }
-  DI_HOST_DEVICE constexpr bool uses_setmaxnreg() const { return num_math_wgs() != 4; }
-  // setmaxnreg values: 2 math warpgroups double-buffer their accumulators (232 registers), 3 and 4
-  // do not. Each split fills the CTA's launch allocation (launch_regs() per thread; see valid()).
-  DI_HOST_DEVICE constexpr int producer_regs() const {
-    return !uses_setmaxnreg() ? launch_regs() : (num_math_wgs() == 2 ? 40 : 24);
-  }
+  // Warp roles: warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf fill), the math
+  // warpgroups follow. setmaxnreg moves registers from the producer to the math warpgroups: 2 math
+  // warpgroups double-buffer their accumulators (232 registers), 3 and 4 do not (160, 112).
+  DI_HOST_DEVICE constexpr int producer_warps() const { return 4; }
+  DI_HOST_DEVICE constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
   DI_HOST_DEVICE constexpr int math_regs() const {
-    return !uses_setmaxnreg() ? launch_regs() : (num_math_wgs() == 2 ? 232 : 160);
+    return num_math_wgs() == 2 ? 232 : (num_math_wgs() == 3 ? 160 : 112);
   }
   DI_HOST_DEVICE constexpr bool double_buffered() const { return num_math_wgs() == 2; }
   // 4 math warpgroups: the 32 head weights per thread do not fit next to the accumulators.
   DI_HOST_DEVICE constexpr bool weights_in_smem() const { return num_math_wgs() == 4; }
-  // Registers per thread the launch gets (__launch_bounds__(num_threads(), 1)): 64K / threads,
-  // rounded down to the allocation granularity of 8; setmaxnreg redistributes only these.
-  DI_HOST_DEVICE constexpr int launch_regs() const { return 65536 / num_threads() / 8 * 8; }
+  // Register file: 4 SM sub-partitions of kRegsPerSubPartition each; warp w of the CTA runs on
+  // sub-partition w % 4, so each holds one producer warp and one warp of every math warpgroup
+  // (ceil(warps / 4) warps). Registers are allocated per warp in units of 8 per thread. A launch
+  // gets launch_regs() per thread (what __launch_bounds__(num_threads(), 1) lets ptxas use outside
+  // the setmaxnreg regions). setmaxnreg.inc draws on the CTA's pool (the launch allocation), so the
+  // split must fit both that and one sub-partition (valid()).
+  static constexpr int kRegsPerSubPartition = 16384;
+  static constexpr int kRegGranule = 8;
+  DI_HOST_DEVICE constexpr int warps_per_subpartition() const { return (num_threads() / 32 + 3) / 4; }
+  DI_HOST_DEVICE constexpr int launch_regs() const {
+    return kRegsPerSubPartition / (32 * warps_per_subpartition()) / kRegGranule * kRegGranule;
+  }
+  DI_HOST_DEVICE constexpr int split_regs_per_subpartition() const {
+    return 32 * (producer_regs() + num_math_wgs() * math_regs());
+  }
   DI_HOST_DEVICE constexpr int block_kv() const { return kBlockKV; }
   DI_HOST_DEVICE constexpr int k_box_rows() const { return kBlockKV; }
   DI_HOST_DEVICE constexpr int swizzle_bytes() const { return head_dim; }
@@ -180,8 +184,10 @@ struct MqaLogitsLayout {
            num_kv_stages <= kMaxKVStages && smem_bytes() <= kMaxSmem &&
            (num_math_wgs() >= 2 && num_math_wgs() <= 4) && tokens_per_cta() <= 32 && mma_n() <= 256 &&
            info_offset_ranges() + 8 * tokens_per_cta() <= info_offset_weights() &&
+           launch_regs() <= 255 && split_regs_per_subpartition() <= kRegsPerSubPartition &&
            32 * producer_warps() * producer_regs() + num_math_wgs() * kThreadsPerWG * math_regs() <=
                num_threads() * launch_regs() &&
+           producer_regs() % kRegGranule == 0 && math_regs() % kRegGranule == 0 &&
            // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)
            q_tile_bytes() % kAlign == 0 && kv_tile_bytes() % kAlign == 0 && offset_kv(0) % kAlign == 0 &&
            offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0 &&
