@@ -223,7 +223,7 @@ def test_mqa_logits_compressed_matches_full_width(H, D):
 
 
 @pytest.mark.parametrize("H,D", MQA_CONFIGS)
-@pytest.mark.parametrize("wgs", ["2", "3"])
+@pytest.mark.parametrize("wgs", ["2", "3", "4"])
 def test_mqa_logits_math_wgs(H, D, wgs, monkeypatch):
     # Every math warpgroup count (DI_MQA_MATH_WGS) on every (H, D) it supports, both epilogue forms,
     # the fused and the separate -inf fill, full-width and compressed logits, bf16 weights.

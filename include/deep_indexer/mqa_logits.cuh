@@ -161,18 +161,93 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
     ptx::fence_mbar_init();
   }
-  constexpr int kProducer0 = 0;  // warpgroup 0
+  constexpr bool kFolded = L.folded_producer();
   constexpr int kFillWarps = L.producer_warps() - 1;
-  if (warp == kProducer0 && lane == 0) {
+  if (warp == 0 && lane == 0) {
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
   }
   __syncthreads();
 
-  if (warp >= kProducer0 && warp < kProducer0 + L.producer_warps()) {
+  // Producer steps, run by one whole warp (the producer warp, or math warp 0 when folded).
+  // q block `blk` into q stage qs (free): per-token ranges, their union, the weights, the q TMA
+  // loads; returns the union start and the number of KV tiles.
+  auto produce_block = [&](int blk, int qs, int& u_lo_out, int& tiles_out) {
+    uint8_t* info = smem + L.offset_info(qs);
+    const int tok0 = blk * T2;
+    // Per-token clamped ranges and their union.
+    int u_lo = 0x7fffffff, u_hi = -0x7fffffff - 1;
+    if (lane < T2) {
+      const int tg = tok0 + static_cast<int>(lane);
+      int a = 0, b = 0;
+      if (tg < S) {
+        a = max(__ldg(ks + tg), 0);
+        b = min(__ldg(ke + tg), SKV);
+        if (max_seqlen_k > 0 && b > a && b - a > max_seqlen_k) b = a + max_seqlen_k;  // b > a: no overflow
+      }
+      reinterpret_cast<int2*>(info + L.info_offset_ranges())[lane] = make_int2(a, b);
+      if (b > a) {
+        u_lo = a;
+        u_hi = b;
+      }
+    }
+    u_lo = __reduce_min_sync(0xffffffffu, u_lo);
+    u_hi = __reduce_max_sync(0xffffffffu, u_hi);
+    const int num_tiles = u_hi > u_lo ? (u_hi - u_lo - 1) / kBlockKV + 1 : 0;
+    if (lane == 0) {
+      reinterpret_cast<int*>(info)[0] = u_lo;
+      reinterpret_cast<int*>(info)[1] = num_tiles;
+    }
+    // The block's weights, token-major; 0 for tokens >= S.
+    float* winfo = reinterpret_cast<float*>(info + L.info_offset_weights());
+    constexpr int kWUnroll = kFolded ? 1 : (T2 * H + 31) / 32;  // folded: few registers next to the accumulators
+#pragma unroll kWUnroll
+    for (int i = lane; i < T2 * H; i += 32) {
+      const int tg = tok0 + i / H;
+      const int64_t wi = static_cast<int64_t>(tg) * weights_stride + (i % H);
+      float wv = 0.0f;
+      if (tg < S)
+        wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
+                          : __ldg(static_cast<const float*>(weights) + wi);
+      if constexpr (kWSmem) {
+        if constexpr (kSplitRelu) wv *= 0.5f;  // see the math warpgroups' weights
+        const int n = i % 128;  // accumulator column 8 g + 2 quad + c of math warpgroup i / 128
+        reinterpret_cast<float*>(info + L.info_offset_wperm())[i - n + ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)] = wv;
+      }
+      winfo[i] = wv;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      // q tiles only when there is work, and only for warpgroups with a valid token.
+      uint32_t bytes = 0;
+#pragma unroll
+      for (int w = 0; w < L.num_math_wgs(); ++w)
+        if (num_tiles > 0 && tok0 + w * T < S) bytes += kQBoxBytes;
+      ptx::mbar_arrive_expect_tx(q_full(qs), bytes);
+#pragma unroll
+      for (int w = 0; w < L.num_math_wgs(); ++w)
+        if (num_tiles > 0 && tok0 + w * T < S)
+          ptx::tma_load_2d(smem + L.offset_q(qs, w), &tmap_q, q_full(qs), 0, (tok0 + w * T) * H,
+                           ptx::kCacheEvictFirst);
+    } else {
+      ptx::mbar_arrive(q_full(qs));
+    }
+    u_lo_out = u_lo;
+    tiles_out = num_tiles;
+  };
+  // KV tile t of the current q block into ring stage kv (free).
+  auto produce_kv = [&](int u_lo, int t, const ptx::PipelineState<kNumKVStages>& kv) {
+    if (lane == 0) {
+      ptx::mbar_arrive_expect_tx(kv_full(kv.index), kKVTileBytes);
+      ptx::tma_load_2d(smem + L.offset_kv(kv.index), &tmap_k, kv_full(kv.index), 0, u_lo + t * kBlockKV,
+                       ptx::kCacheEvictNormal);
+    }
+  };
+
+  if (static_cast<int>(warp) < L.producer_warps()) {
     // ===================================================================== producer
-    ptx::reg_dealloc<L.producer_regs()>();
-    const int pw = static_cast<int>(warp) - kProducer0;  // producer warp: 0 TMA, 1.. the fill
+    if constexpr (L.uses_setmaxnreg()) ptx::reg_dealloc<L.producer_regs()>();
+    const int pw = static_cast<int>(warp);  // producer warp: 0 TMA, 1.. the fill
     if (pw != 0) {
       // The fill warps (clean only): -inf outside each owned token's range [a, b); the math
       // warpgroups write exactly [a, b) when it is not empty, so the two never touch the same element.
@@ -205,82 +280,19 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       const int blk = q_block(it);
       if (blk >= num_blocks) break;
       const int qs = it & 1;
-      const uint32_t qph = (it >> 1) & 1;
-      ptx::mbar_wait(q_empty(qs), qph ^ 1);
-
-      uint8_t* info = smem + L.offset_info(qs);
-      const int tok0 = blk * T2;
-      // Per-token clamped ranges and their union.
-      int u_lo = 0x7fffffff, u_hi = -0x7fffffff - 1;
-      if (lane < T2) {
-        const int tg = tok0 + static_cast<int>(lane);
-        int a = 0, b = 0;
-        if (tg < S) {
-          a = max(__ldg(ks + tg), 0);
-          b = min(__ldg(ke + tg), SKV);
-          if (max_seqlen_k > 0 && b > a && b - a > max_seqlen_k) b = a + max_seqlen_k;  // b > a: no overflow
-        }
-        reinterpret_cast<int2*>(info + L.info_offset_ranges())[lane] = make_int2(a, b);
-        if (b > a) {
-          u_lo = a;
-          u_hi = b;
-        }
-      }
-      u_lo = __reduce_min_sync(0xffffffffu, u_lo);
-      u_hi = __reduce_max_sync(0xffffffffu, u_hi);
-      const int num_tiles = u_hi > u_lo ? (u_hi - u_lo - 1) / kBlockKV + 1 : 0;
-      if (lane == 0) {
-        reinterpret_cast<int*>(info)[0] = u_lo;
-        reinterpret_cast<int*>(info)[1] = num_tiles;
-      }
-      // The block's weights, token-major; 0 for tokens >= S.
-      float* winfo = reinterpret_cast<float*>(info + L.info_offset_weights());
-#pragma unroll
-      for (int i = lane; i < T2 * H; i += 32) {
-        const int tg = tok0 + i / H;
-        const int64_t wi = static_cast<int64_t>(tg) * weights_stride + (i % H);
-        float wv = 0.0f;
-        if (tg < S)
-          wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
-                            : __ldg(static_cast<const float*>(weights) + wi);
-        if constexpr (kWSmem) {
-          if constexpr (kSplitRelu) wv *= 0.5f;  // see the math warpgroups' weights
-          const int n = i % 128;  // accumulator column 8 g + 2 quad + c of math warpgroup i / 128
-          reinterpret_cast<float*>(info + L.info_offset_wperm())[i - n + ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)] = wv;
-        }
-        winfo[i] = wv;
-      }
-      __syncwarp();
-      if (lane == 0) {
-        // q tiles only when there is work, and only for warpgroups with a valid token.
-        uint32_t bytes = 0;
-#pragma unroll
-        for (int w = 0; w < L.num_math_wgs(); ++w)
-          if (num_tiles > 0 && tok0 + w * T < S) bytes += kQBoxBytes;
-        ptx::mbar_arrive_expect_tx(q_full(qs), bytes);
-#pragma unroll
-        for (int w = 0; w < L.num_math_wgs(); ++w)
-          if (num_tiles > 0 && tok0 + w * T < S)
-            ptx::tma_load_2d(smem + L.offset_q(qs, w), &tmap_q, q_full(qs), 0, (tok0 + w * T) * H,
-                             ptx::kCacheEvictFirst);
-      } else {
-        ptx::mbar_arrive(q_full(qs));
-      }
-
+      ptx::mbar_wait(q_empty(qs), ((it >> 1) & 1) ^ 1);
+      int u_lo, num_tiles;
+      produce_block(blk, qs, u_lo, num_tiles);
       for (int t = 0; t < num_tiles; ++t) {
         ptx::mbar_wait(kv_empty(kv.index), kv.phase ^ 1);
-        if (lane == 0) {
-          ptx::mbar_arrive_expect_tx(kv_full(kv.index), kKVTileBytes);
-          ptx::tma_load_2d(smem + L.offset_kv(kv.index), &tmap_k, kv_full(kv.index), 0, u_lo + t * kBlockKV,
-                           ptx::kCacheEvictNormal);
-        }
+        produce_kv(u_lo, t, kv);
         kv.advance();
       }
     }
   } else {
     // ===================================================================== math
-    ptx::reg_alloc<L.math_regs()>();
-    const int wg = static_cast<int>(warp / 4) - 1;  // 0 .. num_math_wgs() - 1
+    if constexpr (L.uses_setmaxnreg()) ptx::reg_alloc<L.math_regs()>();
+    const int wg = static_cast<int>(warp / 4) - L.math_warp0() / 4;  // 0 .. num_math_wgs() - 1
     const int warp_in_wg = static_cast<int>(warp % 4);
     const int quad = static_cast<int>(lane & 3);
     const int row_in_tile = warp_in_wg * 16 + static_cast<int>(lane >> 2);  // + 8 * j
@@ -300,12 +312,57 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     for (int i = 0; i < kNumAccum; ++i) acc0[i] = acc1[i] = 0.0f;
 
     ptx::PipelineState<kNumKVStages> kv_issue, kv_release;
+
+    // Folded producer (no producer warps): math warp 0 runs the producer steps whenever it would
+    // wait (pump_wait) and once per tile while its WGMMAs run (pump), never blocking in them: it
+    // prepares the next q block when its stage is free and issues KV tiles while ring stages are
+    // free. Deadlock-free: a warp waits only for a load that the pumping warp 0 issues as soon as
+    // its stage is released, and stages are released by warps that do not wait on warp 0 otherwise.
+    int p_it = 0, p_t = 0, p_tiles = -1, p_ulo = 0;  // block being produced; p_tiles < 0: not prepared
+    ptx::PipelineState<kNumKVStages> kv_prod;
+    auto poll = [&](uint64_t* bar, uint32_t ph) -> bool {  // warp-uniform test
+      const int ok = lane == 0 ? static_cast<int>(ptx::mbar_test_wait(bar, ph)) : 0;
+      return __shfl_sync(0xffffffffu, ok, 0) != 0;
+    };
+    auto pump = [&]() {
+      if constexpr (kFolded) {
+#pragma unroll 1
+        while (true) {
+          if (p_tiles < 0) {
+            const int pblk = q_block(p_it);
+            if (pblk >= num_blocks) return;
+            const int pqs = p_it & 1;
+            if (!poll(q_empty(pqs), ((p_it >> 1) & 1) ^ 1)) return;
+            produce_block(pblk, pqs, p_ulo, p_tiles);
+            p_t = 0;
+          }
+          if (p_t < p_tiles) {
+            if (!poll(kv_empty(kv_prod.index), kv_prod.phase ^ 1)) return;
+            produce_kv(p_ulo, p_t, kv_prod);
+            kv_prod.advance();
+            ++p_t;
+          } else {
+            p_tiles = -1;
+            ++p_it;
+          }
+        }
+      }
+    };
+    auto pump_wait = [&](uint64_t* bar, uint32_t ph) {
+      if (kFolded && warp == 0) {
+#pragma unroll 1
+        while (!poll(bar, ph)) pump();
+      } else {
+        ptx::mbar_wait(bar, ph);
+      }
+    };
+
     for (int it = 0;; ++it) {
       const int blk = q_block(it);
       if (blk >= num_blocks) break;
       const int qs = it & 1;
       const uint32_t qph = (it >> 1) & 1;
-      ptx::mbar_wait(q_full(qs), qph);
+      pump_wait(q_full(qs), qph);
 
       const uint8_t* info = smem + L.offset_info(qs);
       const int u_lo = reinterpret_cast<const int*>(info)[0];
@@ -384,7 +441,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
             sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
-          ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
+          pump_wait(kv_full(kv_issue.index), kv_issue.phase);
           const uint64_t desc_k = ptx::make_kmajor_desc<D>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
           ptx::wgmma_fence();
@@ -488,6 +545,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           for (int t = 0; t < num_tiles; ++t) {
             issue(acc0, sc0, t);
             ptx::wgmma_commit();
+            if (kFolded && warp == 0) pump();  // while the WGMMAs run
             ptx::wgmma_wait<0>();
             ptx::fence_accum<kNumAccum>(acc0);
             release();

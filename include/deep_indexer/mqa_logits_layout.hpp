@@ -11,20 +11,20 @@
 //   num_math_wgs()     math warpgroups per CTA: default_math_wgs(H, D) = 2 (accumulators double-
 //                      buffered, setmaxnreg 40/232) or 3 for H = 128 (single-buffered, 24/160).
 //                      The optional 5th field math_wgs overrides it (for mqa_logits_kernel_wgs):
-//                      4 = single-buffered, setmaxnreg 24/112, the head weights read from the info
-//                      area in the epilogue instead of being held in registers (weights_in_smem());
-//                      more warps per scheduler to hide the epilogue's latency. launch_regs() and
-//                      valid() check the register split against the CTA's allocation and one SM
-//                      sub-partition's register file (a layout that cannot launch is not valid()).
+//                      4 = single-buffered, no producer warps (math warp 0 issues the loads), no
+//                      setmaxnreg, 128 registers; the head weights are read from the info area in
+//                      the epilogue instead of being held in registers (weights_in_smem()).
+//                      launch_regs() and valid() check the register split against the CTA's
+//                      allocation and one SM sub-partition's register file.
 //   tokens_per_cta()   num_math_wgs() * block_q(): query tokens of one "q block". The persistent
 //                      grid walks q blocks round-robin (block = blockIdx.x + k * gridDim.x);
 //                      number of q blocks = ceil(S / tokens_per_cta()); grid = min(that, #SMs).
 //   block_kv()         64: KV rows per KV tile; also the TMA box height of the k tensor map.
 //   swizzle_bytes()    D: the TMA swizzle mode of both tensor maps (32B, 64B or 128B), the inner
 //                      box dimension is D elements (= D bytes of fp8).
-//   num_threads()      128 * (num_math_wgs() + 1) = 384 (512 for 3, 640 for 4 math warpgroups):
-//                      warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf fill), the
-//                      math warpgroups follow.
+//   num_threads()      128 * num_math_wgs() + 32 * producer_warps() = 384 (512 for 3 or 4 math
+//                      warpgroups): warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf
+//                      fill), the math warpgroups follow (4 math warpgroups: no producer warps).
 //   num_kv_stages      depth of the KV ring (template parameter kNumKVStages).
 //   q_tile_bytes()     mma_n() * D rounded up to 1024 (q_box_bytes() = 128 * D of it come by TMA),
 //                      kv_tile_bytes() 64 * D.
@@ -91,18 +91,27 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr int mma_n() const { return kQRowsPerTile + linear_rows(); }
   // Warp roles: warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf fill), the math
   // warpgroups follow. setmaxnreg moves registers from the producer to the math warpgroups: 2 math
-  // warpgroups double-buffer their accumulators (232 registers), 3 and 4 do not (160, 112).
-  DI_HOST_DEVICE constexpr int producer_warps() const { return 4; }
-  DI_HOST_DEVICE constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
+  // warpgroups double-buffer their accumulators (232 registers), 3 do not (160). 4 math warpgroups
+  // have no producer warps (folded_producer(): math warp 0 issues the loads between its own work,
+  // see the kernel) and no setmaxnreg: 16 warps at 128 registers. NOTES: ptxas compiles the whole
+  // kernel within launch_regs() (setmaxnreg only moves registers at run time), so a producer
+  // warpgroup next to 4 math warpgroups (640 threads, 96 registers) spills.
+  DI_HOST_DEVICE constexpr int producer_warps() const { return num_math_wgs() == 4 ? 0 : 4; }
+  DI_HOST_DEVICE constexpr bool folded_producer() const { return producer_warps() == 0; }
+  DI_HOST_DEVICE constexpr bool has_fill_warps() const { return producer_warps() > 1; }
+  DI_HOST_DEVICE constexpr int math_warp0() const { return producer_warps(); }
+  DI_HOST_DEVICE constexpr bool uses_setmaxnreg() const { return producer_warps() > 0; }
+  DI_HOST_DEVICE constexpr int producer_regs() const {
+    return !uses_setmaxnreg() ? 0 : (num_math_wgs() == 2 ? 40 : 24);
+  }
   DI_HOST_DEVICE constexpr int math_regs() const {
-    return num_math_wgs() == 2 ? 232 : (num_math_wgs() == 3 ? 160 : 112);
+    return !uses_setmaxnreg() ? launch_regs() : (num_math_wgs() == 2 ? 232 : 160);
   }
   DI_HOST_DEVICE constexpr bool double_buffered() const { return num_math_wgs() == 2; }
   // 4 math warpgroups: the 32 head weights per thread do not fit next to the accumulators.
   DI_HOST_DEVICE constexpr bool weights_in_smem() const { return num_math_wgs() == 4; }
   // Register file: 4 SM sub-partitions of kRegsPerSubPartition each; warp w of the CTA runs on
-  // sub-partition w % 4, so each holds one producer warp and one warp of every math warpgroup
-  // (ceil(warps / 4) warps). Registers are allocated per warp in units of 8 per thread. A launch
+  // sub-partition w % 4, so each holds one warp of every warpgroup (ceil(warps / 4) warps). Registers are allocated per warp in units of 8 per thread. A launch
   // gets launch_regs() per thread (what __launch_bounds__(num_threads(), 1) lets ptxas use outside
   // the setmaxnreg regions). setmaxnreg.inc draws on the CTA's pool (the launch allocation), so the
   // split must fit both that and one sub-partition (valid()).
