@@ -313,47 +313,60 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
     ptx::PipelineState<kNumKVStages> kv_issue, kv_release;
 
-    // Folded producer (no producer warps): math warp 0 runs the producer steps whenever it would
-    // wait (pump_wait) and once per tile while its WGMMAs run (pump), never blocking in them: it
-    // prepares the next q block when its stage is free and issues KV tiles while ring stages are
-    // free. Deadlock-free: a warp waits only for a load that the pumping warp 0 issues as soon as
-    // its stage is released, and stages are released by warps that do not wait on warp 0 otherwise.
+    // Folded producer (no producer warps): math warp 0 runs the producer's steps in order. Once per
+    // tile, while its WGMMAs run, it takes every step whose stage is already free (polling, never
+    // blocking: pump); before it waits for its own q block or KV tile it takes the steps up to
+    // that load, blocking on free stages like the producer warp would (catch_up), then waits on the
+    // load's barrier. Deadlock-free: the steps go in the consumers' order, so a stage that warp 0
+    // waits to be freed is held by a tile or q block whose loads were issued already.
     int p_it = 0, p_t = 0, p_tiles = -1, p_ulo = 0;  // block being produced; p_tiles < 0: not prepared
+    int p_kv = 0, c_kv = 0;                          // KV tiles issued / taken by warp 0
     ptx::PipelineState<kNumKVStages> kv_prod;
-    auto poll = [&](uint64_t* bar, uint32_t ph) -> bool {  // warp-uniform test
-      const int ok = lane == 0 ? static_cast<int>(ptx::mbar_test_wait(bar, ph)) : 0;
-      return __shfl_sync(0xffffffffu, ok, 0) != 0;
+    // One producer step; blocking: wait for its stage, else only if the stage is free (warp-uniform).
+    auto step = [&](bool blocking) -> bool {
+      auto ready = [&](uint64_t* bar, uint32_t ph) -> bool {
+        if (blocking) {
+          ptx::mbar_wait(bar, ph);
+          return true;
+        }
+        const int ok = lane == 0 ? static_cast<int>(ptx::mbar_test_wait(bar, ph)) : 0;
+        return __shfl_sync(0xffffffffu, ok, 0) != 0;
+      };
+      if (p_tiles < 0) {
+        const int pblk = q_block(p_it);
+        if (pblk >= num_blocks) return false;
+        const int pqs = p_it & 1;
+        if (!ready(q_empty(pqs), ((p_it >> 1) & 1) ^ 1)) return false;
+        produce_block(pblk, pqs, p_ulo, p_tiles);
+        p_t = 0;
+      } else if (p_t < p_tiles) {
+        if (!ready(kv_empty(kv_prod.index), kv_prod.phase ^ 1)) return false;
+        produce_kv(p_ulo, p_t, kv_prod);
+        kv_prod.advance();
+        ++p_t;
+        ++p_kv;
+      } else {
+        p_tiles = -1;
+        ++p_it;
+      }
+      return true;
     };
     auto pump = [&]() {
       if constexpr (kFolded) {
+        if (warp == 0) {
 #pragma unroll 1
-        while (true) {
-          if (p_tiles < 0) {
-            const int pblk = q_block(p_it);
-            if (pblk >= num_blocks) return;
-            const int pqs = p_it & 1;
-            if (!poll(q_empty(pqs), ((p_it >> 1) & 1) ^ 1)) return;
-            produce_block(pblk, pqs, p_ulo, p_tiles);
-            p_t = 0;
-          }
-          if (p_t < p_tiles) {
-            if (!poll(kv_empty(kv_prod.index), kv_prod.phase ^ 1)) return;
-            produce_kv(p_ulo, p_t, kv_prod);
-            kv_prod.advance();
-            ++p_t;
-          } else {
-            p_tiles = -1;
-            ++p_it;
+          while (step(false)) {
           }
         }
       }
     };
-    auto pump_wait = [&](uint64_t* bar, uint32_t ph) {
-      if (kFolded && warp == 0) {
+    // Warp 0 (folded): the steps up to q block `it` (kv < 0) or KV tile c_kv.
+    auto catch_up = [&](int it, bool kv) {
+      if constexpr (kFolded) {
+        if (warp == 0) {
 #pragma unroll 1
-        while (!poll(bar, ph)) pump();
-      } else {
-        ptx::mbar_wait(bar, ph);
+          while (kv ? p_kv <= c_kv : (p_it < it || (p_it == it && p_tiles < 0))) step(true);
+        }
       }
     };
 
@@ -362,7 +375,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       if (blk >= num_blocks) break;
       const int qs = it & 1;
       const uint32_t qph = (it >> 1) & 1;
-      pump_wait(q_full(qs), qph);
+      catch_up(it, false);
+      ptx::mbar_wait(q_full(qs), qph);
 
       const uint8_t* info = smem + L.offset_info(qs);
       const int u_lo = reinterpret_cast<const int*>(info)[0];
@@ -441,7 +455,9 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
             sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
-          pump_wait(kv_full(kv_issue.index), kv_issue.phase);
+          catch_up(0, true);
+          ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
+          ++c_kv;
           const uint64_t desc_k = ptx::make_kmajor_desc<D>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
           ptx::wgmma_fence();
@@ -545,7 +561,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           for (int t = 0; t < num_tiles; ++t) {
             issue(acc0, sc0, t);
             ptx::wgmma_commit();
-            if (kFolded && warp == 0) pump();  // while the WGMMAs run
+            pump();  // while the WGMMAs run
             ptx::wgmma_wait<0>();
             ptx::fence_accum<kNumAccum>(acc0);
             release();
