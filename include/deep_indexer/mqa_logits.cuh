@@ -451,10 +451,26 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         const int scale_max = SKV - 1;
 
         // Waits for the tile's data, loads its k scales and issues its WGMMAs into `acc`.
-        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+        // k scales of this thread's rows of tile t (an L2 round trip under the logits store stream).
+        // NOTES: loaded one tile ahead of issue (sc_next), so that a whole tile's work hides the
+        // latency; loaded at issue, the epilogue of a single-buffered warpgroup waited for them.
+        auto load_scales = [&](float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
             sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
+        };
+        float sc_next[kOwnJ];
+#ifndef DI_MQA_SCALES_AT_ISSUE  // experiment (DI_JIT_EXTRA_FLAGS): the previous, unprefetched loads
+        load_scales(sc_next, 0);
+#endif
+        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+#ifdef DI_MQA_SCALES_AT_ISSUE
+          load_scales(sc, t);
+#else
+#pragma unroll
+          for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
+          load_scales(sc_next, t + 1);  // clamped: past the last tile it reads a valid scale
+#endif
           catch_up(0, true);
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
           ++c_kv;
