@@ -223,7 +223,7 @@ def test_mqa_logits_compressed_matches_full_width(H, D):
 
 
 @pytest.mark.parametrize("H,D", MQA_CONFIGS)
-@pytest.mark.parametrize("wgs", ["2", "3", "4"])
+@pytest.mark.parametrize("wgs", ["2", "3"])
 def test_mqa_logits_math_wgs(H, D, wgs, monkeypatch):
     # Every math warpgroup count (DI_MQA_MATH_WGS) on every (H, D) it supports, both epilogue forms,
     # the fused and the separate -inf fill, full-width and compressed logits, bf16 weights.
@@ -247,11 +247,11 @@ def test_mqa_logits_math_wgs(H, D, wgs, monkeypatch):
             assert_logits_match(out, cref, True, torch.bfloat16, what + " compressed")
 
 
-@pytest.mark.parametrize("wgs", ["2", "4"])
+@pytest.mark.parametrize("wgs", ["2", "3"])
 @pytest.mark.parametrize("H,D", [(32, 64), (16, 32), (64, 128)])
 def test_mqa_logits_persistent_many_blocks(H, D, wgs, monkeypatch):
-    # 5 CTAs walking many q blocks each: the q stages and the KV ring wrap many times (with 4 math
-    # warpgroups math warp 0 issues every load between its own work).
+    # 5 CTAs walking many q blocks each: the q stages, the KV ring and the k-scale prefetch wrap
+    # many times.
     monkeypatch.setenv("DI_MQA_MATH_WGS", wgs)
     old = di.get_num_sms()
     di.set_num_sms(5)

@@ -28,12 +28,13 @@ inline void print_choice(F&& make_line) {
 }
 
 // Prefill math warpgroups: the layout's default (2 with double-buffered accumulators; 3 with one
-// accumulator set each for H = 128). DI_MQA_MATH_WGS (2, 3 or 4) forces the count; 4 = one
-// accumulator set each, the head weights from shared memory, math warp 0 issuing the loads (no
-// producer or fill warps: clean_logits then runs as a separate kernel).
+// accumulator set each for H = 128). DI_MQA_MATH_WGS (2 or 3) forces the count. Measured on H100
+// (P2 shapes, 2026-11-24): 3 is slower for H <= 64 (H=32 D=64 840 vs 743 us, H=64 D=64 1352 vs
+// 1240, H=16 D=64 714 vs 502). 4 math warpgroups cannot be compiled next to a producer warpgroup
+// without spills (MqaLogitsLayout), and with the producer folded into a math warp ran 2.2-2.3x slower.
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   const int forced = env::get_int("DI_MQA_MATH_WGS");
-  if (forced >= 2 && forced <= 4) return forced;
+  if (forced == 2 || forced == 3) return forced;
   return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 
@@ -51,9 +52,7 @@ inline bool mqa_logits_split_relu(int num_heads, int /*head_dim*/) {
 // within 1% of each other on H200).
 inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes) {
   const int wgs = mqa_logits_math_wgs(num_heads, head_dim);
-  // 4 math warpgroups (128 registers): no split relu for H = 16 there (its pieces need 32 more
-  // accumulator columns).
-  const bool split = mqa_logits_split_relu(num_heads, head_dim) && !(wgs == 4 && num_heads == 16);
+  const bool split = mqa_logits_split_relu(num_heads, head_dim);
   const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split), 16);
   const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs, split};
   DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,
@@ -79,8 +78,7 @@ inline unsigned mqa_logits_grid(const MqaLogitsLayout& l, long long seq_len, int
 // DI_MQA_FUSED_CLEAN=0/1 forces either path (tests, tuning).
 inline bool mqa_logits_fused_clean(const MqaLogitsLayout& l, long long seq_len, int num_sms) {
   const int forced = env::get_int("DI_MQA_FUSED_CLEAN", -1);
-  bool fused = forced == 0 || forced == 1 ? forced == 1 : l.num_q_blocks(seq_len) >= num_sms;
-  if (!l.has_fill_warps()) fused = false;  // 4 math warpgroups: no fill warps
+  const bool fused = forced == 0 || forced == 1 ? forced == 1 : l.num_q_blocks(seq_len) >= num_sms;
   print_choice([&] {
     return fmt::format("mqa_logits clean S={}: {}", seq_len, fused ? "fused into the kernel" : "separate kernel");
   });

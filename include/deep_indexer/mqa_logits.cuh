@@ -122,7 +122,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr uint32_t kQBoxBytes = L.q_box_bytes();  // what one q TMA load delivers (rows 0..127)
   constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
   constexpr int kNumMathWarps = L.num_math_wgs() * 4;
-  constexpr bool kWSmem = L.weights_in_smem();
   static_assert(kNumAccum == 64 + L.linear_rows() / 2 && G >= 1 && T >= 1, "layout assumptions");
   static_assert(!kSplitRelu || kP == MqaLogitsLayout::kLinearPieces, "one piece count");
 
@@ -161,7 +160,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
     ptx::fence_mbar_init();
   }
-  constexpr bool kFolded = L.folded_producer();
   constexpr int kFillWarps = L.producer_warps() - 1;
   if (warp == 0 && lane == 0) {
     ptx::prefetch_tensor_map(&tmap_q);
@@ -169,7 +167,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   }
   __syncthreads();
 
-  // Producer steps, run by one whole warp (the producer warp, or math warp 0 when folded).
+  // Producer steps, run by the whole producer warp 0.
   // q block `blk` into q stage qs (free): per-token ranges, their union, the weights, the q TMA
   // loads; returns the union start and the number of KV tiles.
   auto produce_block = [&](int blk, int qs, int& u_lo_out, int& tiles_out) {
@@ -200,8 +198,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
     // The block's weights, token-major; 0 for tokens >= S.
     float* winfo = reinterpret_cast<float*>(info + L.info_offset_weights());
-    constexpr int kWUnroll = kFolded ? 1 : (T2 * H + 31) / 32;  // folded: few registers next to the accumulators
-#pragma unroll kWUnroll
+#pragma unroll
     for (int i = lane; i < T2 * H; i += 32) {
       const int tg = tok0 + i / H;
       const int64_t wi = static_cast<int64_t>(tg) * weights_stride + (i % H);
@@ -209,11 +206,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       if (tg < S)
         wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
                           : __ldg(static_cast<const float*>(weights) + wi);
-      if constexpr (kWSmem) {
-        if constexpr (kSplitRelu) wv *= 0.5f;  // see the math warpgroups' weights
-        const int n = i % 128;  // accumulator column 8 g + 2 quad + c of math warpgroup i / 128
-        reinterpret_cast<float*>(info + L.info_offset_wperm())[i - n + ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)] = wv;
-      }
       winfo[i] = wv;
     }
     __syncwarp();
@@ -246,7 +238,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
   if (static_cast<int>(warp) < L.producer_warps()) {
     // ===================================================================== producer
-    if constexpr (L.uses_setmaxnreg()) ptx::reg_dealloc<L.producer_regs()>();
+    ptx::reg_dealloc<L.producer_regs()>();
     const int pw = static_cast<int>(warp);  // producer warp: 0 TMA, 1.. the fill
     if (pw != 0) {
       // The fill warps (clean only): -inf outside each owned token's range [a, b); the math
@@ -291,8 +283,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
   } else {
     // ===================================================================== math
-    if constexpr (L.uses_setmaxnreg()) ptx::reg_alloc<L.math_regs()>();
-    const int wg = static_cast<int>(warp / 4) - L.math_warp0() / 4;  // 0 .. num_math_wgs() - 1
+    ptx::reg_alloc<L.math_regs()>();
+    const int wg = static_cast<int>(warp / 4) - 1;  // 0 .. num_math_wgs() - 1
     const int warp_in_wg = static_cast<int>(warp % 4);
     const int quad = static_cast<int>(lane & 3);
     const int row_in_tile = warp_in_wg * 16 + static_cast<int>(lane >> 2);  // + 8 * j
@@ -313,69 +305,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
     ptx::PipelineState<kNumKVStages> kv_issue, kv_release;
 
-    // Folded producer (no producer warps): math warp 0 runs the producer's steps in order. Once per
-    // tile, while its WGMMAs run, it takes every step whose stage is already free (polling, never
-    // blocking: pump); before it waits for its own q block or KV tile it takes the steps up to
-    // that load, blocking on free stages like the producer warp would (catch_up), then waits on the
-    // load's barrier. Deadlock-free: the steps go in the consumers' order, so a stage that warp 0
-    // waits to be freed is held by a tile or q block whose loads were issued already.
-    int p_it = 0, p_t = 0, p_tiles = -1, p_ulo = 0;  // block being produced; p_tiles < 0: not prepared
-    int p_kv = 0, c_kv = 0;                          // KV tiles issued / taken by warp 0
-    ptx::PipelineState<kNumKVStages> kv_prod;
-    // One producer step; blocking: wait for its stage, else only if the stage is free (warp-uniform).
-    auto step = [&](bool blocking) -> bool {
-      auto ready = [&](uint64_t* bar, uint32_t ph) -> bool {
-        if (blocking) {
-          ptx::mbar_wait(bar, ph);
-          return true;
-        }
-        const int ok = lane == 0 ? static_cast<int>(ptx::mbar_test_wait(bar, ph)) : 0;
-        return __shfl_sync(0xffffffffu, ok, 0) != 0;
-      };
-      if (p_tiles < 0) {
-        const int pblk = q_block(p_it);
-        if (pblk >= num_blocks) return false;
-        const int pqs = p_it & 1;
-        if (!ready(q_empty(pqs), ((p_it >> 1) & 1) ^ 1)) return false;
-        produce_block(pblk, pqs, p_ulo, p_tiles);
-        p_t = 0;
-      } else if (p_t < p_tiles) {
-        if (!ready(kv_empty(kv_prod.index), kv_prod.phase ^ 1)) return false;
-        produce_kv(p_ulo, p_t, kv_prod);
-        kv_prod.advance();
-        ++p_t;
-        ++p_kv;
-      } else {
-        p_tiles = -1;
-        ++p_it;
-      }
-      return true;
-    };
-    auto pump = [&]() {
-      if constexpr (kFolded) {
-        if (warp == 0) {
-#pragma unroll 1
-          while (step(false)) {
-          }
-        }
-      }
-    };
-    // Warp 0 (folded): the steps up to q block `it` (kv < 0) or KV tile c_kv.
-    auto catch_up = [&](int it, bool kv) {
-      if constexpr (kFolded) {
-        if (warp == 0) {
-#pragma unroll 1
-          while (kv ? p_kv <= c_kv : (p_it < it || (p_it == it && p_tiles < 0))) step(true);
-        }
-      }
-    };
-
     for (int it = 0;; ++it) {
       const int blk = q_block(it);
       if (blk >= num_blocks) break;
       const int qs = it & 1;
       const uint32_t qph = (it >> 1) & 1;
-      catch_up(it, false);
       ptx::mbar_wait(q_full(qs), qph);
 
       const uint8_t* info = smem + L.offset_info(qs);
@@ -383,13 +317,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       const int num_tiles = reinterpret_cast<const int*>(info)[1];
 
       if (num_tiles > 0) {
-        // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c: in registers,
-        // or (weights_in_smem) read from the info area's permuted copy where they are used.
+        // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c, in registers.
         // split_relu needs w relu(x) = (w / 2) |x| + (w / 2) x: the registers hold w / 2 and
-        // coef = sigma / 2; with weights_in_smem the producer stored w / 2 (both copies), so the
-        // pieces are those of q~ / 2 and coef = their sigma (bitwise the same products).
-        float wreg[kWSmem ? 1 : kNumAccum / 2];
-        if constexpr (!kWSmem) {
+        // coef = sigma / 2.
+        float wreg[kNumAccum / 2];
+        {
           const float* winfo = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * 128;
 #pragma unroll
           for (int g = 0; g < 16; ++g) {
@@ -398,15 +330,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             wreg[2 * g + 1] = kSplitRelu ? 0.5f * w2.y : w2.y;
           }
         }
-        const float4* wsm = reinterpret_cast<const float4*>(info + L.info_offset_wperm()) + (wg * 128 + quad * 32) / 4;
-        auto weight = [&](int g, int c) -> float {
-          if constexpr (kWSmem) {
-            const float4 w4 = wsm[g / 2];  // columns of g and g ^ 1
-            return (g & 1) ? (c ? w4.w : w4.z) : (c ? w4.y : w4.x);
-          } else {
-            return wreg[2 * g + c];
-          }
-        };
+        auto weight = [&](int g, int c) -> float { return wreg[2 * g + c]; };
         // split_relu: the linear rows, and coef[t] = sigma / 2 (see above) of the piece in this
         // quad's columns.
         float coef[kSplitRelu ? T : 1];
@@ -420,7 +344,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
                                             static_cast<int>(threadIdx.x % 128), 1 + wg);
 #pragma unroll
           for (int tok = 0; tok < T; ++tok)
-            coef[tok] = (kWSmem ? 1.0f : 0.5f) * split_relu::piece_scale(amax[tok * kP + quad]);
+            coef[tok] = 0.5f * split_relu::piece_scale(amax[tok * kP + quad]);
         }
         // Ranges and output rows of the owned tokens.
         int rlo[kOwnTok], rhi[kOwnTok];
@@ -460,20 +384,12 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
         };
         float sc_next[kOwnJ];
-#ifndef DI_MQA_SCALES_AT_ISSUE  // experiment (DI_JIT_EXTRA_FLAGS): the previous, unprefetched loads
         load_scales(sc_next, 0);
-#endif
         auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
-#ifdef DI_MQA_SCALES_AT_ISSUE
-          load_scales(sc, t);
-#else
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
           load_scales(sc_next, t + 1);  // clamped: past the last tile it reads a valid scale
-#endif
-          catch_up(0, true);
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
-          ++c_kv;
           const uint64_t desc_k = ptx::make_kmajor_desc<D>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
           ptx::wgmma_fence();
@@ -577,7 +493,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           for (int t = 0; t < num_tiles; ++t) {
             issue(acc0, sc0, t);
             ptx::wgmma_commit();
-            pump();  // while the WGMMAs run
             ptx::wgmma_wait<0>();
             ptx::fence_accum<kNumAccum>(acc0);
             release();

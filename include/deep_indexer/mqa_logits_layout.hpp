@@ -10,21 +10,21 @@
 //                      64 -> 2, 128 -> 1).
 //   num_math_wgs()     math warpgroups per CTA: default_math_wgs(H, D) = 2 (accumulators double-
 //                      buffered, setmaxnreg 40/232) or 3 for H = 128 (single-buffered, 24/160).
-//                      The optional 5th field math_wgs overrides it (for mqa_logits_kernel_wgs):
-//                      4 = single-buffered, no producer warps (math warp 0 issues the loads), no
-//                      setmaxnreg, 128 registers; the head weights are read from the info area in
-//                      the epilogue instead of being held in registers (weights_in_smem()).
+//                      The optional 5th field math_wgs overrides it (for mqa_logits_kernel_wgs).
 //                      launch_regs() and valid() check the register split against the CTA's
-//                      allocation and one SM sub-partition's register file.
+//                      allocation and one SM sub-partition's register file. NOTES: ptxas compiles
+//                      the whole kernel within launch_regs() (setmaxnreg only moves registers at run
+//                      time), so 4 math warpgroups next to a producer warpgroup (640 threads, 96
+//                      registers) spill; with the producer folded into a math warp (512 threads,
+//                      128 registers) they launched but ran 2.2-2.3x slower (bench/NOTES.md).
 //   tokens_per_cta()   num_math_wgs() * block_q(): query tokens of one "q block". The persistent
 //                      grid walks q blocks round-robin (block = blockIdx.x + k * gridDim.x);
 //                      number of q blocks = ceil(S / tokens_per_cta()); grid = min(that, #SMs).
 //   block_kv()         64: KV rows per KV tile; also the TMA box height of the k tensor map.
 //   swizzle_bytes()    D: the TMA swizzle mode of both tensor maps (32B, 64B or 128B), the inner
 //                      box dimension is D elements (= D bytes of fp8).
-//   num_threads()      128 * num_math_wgs() + 32 * producer_warps() = 384 (512 for 3 or 4 math
-//                      warpgroups): warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf
-//                      fill), the math warpgroups follow (4 math warpgroups: no producer warps).
+//   num_threads()      128 * (num_math_wgs() + 1) = 384 (512 for H = 128): warpgroup 0 is the
+//                      producer (warp 0 TMA, warps 1..3 the -inf fill), the math warpgroups follow.
 //   num_kv_stages      depth of the KV ring (template parameter kNumKVStages).
 //   q_tile_bytes()     mma_n() * D rounded up to 1024 (q_box_bytes() = 128 * D of it come by TMA),
 //                      kv_tile_bytes() 64 * D.
@@ -62,7 +62,7 @@ struct MqaLogitsLayout {
   int head_dim;       // D: 32, 64 or 128 (fp8 bytes per row)
   int num_kv_stages;  // KV ring depth
   int out_bytes;      // 4 (float32 logits) or 2 (bfloat16 logits); does not change the layout
-  int math_wgs = 0;   // math warpgroups per CTA (2, 3 or 4); 0 = default_math_wgs(H, D). Leave it out.
+  int math_wgs = 0;   // math warpgroups per CTA (2 or 3); 0 = default_math_wgs(H, D). Leave it out.
   bool split_relu = false;  // linear half of relu on the tensor cores (see above)
 
   static constexpr int kMaxSmem = 232448;  // 227 KB opt-in dynamic shared memory on SM90
@@ -91,28 +91,15 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr int mma_n() const { return kQRowsPerTile + linear_rows(); }
   // Warp roles: warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf fill), the math
   // warpgroups follow. setmaxnreg moves registers from the producer to the math warpgroups: 2 math
-  // warpgroups double-buffer their accumulators (232 registers), 3 do not (160). 4 math warpgroups
-  // have no producer warps (folded_producer(): math warp 0 issues the loads between its own work,
-  // see the kernel) and no setmaxnreg: 16 warps at 128 registers. NOTES: ptxas compiles the whole
-  // kernel within launch_regs() (setmaxnreg only moves registers at run time), so a producer
-  // warpgroup next to 4 math warpgroups (640 threads, 96 registers) spills.
-  DI_HOST_DEVICE constexpr int producer_warps() const { return num_math_wgs() == 4 ? 0 : 4; }
-  DI_HOST_DEVICE constexpr bool folded_producer() const { return producer_warps() == 0; }
-  DI_HOST_DEVICE constexpr bool has_fill_warps() const { return producer_warps() > 1; }
-  DI_HOST_DEVICE constexpr int math_warp0() const { return producer_warps(); }
-  DI_HOST_DEVICE constexpr bool uses_setmaxnreg() const { return producer_warps() > 0; }
-  DI_HOST_DEVICE constexpr int producer_regs() const {
-    return !uses_setmaxnreg() ? 0 : (num_math_wgs() == 2 ? 40 : 24);
-  }
-  DI_HOST_DEVICE constexpr int math_regs() const {
-    return !uses_setmaxnreg() ? launch_regs() : (num_math_wgs() == 2 ? 232 : 160);
-  }
+  // warpgroups double-buffer their accumulators (232 registers), 3 do not (160).
+  DI_HOST_DEVICE constexpr int producer_warps() const { return 4; }
+  DI_HOST_DEVICE constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
+  DI_HOST_DEVICE constexpr int math_regs() const { return num_math_wgs() == 2 ? 232 : 160; }
   DI_HOST_DEVICE constexpr bool double_buffered() const { return num_math_wgs() == 2; }
-  // 4 math warpgroups: the 32 head weights per thread do not fit next to the accumulators.
-  DI_HOST_DEVICE constexpr bool weights_in_smem() const { return num_math_wgs() == 4; }
   // Register file: 4 SM sub-partitions of kRegsPerSubPartition each; warp w of the CTA runs on
-  // sub-partition w % 4, so each holds one warp of every warpgroup (ceil(warps / 4) warps). Registers are allocated per warp in units of 8 per thread. A launch
-  // gets launch_regs() per thread (what __launch_bounds__(num_threads(), 1) lets ptxas use outside
+  // sub-partition w % 4, so each holds one warp of every warpgroup (ceil(warps / 4) warps).
+  // Registers are allocated per warp in units of 8 per thread. A launch gets launch_regs() per
+  // thread (what __launch_bounds__(num_threads(), 1) lets ptxas use outside
   // the setmaxnreg regions). setmaxnreg.inc draws on the CTA's pool (the launch allocation), so the
   // split must fit both that and one sub-partition (valid()).
   static constexpr int kRegsPerSubPartition = 16384;
@@ -138,9 +125,7 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr int q_tile_bytes() const { return align_up(mma_n() * head_dim, kAlign); }
   DI_HOST_DEVICE constexpr int q_box_bytes() const { return q_box_rows() * head_dim; }
   DI_HOST_DEVICE constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
-  DI_HOST_DEVICE constexpr int info_bytes() const {
-    return align_up(info_offset_wperm() + (weights_in_smem() ? 4 * tokens_per_cta() * num_heads : 0), 128);
-  }
+  DI_HOST_DEVICE constexpr int info_bytes() const { return align_up(info_offset_end(), 128); }
   DI_HOST_DEVICE constexpr int offset_q(int stage, int wg) const {
     return (stage * num_math_wgs() + wg) * q_tile_bytes();
   }
@@ -154,15 +139,11 @@ struct MqaLogitsLayout {
   // q block (clamped to [0, SKV]; empty when hi <= lo; (0, 0) for tokens >= S), then the weights
   // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S), then
   // (split_relu) the pieces' per-token max |value| as float bits [tokens_per_cta()][kLinearPieces],
-  // written by the math warpgroups (split_relu::build_pieces), then (weights_in_smem) the weights
-  // again in the order the epilogue reads them: [math wg][quad][g][c] for accumulator column
-  // 8 g + 2 quad + c (16-byte loads). With weights_in_smem and split_relu both copies hold w / 2.
+  // written by the math warpgroups (split_relu::build_pieces).
   DI_HOST_DEVICE constexpr int info_offset_ranges() const { return 16; }
-  // The header holds the ranges of up to 30 tokens; 4 math warpgroups of H = 16 have 32.
-  DI_HOST_DEVICE constexpr int info_header_bytes() const { return num_math_wgs() == 4 ? 2 * kInfoHeaderBytes : kInfoHeaderBytes; }
-  DI_HOST_DEVICE constexpr int info_offset_weights() const { return info_header_bytes(); }
-  DI_HOST_DEVICE constexpr int info_offset_amax() const { return info_header_bytes() + 4 * tokens_per_cta() * num_heads; }
-  DI_HOST_DEVICE constexpr int info_offset_wperm() const {
+  DI_HOST_DEVICE constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
+  DI_HOST_DEVICE constexpr int info_offset_amax() const { return kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads; }
+  DI_HOST_DEVICE constexpr int info_offset_end() const {
     return info_offset_amax() + (split_relu ? 4 * kLinearPieces * tokens_per_cta() : 0);
   }
   DI_HOST_DEVICE constexpr int offset_barriers() const { return offset_info(kNumQStages); }
@@ -191,7 +172,7 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr bool valid() const {
     return supported_shape(num_heads, head_dim) && (out_bytes == 2 || out_bytes == 4) && num_kv_stages >= 2 &&
            num_kv_stages <= kMaxKVStages && smem_bytes() <= kMaxSmem &&
-           (num_math_wgs() >= 2 && num_math_wgs() <= 4) && tokens_per_cta() <= 32 && mma_n() <= 256 &&
+           (num_math_wgs() == 2 || num_math_wgs() == 3) && tokens_per_cta() <= 32 && mma_n() <= 256 &&
            info_offset_ranges() + 8 * tokens_per_cta() <= info_offset_weights() &&
            launch_regs() <= 255 && split_regs_per_subpartition() <= kRegsPerSubPartition &&
            32 * producer_warps() * producer_regs() + num_math_wgs() * kThreadsPerWG * math_regs() <=
@@ -200,7 +181,7 @@ struct MqaLogitsLayout {
            // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)
            q_tile_bytes() % kAlign == 0 && kv_tile_bytes() % kAlign == 0 && offset_kv(0) % kAlign == 0 &&
            offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0 &&
-           info_offset_wperm() % 16 == 0 && (!weights_in_smem() || tokens_per_cta() * num_heads == 128 * num_math_wgs());
+           info_offset_end() % 16 == 0;
   }
 
  private:

@@ -62,20 +62,6 @@ DI_DEVICE void mbar_wait(uint64_t* bar, uint32_t phase) {
   }
 }
 
-// Non-blocking: whether the phase with parity `phase` has completed (for polling loops that do
-// other work in between).
-DI_DEVICE bool mbar_test_wait(uint64_t* bar, uint32_t phase) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(phase)
-      : "memory");
-  return done != 0;
-}
-
 // ---------------------------------------------------------------- TMA
 DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
