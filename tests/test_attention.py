@@ -247,6 +247,26 @@ def test_mqa_logits_math_wgs(H, D, wgs, monkeypatch):
             assert_logits_match(out, cref, True, torch.bfloat16, what + " compressed")
 
 
+@pytest.mark.parametrize("wgs", ["2", "3"])
+@pytest.mark.parametrize("H,D", [(32, 64), (16, 32), (64, 128)])
+def test_mqa_logits_persistent_many_blocks(H, D, wgs, monkeypatch):
+    # 5 CTAs walking many q blocks each: the q stages, the KV ring and the k-scale prefetch wrap
+    # many times.
+    monkeypatch.setenv("DI_MQA_MATH_WGS", wgs)
+    old = di.get_num_sms()
+    di.set_num_sms(5)
+    try:
+        for pattern in ("causal", "random"):
+            S, SKV = 700, 2300
+            q, kv, w, ks, ke = make_prefill(S, SKV, H, D, pattern=pattern, seed=H + D + int(wgs))
+            out = poisoned((S, SKV), torch.float32, pad=2)
+            di.fp8_mqa_logits(q, kv, w, ks, ke, True, out=out)
+            assert_logits_match(out, reference.mqa_logits(q, kv, w, ks, ke), True, torch.float32,
+                                f"H={H} D={D} wgs={wgs} {pattern}")
+    finally:
+        di.set_num_sms(old)
+
+
 @pytest.mark.parametrize("H,D", MQA_CONFIGS)
 def test_mqa_logits_bf16_weights(H, D):
     S, SKV = 77, 1299

@@ -28,33 +28,13 @@ inline void print_choice(F&& make_line) {
 }
 
 // Prefill math warpgroups: the layout's default (2 with double-buffered accumulators; 3 with one
-// accumulator set each for H = 128), except H = 32 with D <= 64: 4 warpgroups with one accumulator
-// set each and the head weights in shared memory. Those shapes have the least MMA per tile (144
-// columns x D = 64) and were epilogue/latency-bound with 2 warpgroups (2 math warps per scheduler
-// at ~0.35 IPC; WGMMA alone runs them in 0.45x the time); 4 warpgroups give each scheduler 4 warps
-// to hide that latency, as the reference implementation's 4-warpgroup design does.
-// DI_MQA_MATH_WGS (2, 3 or 4) forces the count (DI_MQA_MATH_WGS=2 is the previous path of H = 32,
-// D <= 64).
-// The 4-warpgroup kernel needs __maxnreg__ (nvcc >= 12.4); with an older nvcc it is never chosen.
-inline bool nvcc_has_maxnreg() {
-  static const bool ok = [] {
-    const std::string v = jit::Compiler::instance().nvcc_version();  // "release 12.4, V12.4.131"
-    const size_t at = v.find("release ");
-    if (at == std::string::npos) return true;  // unknown format: assume a current nvcc
-    const char* p = v.c_str() + at + 8;
-    char* end = nullptr;
-    const long major = std::strtol(p, &end, 10);
-    const long minor = (end != nullptr && *end == '.') ? std::strtol(end + 1, nullptr, 10) : 0;
-    return major > 12 || (major == 12 && minor >= 4);
-  }();
-  return ok;
-}
-
+// accumulator set each for H = 128). DI_MQA_MATH_WGS (2 or 3) forces the count. Measured on H100
+// (P2 shapes, 2026-11-24): 3 is slower for H <= 64 (H=32 D=64 840 vs 743 us, H=64 D=64 1352 vs
+// 1240, H=16 D=64 714 vs 502). 4 math warpgroups cannot be compiled next to a producer warpgroup
+// without spills (MqaLogitsLayout), and with the producer folded into a math warp ran 2.2-2.3x slower.
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
   const int forced = env::get_int("DI_MQA_MATH_WGS");
-  // NOTES: the 4-warpgroup layout (576 threads at 112 registers) does not launch: 18 warps put 5 on two
-  // SM sub-partitions, 5 x 112 x 32 registers > the 16K of one sub-partition. Not selectable until fixed.
-  if (forced >= 2 && forced <= 3) return forced;
+  if (forced == 2 || forced == 3) return forced;
   return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 
@@ -72,9 +52,7 @@ inline bool mqa_logits_split_relu(int num_heads, int /*head_dim*/) {
 // within 1% of each other on H200).
 inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes) {
   const int wgs = mqa_logits_math_wgs(num_heads, head_dim);
-  // 4 math warpgroups (112 registers) hold at most m64n144 accumulators: no split relu for H = 16
-  // there (its pieces need 32 more columns; ptxas spills).
-  const bool split = mqa_logits_split_relu(num_heads, head_dim) && !(wgs == 4 && num_heads == 16);
+  const bool split = mqa_logits_split_relu(num_heads, head_dim);
   const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split), 16);
   const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs, split};
   DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,

@@ -23,9 +23,6 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
   }
   static std::string instantiation(const Params& p) {
     const MqaLogitsLayout l = p.layout();
-    if (l.num_math_wgs() == 4)
-      return fmt::format("&deep_indexer::mqa_logits_kernel_wg4<{}, {}, {}, {}, {}>", p.num_heads, p.head_dim,
-                         l.num_kv_stages, out_type_name(p.elem_bytes), l.split_relu);
     return fmt::format("&deep_indexer::mqa_logits_kernel_wgs<{}, {}, {}, {}, {}, {}>", p.num_heads, p.head_dim,
                        l.num_kv_stages, out_type_name(p.elem_bytes), l.num_math_wgs(), l.split_relu);
   }

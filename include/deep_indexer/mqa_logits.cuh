@@ -122,7 +122,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr uint32_t kQBoxBytes = L.q_box_bytes();  // what one q TMA load delivers (rows 0..127)
   constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
   constexpr int kNumMathWarps = L.num_math_wgs() * 4;
-  constexpr bool kWSmem = L.weights_in_smem();
   static_assert(kNumAccum == 64 + L.linear_rows() / 2 && G >= 1 && T >= 1, "layout assumptions");
   static_assert(!kSplitRelu || kP == MqaLogitsLayout::kLinearPieces, "one piece count");
 
@@ -161,18 +160,86 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
     ptx::fence_mbar_init();
   }
-  constexpr int kProducer0 = L.producer_warp0();
   constexpr int kFillWarps = L.producer_warps() - 1;
-  if (warp == kProducer0 && lane == 0) {
+  if (warp == 0 && lane == 0) {
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
   }
   __syncthreads();
 
-  if (warp >= kProducer0 && warp < kProducer0 + L.producer_warps()) {
+  // Producer steps, run by the whole producer warp 0.
+  // q block `blk` into q stage qs (free): per-token ranges, their union, the weights, the q TMA
+  // loads; returns the union start and the number of KV tiles.
+  auto produce_block = [&](int blk, int qs, int& u_lo_out, int& tiles_out) {
+    uint8_t* info = smem + L.offset_info(qs);
+    const int tok0 = blk * T2;
+    // Per-token clamped ranges and their union.
+    int u_lo = 0x7fffffff, u_hi = -0x7fffffff - 1;
+    if (lane < T2) {
+      const int tg = tok0 + static_cast<int>(lane);
+      int a = 0, b = 0;
+      if (tg < S) {
+        a = max(__ldg(ks + tg), 0);
+        b = min(__ldg(ke + tg), SKV);
+        if (max_seqlen_k > 0 && b > a && b - a > max_seqlen_k) b = a + max_seqlen_k;  // b > a: no overflow
+      }
+      reinterpret_cast<int2*>(info + L.info_offset_ranges())[lane] = make_int2(a, b);
+      if (b > a) {
+        u_lo = a;
+        u_hi = b;
+      }
+    }
+    u_lo = __reduce_min_sync(0xffffffffu, u_lo);
+    u_hi = __reduce_max_sync(0xffffffffu, u_hi);
+    const int num_tiles = u_hi > u_lo ? (u_hi - u_lo - 1) / kBlockKV + 1 : 0;
+    if (lane == 0) {
+      reinterpret_cast<int*>(info)[0] = u_lo;
+      reinterpret_cast<int*>(info)[1] = num_tiles;
+    }
+    // The block's weights, token-major; 0 for tokens >= S.
+    float* winfo = reinterpret_cast<float*>(info + L.info_offset_weights());
+#pragma unroll
+    for (int i = lane; i < T2 * H; i += 32) {
+      const int tg = tok0 + i / H;
+      const int64_t wi = static_cast<int64_t>(tg) * weights_stride + (i % H);
+      float wv = 0.0f;
+      if (tg < S)
+        wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
+                          : __ldg(static_cast<const float*>(weights) + wi);
+      winfo[i] = wv;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      // q tiles only when there is work, and only for warpgroups with a valid token.
+      uint32_t bytes = 0;
+#pragma unroll
+      for (int w = 0; w < L.num_math_wgs(); ++w)
+        if (num_tiles > 0 && tok0 + w * T < S) bytes += kQBoxBytes;
+      ptx::mbar_arrive_expect_tx(q_full(qs), bytes);
+#pragma unroll
+      for (int w = 0; w < L.num_math_wgs(); ++w)
+        if (num_tiles > 0 && tok0 + w * T < S)
+          ptx::tma_load_2d(smem + L.offset_q(qs, w), &tmap_q, q_full(qs), 0, (tok0 + w * T) * H,
+                           ptx::kCacheEvictFirst);
+    } else {
+      ptx::mbar_arrive(q_full(qs));
+    }
+    u_lo_out = u_lo;
+    tiles_out = num_tiles;
+  };
+  // KV tile t of the current q block into ring stage kv (free).
+  auto produce_kv = [&](int u_lo, int t, const ptx::PipelineState<kNumKVStages>& kv) {
+    if (lane == 0) {
+      ptx::mbar_arrive_expect_tx(kv_full(kv.index), kKVTileBytes);
+      ptx::tma_load_2d(smem + L.offset_kv(kv.index), &tmap_k, kv_full(kv.index), 0, u_lo + t * kBlockKV,
+                       ptx::kCacheEvictNormal);
+    }
+  };
+
+  if (static_cast<int>(warp) < L.producer_warps()) {
     // ===================================================================== producer
-    if constexpr (L.uses_setmaxnreg()) ptx::reg_dealloc<L.producer_regs()>();
-    const int pw = static_cast<int>(warp) - kProducer0;  // producer warp: 0 TMA, 1.. the fill
+    ptx::reg_dealloc<L.producer_regs()>();
+    const int pw = static_cast<int>(warp);  // producer warp: 0 TMA, 1.. the fill
     if (pw != 0) {
       // The fill warps (clean only): -inf outside each owned token's range [a, b); the math
       // warpgroups write exactly [a, b) when it is not empty, so the two never touch the same element.
@@ -205,82 +272,19 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       const int blk = q_block(it);
       if (blk >= num_blocks) break;
       const int qs = it & 1;
-      const uint32_t qph = (it >> 1) & 1;
-      ptx::mbar_wait(q_empty(qs), qph ^ 1);
-
-      uint8_t* info = smem + L.offset_info(qs);
-      const int tok0 = blk * T2;
-      // Per-token clamped ranges and their union.
-      int u_lo = 0x7fffffff, u_hi = -0x7fffffff - 1;
-      if (lane < T2) {
-        const int tg = tok0 + static_cast<int>(lane);
-        int a = 0, b = 0;
-        if (tg < S) {
-          a = max(__ldg(ks + tg), 0);
-          b = min(__ldg(ke + tg), SKV);
-          if (max_seqlen_k > 0 && b > a && b - a > max_seqlen_k) b = a + max_seqlen_k;  // b > a: no overflow
-        }
-        reinterpret_cast<int2*>(info + L.info_offset_ranges())[lane] = make_int2(a, b);
-        if (b > a) {
-          u_lo = a;
-          u_hi = b;
-        }
-      }
-      u_lo = __reduce_min_sync(0xffffffffu, u_lo);
-      u_hi = __reduce_max_sync(0xffffffffu, u_hi);
-      const int num_tiles = u_hi > u_lo ? (u_hi - u_lo - 1) / kBlockKV + 1 : 0;
-      if (lane == 0) {
-        reinterpret_cast<int*>(info)[0] = u_lo;
-        reinterpret_cast<int*>(info)[1] = num_tiles;
-      }
-      // The block's weights, token-major; 0 for tokens >= S.
-      float* winfo = reinterpret_cast<float*>(info + L.info_offset_weights());
-#pragma unroll
-      for (int i = lane; i < T2 * H; i += 32) {
-        const int tg = tok0 + i / H;
-        const int64_t wi = static_cast<int64_t>(tg) * weights_stride + (i % H);
-        float wv = 0.0f;
-        if (tg < S)
-          wv = weights_bf16 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(weights) + wi))
-                            : __ldg(static_cast<const float*>(weights) + wi);
-        if constexpr (kWSmem) {
-          if constexpr (kSplitRelu) wv *= 0.5f;  // see the math warpgroups' weights
-          const int n = i % 128;  // accumulator column 8 g + 2 quad + c of math warpgroup i / 128
-          reinterpret_cast<float*>(info + L.info_offset_wperm())[i - n + ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)] = wv;
-        }
-        winfo[i] = wv;
-      }
-      __syncwarp();
-      if (lane == 0) {
-        // q tiles only when there is work, and only for warpgroups with a valid token.
-        uint32_t bytes = 0;
-#pragma unroll
-        for (int w = 0; w < L.num_math_wgs(); ++w)
-          if (num_tiles > 0 && tok0 + w * T < S) bytes += kQBoxBytes;
-        ptx::mbar_arrive_expect_tx(q_full(qs), bytes);
-#pragma unroll
-        for (int w = 0; w < L.num_math_wgs(); ++w)
-          if (num_tiles > 0 && tok0 + w * T < S)
-            ptx::tma_load_2d(smem + L.offset_q(qs, w), &tmap_q, q_full(qs), 0, (tok0 + w * T) * H,
-                             ptx::kCacheEvictFirst);
-      } else {
-        ptx::mbar_arrive(q_full(qs));
-      }
-
+      ptx::mbar_wait(q_empty(qs), ((it >> 1) & 1) ^ 1);
+      int u_lo, num_tiles;
+      produce_block(blk, qs, u_lo, num_tiles);
       for (int t = 0; t < num_tiles; ++t) {
         ptx::mbar_wait(kv_empty(kv.index), kv.phase ^ 1);
-        if (lane == 0) {
-          ptx::mbar_arrive_expect_tx(kv_full(kv.index), kKVTileBytes);
-          ptx::tma_load_2d(smem + L.offset_kv(kv.index), &tmap_k, kv_full(kv.index), 0, u_lo + t * kBlockKV,
-                           ptx::kCacheEvictNormal);
-        }
+        produce_kv(u_lo, t, kv);
         kv.advance();
       }
     }
   } else {
     // ===================================================================== math
-    if constexpr (L.uses_setmaxnreg()) ptx::reg_alloc<L.math_regs()>();
-    const int wg = static_cast<int>(warp / 4) - L.math_warp0() / 4;  // 0 .. num_math_wgs() - 1
+    ptx::reg_alloc<L.math_regs()>();
+    const int wg = static_cast<int>(warp / 4) - 1;  // 0 .. num_math_wgs() - 1
     const int warp_in_wg = static_cast<int>(warp % 4);
     const int quad = static_cast<int>(lane & 3);
     const int row_in_tile = warp_in_wg * 16 + static_cast<int>(lane >> 2);  // + 8 * j
@@ -300,6 +304,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     for (int i = 0; i < kNumAccum; ++i) acc0[i] = acc1[i] = 0.0f;
 
     ptx::PipelineState<kNumKVStages> kv_issue, kv_release;
+
     for (int it = 0;; ++it) {
       const int blk = q_block(it);
       if (blk >= num_blocks) break;
@@ -312,13 +317,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
       const int num_tiles = reinterpret_cast<const int*>(info)[1];
 
       if (num_tiles > 0) {
-        // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c: in registers,
-        // or (weights_in_smem) read from the info area's permuted copy where they are used.
+        // Head weights of this thread's 32 accumulator columns n = 8 g + 2 quad + c, in registers.
         // split_relu needs w relu(x) = (w / 2) |x| + (w / 2) x: the registers hold w / 2 and
-        // coef = sigma / 2; with weights_in_smem the producer stored w / 2 (both copies), so the
-        // pieces are those of q~ / 2 and coef = their sigma (bitwise the same products).
-        float wreg[kWSmem ? 1 : kNumAccum / 2];
-        if constexpr (!kWSmem) {
+        // coef = sigma / 2.
+        float wreg[kNumAccum / 2];
+        {
           const float* winfo = reinterpret_cast<const float*>(info + L.info_offset_weights()) + wg * 128;
 #pragma unroll
           for (int g = 0; g < 16; ++g) {
@@ -327,15 +330,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             wreg[2 * g + 1] = kSplitRelu ? 0.5f * w2.y : w2.y;
           }
         }
-        const float4* wsm = reinterpret_cast<const float4*>(info + L.info_offset_wperm()) + (wg * 128 + quad * 32) / 4;
-        auto weight = [&](int g, int c) -> float {
-          if constexpr (kWSmem) {
-            const float4 w4 = wsm[g / 2];  // columns of g and g ^ 1
-            return (g & 1) ? (c ? w4.w : w4.z) : (c ? w4.y : w4.x);
-          } else {
-            return wreg[2 * g + c];
-          }
-        };
+        auto weight = [&](int g, int c) -> float { return wreg[2 * g + c]; };
         // split_relu: the linear rows, and coef[t] = sigma / 2 (see above) of the piece in this
         // quad's columns.
         float coef[kSplitRelu ? T : 1];
@@ -349,7 +344,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
                                             static_cast<int>(threadIdx.x % 128), 1 + wg);
 #pragma unroll
           for (int tok = 0; tok < T; ++tok)
-            coef[tok] = (kWSmem ? 1.0f : 0.5f) * split_relu::piece_scale(amax[tok * kP + quad]);
+            coef[tok] = 0.5f * split_relu::piece_scale(amax[tok * kP + quad]);
         }
         // Ranges and output rows of the owned tokens.
         int rlo[kOwnTok], rhi[kOwnTok];
@@ -380,10 +375,20 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         const int scale_max = SKV - 1;
 
         // Waits for the tile's data, loads its k scales and issues its WGMMAs into `acc`.
-        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+        // k scales of this thread's rows of tile t (an L2 round trip under the logits store stream).
+        // NOTES: loaded one tile ahead of issue (sc_next), so that a whole tile's work hides the
+        // latency; loaded at issue, the epilogue of a single-buffered warpgroup waited for them.
+        auto load_scales = [&](float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
             sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
+        };
+        float sc_next[kOwnJ];
+        load_scales(sc_next, 0);
+        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+#pragma unroll
+          for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
+          load_scales(sc_next, t + 1);  // clamped: past the last tile it reads a valid scale
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
           const uint64_t desc_k = ptx::make_kmajor_desc<D>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
@@ -554,8 +559,8 @@ __global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVSta
                                                                      SKV, max_seqlen_k, clean);
 }
 
-// Same kernel with an explicit number of math warpgroups (2 or 3) and epilogue form; the host must
-// then use MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs, kSplitRelu} for threads, shared
+// Same kernel with an explicit number of math warpgroups (2, 3 or 4) and epilogue form; the host
+// must then use MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs, kSplitRelu} for threads, shared
 // memory and q blocks.
 template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu = false>
 __global__ void __launch_bounds__(
@@ -565,25 +570,8 @@ __global__ void __launch_bounds__(
                           int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
                           const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
                           int max_seqlen_k, int clean) {
-  static_assert(kMathWGs == 2 || kMathWGs == 3, "4 math warpgroups: mqa_logits_kernel_wg4");
+  static_assert(kMathWGs >= 2 && kMathWGs <= 4, "2, 3 or 4 math warpgroups");
   mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs, kSplitRelu>(
-      tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
-      max_seqlen_k, clean);
-}
-
-// The 4-math-warpgroup layout (576 threads, no setmaxnreg). NOTES: __maxnreg__ instead of
-// __launch_bounds__'s minimum of 1 block: with the latter ptxas caps 576 threads at 96 registers (as
-// for 640); launch_regs() = 112 fit (18 warps x 3584 registers).
-template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, bool kSplitRelu>
-__global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), 4,
-                                                  kSplitRelu}.num_threads())
-    __maxnreg__((MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), 4, kSplitRelu}.launch_regs()))
-    mqa_logits_kernel_wg4(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                          const float* __restrict__ k_scale, const void* __restrict__ weights,
-                          int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
-                          const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
-                          int max_seqlen_k, int clean) {
-  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 4, kSplitRelu>(
       tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
       max_seqlen_k, clean);
 }

@@ -10,23 +10,21 @@
 //                      64 -> 2, 128 -> 1).
 //   num_math_wgs()     math warpgroups per CTA: default_math_wgs(H, D) = 2 (accumulators double-
 //                      buffered, setmaxnreg 40/232) or 3 for H = 128 (single-buffered, 24/160).
-//                      The optional 5th field math_wgs overrides it (for mqa_logits_kernel_wgs):
-//                      4 = single-buffered, the head weights read from the info area in the
-//                      epilogue instead of being held in registers (weights_in_smem()); more warps
-//                      per scheduler to hide the epilogue's latency. ptxas compiles the whole kernel
-//                      within the launch's registers per thread (setmaxnreg only moves them at run
-//                      time), so this layout has no producer warpgroup: the math warpgroups are
-//                      warps 0..15 and two producer warps (TMA, -inf fill) follow: 576 threads,
-//                      112 registers each, no setmaxnreg.
+//                      The optional 5th field math_wgs overrides it (for mqa_logits_kernel_wgs).
+//                      launch_regs() and valid() check the register split against the CTA's
+//                      allocation and one SM sub-partition's register file. NOTES: ptxas compiles
+//                      the whole kernel within launch_regs() (setmaxnreg only moves registers at run
+//                      time), so 4 math warpgroups next to a producer warpgroup (640 threads, 96
+//                      registers) spill; with the producer folded into a math warp (512 threads,
+//                      128 registers) they launched but ran 2.2-2.3x slower (bench/NOTES.md).
 //   tokens_per_cta()   num_math_wgs() * block_q(): query tokens of one "q block". The persistent
 //                      grid walks q blocks round-robin (block = blockIdx.x + k * gridDim.x);
 //                      number of q blocks = ceil(S / tokens_per_cta()); grid = min(that, #SMs).
 //   block_kv()         64: KV rows per KV tile; also the TMA box height of the k tensor map.
 //   swizzle_bytes()    D: the TMA swizzle mode of both tensor maps (32B, 64B or 128B), the inner
 //                      box dimension is D elements (= D bytes of fp8).
-//   num_threads()      128 * num_math_wgs() + 32 * producer_warps() = 384 (512 for H = 128):
-//                      warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf fill), the
-//                      math warpgroups follow (4 math warpgroups: they come first, see above).
+//   num_threads()      128 * (num_math_wgs() + 1) = 384 (512 for H = 128): warpgroup 0 is the
+//                      producer (warp 0 TMA, warps 1..3 the -inf fill), the math warpgroups follow.
 //   num_kv_stages      depth of the KV ring (template parameter kNumKVStages).
 //   q_tile_bytes()     mma_n() * D rounded up to 1024 (q_box_bytes() = 128 * D of it come by TMA),
 //                      kv_tile_bytes() 64 * D.
@@ -91,26 +89,28 @@ struct MqaLogitsLayout {
   // Extra B rows per math warpgroup: an 8-row group per pair of tokens (4 pieces x 2 tokens).
   DI_HOST_DEVICE constexpr int linear_rows() const { return split_relu ? 8 * ((block_q() + 1) / 2) : 0; }
   DI_HOST_DEVICE constexpr int mma_n() const { return kQRowsPerTile + linear_rows(); }
-  // Producer warps and where the roles sit: a whole warpgroup first (setmaxnreg works per
-  // warpgroup), or with 4 math warpgroups two warps after them (no setmaxnreg).
-  DI_HOST_DEVICE constexpr int producer_warps() const { return num_math_wgs() == 4 ? 2 : 4; }
-  DI_HOST_DEVICE constexpr int producer_warp0() const { return num_math_wgs() == 4 ? 4 * num_math_wgs() : 0; }
-  DI_HOST_DEVICE constexpr int math_warp0() const { return num_math_wgs() == 4 ? 0 : 4; }
-  DI_HOST_DEVICE constexpr bool uses_setmaxnreg() const { return num_math_wgs() != 4; }
-  // setmaxnreg values: 2 math warpgroups double-buffer their accumulators (232 registers), 3 and 4
-  // do not. Each split fills the CTA's launch allocation (launch_regs() per thread; see valid()).
-  DI_HOST_DEVICE constexpr int producer_regs() const {
-    return !uses_setmaxnreg() ? launch_regs() : (num_math_wgs() == 2 ? 40 : 24);
-  }
-  DI_HOST_DEVICE constexpr int math_regs() const {
-    return !uses_setmaxnreg() ? launch_regs() : (num_math_wgs() == 2 ? 232 : 160);
-  }
+  // Warp roles: warpgroup 0 is the producer (warp 0 TMA, warps 1..3 the -inf fill), the math
+  // warpgroups follow. setmaxnreg moves registers from the producer to the math warpgroups: 2 math
+  // warpgroups double-buffer their accumulators (232 registers), 3 do not (160).
+  DI_HOST_DEVICE constexpr int producer_warps() const { return 4; }
+  DI_HOST_DEVICE constexpr int producer_regs() const { return num_math_wgs() == 2 ? 40 : 24; }
+  DI_HOST_DEVICE constexpr int math_regs() const { return num_math_wgs() == 2 ? 232 : 160; }
   DI_HOST_DEVICE constexpr bool double_buffered() const { return num_math_wgs() == 2; }
-  // 4 math warpgroups: the 32 head weights per thread do not fit next to the accumulators.
-  DI_HOST_DEVICE constexpr bool weights_in_smem() const { return num_math_wgs() == 4; }
-  // Registers per thread the launch gets (__launch_bounds__(num_threads(), 1)): 64K / threads,
-  // rounded down to the allocation granularity of 8; setmaxnreg redistributes only these.
-  DI_HOST_DEVICE constexpr int launch_regs() const { return 65536 / num_threads() / 8 * 8; }
+  // Register file: 4 SM sub-partitions of kRegsPerSubPartition each; warp w of the CTA runs on
+  // sub-partition w % 4, so each holds one warp of every warpgroup (ceil(warps / 4) warps).
+  // Registers are allocated per warp in units of 8 per thread. A launch gets launch_regs() per
+  // thread (what __launch_bounds__(num_threads(), 1) lets ptxas use outside
+  // the setmaxnreg regions). setmaxnreg.inc draws on the CTA's pool (the launch allocation), so the
+  // split must fit both that and one sub-partition (valid()).
+  static constexpr int kRegsPerSubPartition = 16384;
+  static constexpr int kRegGranule = 8;
+  DI_HOST_DEVICE constexpr int warps_per_subpartition() const { return (num_threads() / 32 + 3) / 4; }
+  DI_HOST_DEVICE constexpr int launch_regs() const {
+    return kRegsPerSubPartition / (32 * warps_per_subpartition()) / kRegGranule * kRegGranule;
+  }
+  DI_HOST_DEVICE constexpr int split_regs_per_subpartition() const {
+    return 32 * (producer_regs() + num_math_wgs() * math_regs());
+  }
   DI_HOST_DEVICE constexpr int block_kv() const { return kBlockKV; }
   DI_HOST_DEVICE constexpr int k_box_rows() const { return kBlockKV; }
   DI_HOST_DEVICE constexpr int swizzle_bytes() const { return head_dim; }
@@ -125,9 +125,7 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr int q_tile_bytes() const { return align_up(mma_n() * head_dim, kAlign); }
   DI_HOST_DEVICE constexpr int q_box_bytes() const { return q_box_rows() * head_dim; }
   DI_HOST_DEVICE constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
-  DI_HOST_DEVICE constexpr int info_bytes() const {
-    return align_up(info_offset_wperm() + (weights_in_smem() ? 4 * tokens_per_cta() * num_heads : 0), 128);
-  }
+  DI_HOST_DEVICE constexpr int info_bytes() const { return align_up(info_offset_end(), 128); }
   DI_HOST_DEVICE constexpr int offset_q(int stage, int wg) const {
     return (stage * num_math_wgs() + wg) * q_tile_bytes();
   }
@@ -141,15 +139,11 @@ struct MqaLogitsLayout {
   // q block (clamped to [0, SKV]; empty when hi <= lo; (0, 0) for tokens >= S), then the weights
   // of the q block as float[tokens_per_cta() * num_heads] (token-major, 0 for tokens >= S), then
   // (split_relu) the pieces' per-token max |value| as float bits [tokens_per_cta()][kLinearPieces],
-  // written by the math warpgroups (split_relu::build_pieces), then (weights_in_smem) the weights
-  // again in the order the epilogue reads them: [math wg][quad][g][c] for accumulator column
-  // 8 g + 2 quad + c (16-byte loads). With weights_in_smem and split_relu both copies hold w / 2.
+  // written by the math warpgroups (split_relu::build_pieces).
   DI_HOST_DEVICE constexpr int info_offset_ranges() const { return 16; }
-  // The header holds the ranges of up to 30 tokens; 4 math warpgroups of H = 16 have 32.
-  DI_HOST_DEVICE constexpr int info_header_bytes() const { return num_math_wgs() == 4 ? 2 * kInfoHeaderBytes : kInfoHeaderBytes; }
-  DI_HOST_DEVICE constexpr int info_offset_weights() const { return info_header_bytes(); }
-  DI_HOST_DEVICE constexpr int info_offset_amax() const { return info_header_bytes() + 4 * tokens_per_cta() * num_heads; }
-  DI_HOST_DEVICE constexpr int info_offset_wperm() const {
+  DI_HOST_DEVICE constexpr int info_offset_weights() const { return kInfoHeaderBytes; }
+  DI_HOST_DEVICE constexpr int info_offset_amax() const { return kInfoHeaderBytes + 4 * tokens_per_cta() * num_heads; }
+  DI_HOST_DEVICE constexpr int info_offset_end() const {
     return info_offset_amax() + (split_relu ? 4 * kLinearPieces * tokens_per_cta() : 0);
   }
   DI_HOST_DEVICE constexpr int offset_barriers() const { return offset_info(kNumQStages); }
@@ -178,14 +172,16 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr bool valid() const {
     return supported_shape(num_heads, head_dim) && (out_bytes == 2 || out_bytes == 4) && num_kv_stages >= 2 &&
            num_kv_stages <= kMaxKVStages && smem_bytes() <= kMaxSmem &&
-           (num_math_wgs() >= 2 && num_math_wgs() <= 4) && tokens_per_cta() <= 32 && mma_n() <= 256 &&
+           (num_math_wgs() == 2 || num_math_wgs() == 3) && tokens_per_cta() <= 32 && mma_n() <= 256 &&
            info_offset_ranges() + 8 * tokens_per_cta() <= info_offset_weights() &&
+           launch_regs() <= 255 && split_regs_per_subpartition() <= kRegsPerSubPartition &&
            32 * producer_warps() * producer_regs() + num_math_wgs() * kThreadsPerWG * math_regs() <=
                num_threads() * launch_regs() &&
+           producer_regs() % kRegGranule == 0 && math_regs() % kRegGranule == 0 &&
            // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)
            q_tile_bytes() % kAlign == 0 && kv_tile_bytes() % kAlign == 0 && offset_kv(0) % kAlign == 0 &&
            offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0 &&
-           info_offset_wperm() % 16 == 0 && (!weights_in_smem() || tokens_per_cta() * num_heads == 128 * num_math_wgs());
+           info_offset_end() % 16 == 0;
   }
 
  private:
