@@ -37,6 +37,19 @@ def _check_options(clean: object, logits_dtype: object, accum_dtype: object, chu
         _check_int("chunk", chunk, min_value=1)
 
 
+def row_chunks(start: torch.Tensor, end: torch.Tensor, rows_per_chunk: int):
+    """(r0, r1, lo, hi) for every chunk of rows_per_chunk rows with at least one valid key (start < end,
+    CPU tensors); [lo, hi) covers the chunk's keys."""
+    rows = start.numel()
+    for r0 in range(0, rows, rows_per_chunk):
+        r1 = min(rows, r0 + rows_per_chunk)
+        s, e = start[r0:r1], end[r0:r1]
+        live = s < e
+        if not bool(live.any()):
+            continue
+        yield r0, r1, int(s[live].min()), int(e[live].max())
+
+
 def _weighted_relu_into(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -59,17 +72,11 @@ def _weighted_relu_into(
     esize = torch.finfo(accum).bits // 8
     rc = chunk or max(1, _CHUNK_BYTES // (heads * max(1, out.shape[1] if not compressed else k.shape[0]) * esize))
     dev = out.device
-    for r0 in range(0, rows, rc):
-        r1 = min(rows, r0 + rc)
-        s, e = start[r0:r1], end[r0:r1]
-        live = s < e
-        if not bool(live.any()):
-            continue
-        lo, hi = int(s[live].min()), int(e[live].max())
+    for r0, r1, lo, hi in row_chunks(start, end, rc):
         cc = max(1, _CHUNK_BYTES // ((r1 - r0) * heads * esize))
         qf = q[r0:r1].to(accum)
         wf = w[r0:r1].to(accum).unsqueeze(-1)
-        sd, ed = s.to(dev).unsqueeze(1), e.to(dev).unsqueeze(1)
+        sd, ed = start[r0:r1].to(dev).unsqueeze(1), end[r0:r1].to(dev).unsqueeze(1)
         for c0 in range(lo, hi, cc):
             c1 = min(hi, c0 + cc)
             prod = torch.matmul(qf, k[c0:c1].to(accum).t())  # [rows, H, cols]
@@ -77,8 +84,8 @@ def _weighted_relu_into(
             cols = torch.arange(c0, c1, device=dev).unsqueeze(0)
             outside = (cols < sd) | (cols >= ed)
             if compressed:
-                rr, cc = (~outside).nonzero(as_tuple=True)
-                out[r0 + rr, c0 + cc - sd[rr, 0]] = blk[rr, cc].to(out.dtype)
+                rr, jj = (~outside).nonzero(as_tuple=True)
+                out[r0 + rr, c0 + jj - sd[rr, 0]] = blk[rr, jj].to(out.dtype)
                 continue
             blk.masked_fill_(outside, _NEG_INF)
             out[r0:r1, c0:c1] = blk

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..reference import row_chunks
+
 # Budget for one [rows, heads, keys] temporary and the key tile, per device type: GPUs take larger
 # tiles (fewer kernel launches; a step keeps about 6 such temporaries alive).
 _TILE_BYTES = {"cpu": 32 << 20, "cuda": 128 << 20}
@@ -41,18 +43,6 @@ def _plan(rows: int, keys: int, heads: int, dtype: torch.dtype, chunk_rows: int 
     kc = max(1, chunk_keys or min(max(keys, 1), _KEY_TILE[kind]))
     rc = max(1, chunk_rows or min(max(rows, 1), _TILE_BYTES[kind] // (heads * kc * esize)))
     return rc, kc
-
-
-def _row_chunks(ks_cpu: torch.Tensor, ke_cpu: torch.Tensor, rc: int):
-    """(r0, r1, lo, hi) for every row chunk with at least one valid key; [lo, hi) covers its keys."""
-    rows = ks_cpu.numel()
-    for r0 in range(0, rows, rc):
-        r1 = min(rows, r0 + rc)
-        s, e = ks_cpu[r0:r1], ke_cpu[r0:r1]
-        live = s < e
-        if not bool(live.any()):
-            continue
-        yield r0, r1, int(s[live].min()), int(e[live].max())
 
 
 def _valid(ks: torch.Tensor, ke: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
@@ -164,7 +154,7 @@ def indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chu
     n = k_i.shape[0]
     out = torch.full((rows, n), _NEG_INF, dtype=acc, device=q_i.device)
     rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys, q_i.device)
-    for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
+    for r0, r1, lo, hi in row_chunks(ks_cpu, ke_cpu, rc):
         q = q_i[r0:r1]
         wr = w[r0:r1].to(acc)
         for c0 in range(lo, hi, kc):
@@ -196,7 +186,7 @@ def indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=Non
     dk = torch.zeros(k_i.shape, dtype=acc, device=q_i.device)
     dw = torch.zeros(w.shape, dtype=acc, device=q_i.device)
     rc, kc = _plan(rows, n, heads, acc, chunk_rows, chunk_keys, q_i.device)
-    for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
+    for r0, r1, lo, hi in row_chunks(ks_cpu, ke_cpu, rc):
         q_raw = q_i[r0:r1]
         q = q_raw.to(acc)
         wr = w[r0:r1].to(acc)
@@ -220,7 +210,7 @@ def attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_ke
     rows, heads = q.shape[0], q.shape[1]
     lse = torch.full((rows, heads), _NEG_INF, dtype=acc, device=q.device)
     rc, kc = _plan(rows, k.shape[0], heads, acc, chunk_rows, chunk_keys, q.device)
-    for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
+    for r0, r1, lo, hi in row_chunks(ks_cpu, ke_cpu, rc):
         qr = q[r0:r1]
         m = lse[r0:r1]
         for c0 in range(lo, hi, kc):
@@ -267,7 +257,7 @@ def warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per
     mass = torch.zeros(stat_shape, dtype=acc, device=dev)
     rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys, q_i.device)
     lse_safe_all = _safe(lse_att.to(acc))
-    for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
+    for r0, r1, lo, hi in row_chunks(ks_cpu, ke_cpu, rc):
         qr, qir, wr = q[r0:r1], q_i[r0:r1], w[r0:r1].to(acc)
         lse_safe = lse_safe_all[r0:r1]
         for c0 in range(lo, hi, kc):
@@ -299,7 +289,7 @@ def warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, 
     rc, kc = _plan(rows, k.shape[0], max(heads, hi_heads), acc, chunk_rows, chunk_keys, q_i.device)
     lse_safe_all, lse_i_safe = _safe(lse_att.to(acc)), _safe(lse_i)
     g_all = grad.to(acc) / total_heads if per_head else grad.to(acc)
-    for r0, r1, lo, hi in _row_chunks(ks_cpu, ke_cpu, rc):
+    for r0, r1, lo, hi in row_chunks(ks_cpu, ke_cpu, rc):
         qr, qi_raw, wr = q[r0:r1], q_i[r0:r1], w[r0:r1].to(acc)
         qir = qi_raw.to(acc)
         g, m, li = g_all[r0:r1].unsqueeze(-1), mass[r0:r1].unsqueeze(-1), lse_i_safe[r0:r1].unsqueeze(-1)
@@ -357,6 +347,14 @@ def _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_he
                 lse_i=lse_i, lse_set=lse_set, log_p_h=log_p_h)
 
 
+def _sparse_rows_per_chunk(q_i, k_i, q, k, kk, acc, chunk_rows):
+    """Query rows per chunk of the sparse loss: its gathered [rows, k, ...] tensors stay within _SPARSE_BYTES."""
+    if chunk_rows:
+        return max(1, chunk_rows)
+    dk_row = k.shape[-1] * (k.shape[1] if k.dim() == 3 else 1) + k_i.shape[-1]
+    return max(1, _SPARSE_BYTES // max(1, kk * max(q.shape[1], q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
+
+
 def sparse_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head, total_heads, partial,
                   chunk_rows=None):
     """Per-token loss [T], indexer_lse over the set ([T] or [T, H]), the attention LSE over the set [T, H] and
@@ -368,8 +366,7 @@ def sparse_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head, tota
     lse_i = torch.full((rows, heads) if per_head else (rows,), _NEG_INF, dtype=acc, device=dev)
     lse_set = torch.full((rows, heads), _NEG_INF, dtype=acc, device=dev)
     mass = torch.zeros(lse_i.shape, dtype=acc, device=dev)
-    dk_row = k.shape[-1] * (k.shape[1] if k.dim() == 3 else 1) + k_i.shape[-1]
-    rc = max(1, chunk_rows or _SPARSE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
+    rc = _sparse_rows_per_chunk(q_i, k_i, q, k, kk, acc, chunk_rows)
     for r0 in range(0, rows, rc):
         r1 = min(rows, r0 + rc)
         c = _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_head, total_heads, acc)
@@ -399,8 +396,7 @@ def sparse_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head
     dk = torch.zeros(k_i.shape, dtype=acc, device=q.device)
     dw = torch.zeros(w.shape, dtype=acc, device=q.device)
     g_all = grad.to(acc) / total_heads if per_head else grad.to(acc)
-    dk_row = k.shape[-1] * (k.shape[1] if k.dim() == 3 else 1) + k_i.shape[-1]
-    rc = max(1, chunk_rows or _SPARSE_BYTES // max(1, kk * max(heads, q_i.shape[1], dk_row) * (torch.finfo(acc).bits // 8)))
+    rc = _sparse_rows_per_chunk(q_i, k_i, q, k, kk, acc, chunk_rows)
     for r0 in range(0, rows, rc):
         r1 = min(rows, r0 + rc)
         c = _sparse_chunk(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, r0, r1, per_head, total_heads, acc)
