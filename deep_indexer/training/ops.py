@@ -318,6 +318,9 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     backend: "torch" (the portable code above) or "sm90": the forward runs on a Hopper kernel (bf16 q_I and
     k_I, WGMMA with fp32 accumulation; H_I in 16/32/64/128, D_I in 64/128; deterministic), the backward on
     the portable code.
+
+    torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
+    arguments are constants of the compiled program (a new value recompiles).
     """
     _indexer_args(q_I, k_I, weights)
     if not isinstance(deterministic, bool):
@@ -396,6 +399,9 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     further effect here).
 
     Returns KLLoss(loss, per_token, num_tokens, indexer_lse, attn_lse, target_mass).
+
+    torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
+    arguments are constants of the compiled program (a new value recompiles).
     """
     _indexer_args(q_I, k_I, weights)
     rows, n_keys = q_I.shape[0], k_I.shape[0]
@@ -484,6 +490,9 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
 
     Returns KLLoss(loss, per_token, num_tokens, indexer_lse over the set, attn_lse over the set [T, H],
     target_mass).
+
+    torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
+    arguments are constants of the compiled program (a new value recompiles).
     """
     _indexer_args(q_I, k_I, weights)
     rows, n_keys = q_I.shape[0], k_I.shape[0]
