@@ -7,6 +7,8 @@
 
 These ops run everywhere PyTorch runs (CPU or GPU): chunked, online (flash-attention style) PyTorch code
 that never forms a [T, T] tensor. `reference` holds that compute.
+They trace under torch.compile(fullgraph=True) through custom ops (torch.ops.deep_indexer.*, registered by
+`torch_ops`); the non-tensor arguments are constants of the compiled program.
 """
 from . import reference
 from .ops import KLLoss, indexer_kl_loss, indexer_logits, packed_bounds, sparse_indexer_kl_loss

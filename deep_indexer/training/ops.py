@@ -12,6 +12,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import reference as ref
+from . import torch_ops as _torch_ops  # noqa: F401  (registers torch.ops.deep_indexer.* training ops)
+
+# NOTES: while torch.compile traces, the public functions go through torch.ops.deep_indexer.* (custom ops with
+# fake implementations, see torch_ops.py); in eager mode they use the autograd.Functions below (same compute).
+_compiling = torch.compiler.is_compiling
+
+
+def _ops():
+    return torch.ops.deep_indexer
 
 __all__ = ["indexer_logits", "indexer_kl_loss", "sparse_indexer_kl_loss", "packed_bounds", "KLLoss"]
 
@@ -220,11 +229,33 @@ def _loss_options(target, reduction, total_heads, heads, heads_i, token_mask, ro
     return per_head, total, total != heads
 
 
+def _check_indices(indices: torch.Tensor, n_keys: int) -> None:
+    """indices [T, K]: values in [-1, n_keys), distinct keys within a row (reads results on the host)."""
+    if indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < -1 or hi >= n_keys:
+            raise ValueError(f"indices: expected values in [-1, {n_keys}) (-1 = padding), got [{lo}, {hi}]")
+        srt = indices.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if bool(dup.any()):
+            r = int(dup.any(dim=1).nonzero()[0])
+            raise ValueError(f"indices: expected distinct keys within a row, row {r} repeats a key")
+
+
 def _reduce(per_token, valid, reduction):
     n = valid.sum()
     if reduction == "sum":
         return per_token.sum(), n
     return per_token.sum() / n.clamp_min(1).to(per_token.dtype), n
+
+
+def _detached(*ts):
+    """The tensors without their requires_grad flag (None kept).
+
+    NOTES: torch.matmul picks its algorithm (fold into one mm, or batched) by the operands' requires_grad flag,
+    which changes the summation order: the compute always sees detached inputs, so eager mode, the custom ops
+    and torch.compile give bitwise identical results."""
+    return tuple(None if t is None else t.detach() for t in ts)
 
 
 def _cast(g, like):
@@ -243,12 +274,12 @@ class _IndexerLogits(torch.autograd.Function):
         ctx.cpu_bounds, ctx.chunks = (ks_cpu, ke_cpu), chunks
         if backend == "sm90":
             return _sm90_logits(q_i, k_i, w, ks, ke)
-        return ref.indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, *chunks)
+        return ref.indexer_logits_fwd(*_detached(q_i, k_i, w), ks, ke, ks_cpu, ke_cpu, *chunks)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q_i, k_i, w, ks, ke = ctx.saved_tensors
+        q_i, k_i, w, ks, ke = _detached(*ctx.saved_tensors)
         dq, dk, dw = ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, *ctx.cpu_bounds, *ctx.chunks)
         return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), None, None, None, None, None, None
 
@@ -287,6 +318,9 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     backend: "torch" (the portable code above) or "sm90": the forward runs on a Hopper kernel (bf16 q_I and
     k_I, WGMMA with fp32 accumulation; H_I in 16/32/64/128, D_I in 64/128; deterministic), the backward on
     the portable code.
+
+    torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
+    arguments are constants of the compiled program (a new value recompiles).
     """
     _indexer_args(q_I, k_I, weights)
     if not isinstance(deterministic, bool):
@@ -295,6 +329,9 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     _opt_int("chunk_keys", chunk_keys)
     if backend not in ("torch", "sm90"):
         raise ValueError(f"backend: expected 'torch' or 'sm90', got {backend!r}")
+    if _compiling():
+        ks, ke, ks_cpu, ke_cpu = _ops().training_bounds(q_I, k_I.shape[0], ks, ke, cu_seqlens, causal, None)
+        return _ops().indexer_logits_fwd(q_I, k_I, weights, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend)
     ks, ke, ks_cpu, ke_cpu = _bounds(q_I.shape[0], k_I.shape[0], q_I.device, ks, ke, cu_seqlens, causal)
     return _IndexerLogits.apply(q_I, k_I, weights, ks, ke, ks_cpu, ke_cpu, (chunk_rows, chunk_keys), backend)
 
@@ -308,7 +345,7 @@ class _WarmupKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_i, k_i, w, q, k, lse_att, ks, ke, ks_cpu, ke_cpu, cfg):
         scale, per_head, total, partial, chunks = cfg
-        loss, lse_i, mass = ref.warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head,
+        loss, lse_i, mass = ref.warmup_kl_fwd(*_detached(q_i, k_i, w), q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head,
                                               total, partial, *chunks)
         ctx.save_for_backward(q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke)
         ctx.cpu_bounds, ctx.cfg = (ks_cpu, ke_cpu), cfg
@@ -318,7 +355,7 @@ class _WarmupKL(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, _g_lse, _g_mass):
-        q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke = ctx.saved_tensors
+        q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke = _detached(*ctx.saved_tensors)
         scale, per_head, total, _partial, chunks = ctx.cfg
         dq, dk, dw = ref.warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke,
                                        *ctx.cpu_bounds, per_head, total, *chunks)
@@ -362,6 +399,9 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     further effect here).
 
     Returns KLLoss(loss, per_token, num_tokens, indexer_lse, attn_lse, target_mass).
+
+    torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
+    arguments are constants of the compiled program (a new value recompiles).
     """
     _indexer_args(q_I, k_I, weights)
     rows, n_keys = q_I.shape[0], k_I.shape[0]
@@ -372,6 +412,9 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _opt_int("chunk_rows", chunk_rows)
     _opt_int("chunk_keys", chunk_keys)
+    if _compiling():
+        return _warmup_loss_traced(q_I, k_I, weights, q, k, scale, ks, ke, cu_seqlens, causal, attn_lse, per_head,
+                                   total, partial, token_mask, reduction, (chunk_rows, chunk_keys))
     ks, ke, ks_cpu, ke_cpu = _bounds(rows, n_keys, q_I.device, ks, ke, cu_seqlens, causal)
     if token_mask is not None:  # a masked row becomes empty: no work, no loss
         mask, mask_cpu = _index_pair("token_mask", token_mask, q_I.device)
@@ -400,7 +443,7 @@ class _SparseKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_i, k_i, w, q, k, lse_att, idx, ks, ke, cfg):
         scale, per_head, total, partial, deterministic, chunk_rows = cfg
-        loss, lse_i, lse_set, mass = ref.sparse_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head,
+        loss, lse_i, lse_set, mass = ref.sparse_kl_fwd(*_detached(q_i, k_i, w), q, k, scale, lse_att, idx, ks, ke, per_head,
                                                        total, partial, chunk_rows)
         ctx.save_for_backward(q_i, k_i, w, q, k, lse_att, idx, ks, ke)
         ctx.cfg = cfg
@@ -410,7 +453,7 @@ class _SparseKL(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, *_unused):
-        q_i, k_i, w, q, k, lse_att, idx, ks, ke = ctx.saved_tensors
+        q_i, k_i, w, q, k, lse_att, idx, ks, ke = _detached(*ctx.saved_tensors)
         scale, per_head, total, _partial, deterministic, chunk_rows = ctx.cfg
         dq, dk, dw = ref.sparse_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head, total,
                                        deterministic, chunk_rows)
@@ -447,6 +490,9 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
 
     Returns KLLoss(loss, per_token, num_tokens, indexer_lse over the set, attn_lse over the set [T, H],
     target_mass).
+
+    torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
+    arguments are constants of the compiled program (a new value recompiles).
     """
     _indexer_args(q_I, k_I, weights)
     rows, n_keys = q_I.shape[0], k_I.shape[0]
@@ -463,15 +509,10 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
     if indices.shape[0] != rows:
         raise ValueError(f"indices: expected shape [{rows}, K], got {tuple(indices.shape)}")
     _same_device(q_I, indices=indices)
-    if indices.numel():
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < -1 or hi >= n_keys:
-            raise ValueError(f"indices: expected values in [-1, {n_keys}) (-1 = padding), got [{lo}, {hi}]")
-        srt = indices.sort(dim=1).values
-        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-        if bool(dup.any()):
-            r = int(dup.any(dim=1).nonzero()[0])
-            raise ValueError(f"indices: expected distinct keys within a row, row {r} repeats a key")
+    if _compiling():
+        return _sparse_loss_traced(q_I, k_I, weights, q, k, indices, scale, ks, ke, cu_seqlens, causal, attn_lse,
+                                   per_head, total, partial, token_mask, reduction, deterministic, chunk_rows)
+    _check_indices(indices, n_keys)
     bounded = ks is not None or ke is not None or cu_seqlens is not None
     if bounded:
         ks, ke, _, _ = _bounds(rows, n_keys, q_I.device, ks, ke, cu_seqlens, causal)
@@ -489,3 +530,48 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
                                                       (scale, per_head, total, partial, deterministic, chunk_rows))
     loss, n = _reduce(per_token, valid, reduction)
     return KLLoss(loss, per_token, n, lse_i, lse_set, mass)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile paths: the same compute through the custom ops of torch_ops.py
+# ----------------------------------------------------------------------------------------------
+
+
+def _warmup_loss_traced(q_i, k_i, w, q, k, scale, ks, ke, cu_seqlens, causal, attn_lse, per_head, total, partial,
+                        token_mask, reduction, chunks):
+    ops = _ops()
+    ks, ke, ks_cpu, ke_cpu = ops.training_bounds(q_i, k_i.shape[0], ks, ke, cu_seqlens, causal, token_mask)
+    valid = ke > ks
+    q_d, k_d = q.detach(), k.detach()
+    if attn_lse is None:
+        lse = ops.training_attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks)
+    else:
+        lse = attn_lse.detach()
+    per_token, lse_i, mass = ops.indexer_kl_loss_fwd(q_i, k_i, w, q_d, k_d, lse, ks, ke, ks_cpu, ke_cpu, scale,
+                                                     per_head, total, partial, *chunks)
+    loss, n = _reduce(per_token, valid, reduction)
+    return KLLoss(loss, per_token, n, lse_i.detach(), lse, mass.detach())
+
+
+def _sparse_loss_traced(q_i, k_i, w, q, k, indices, scale, ks, ke, cu_seqlens, causal, attn_lse, per_head, total,
+                        partial, token_mask, reduction, deterministic, chunk_rows):
+    ops = _ops()
+    bounded = ks is not None or ke is not None or cu_seqlens is not None
+    if bounded:
+        ks, ke, _, _ = ops.training_bounds(q_i, k_i.shape[0], ks, ke, cu_seqlens, causal, None)
+    idx = indices
+    if token_mask is not None:
+        idx = torch.where(token_mask.to(q_i.device).unsqueeze(1), idx, torch.full_like(idx, -1))
+    sel = idx >= 0
+    if bounded:
+        sel = sel & (idx >= ks.unsqueeze(1)) & (idx < ke.unsqueeze(1))
+    valid = sel.any(dim=1)
+    q_d, k_d = q.detach(), k.detach()
+    lse = None if attn_lse is None else attn_lse.detach()
+    # NOTES: the indices are validated inside the forward op, after masking: under torch.compile the rows
+    # excluded by token_mask are not checked (eager checks every row).
+    per_token, lse_i, lse_set, mass = ops.sparse_indexer_kl_loss_fwd(q_i, k_i, w, q_d, k_d, lse, idx, ks, ke, scale,
+                                                                     per_head, total, partial, deterministic,
+                                                                     chunk_rows, True)
+    loss, n = _reduce(per_token, valid, reduction)
+    return KLLoss(loss, per_token, n, lse_i.detach(), lse_set.detach(), mass.detach())
