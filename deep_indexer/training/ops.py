@@ -362,6 +362,16 @@ class _WarmupKL(torch.autograd.Function):
         return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), *([None] * 8)
 
 
+def _loss_args(q_I, k_I, weights, q, k, softmax_scale, attn_lse, target, reduction, total_heads, token_mask):
+    """Validation shared by the two losses: (rows, n_keys, scale, per_head, total_heads, partial)."""
+    _indexer_args(q_I, k_I, weights)
+    rows, n_keys = q_I.shape[0], k_I.shape[0]
+    scale = _attention_args(q_I, q, k, rows, n_keys, softmax_scale, attn_lse)
+    per_head, total, partial = _loss_options(target, reduction, total_heads, q.shape[1], q_I.shape[1], token_mask,
+                                             rows, q_I.device)
+    return rows, n_keys, scale, per_head, total, partial
+
+
 def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=None, cu_seqlens=None,
                     causal=True, attn_lse=None, target="mean", token_mask=None, reduction="mean",
                     total_heads=None, deterministic=False, chunk_rows=None, chunk_keys=None) -> KLLoss:
@@ -403,11 +413,8 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
     arguments are constants of the compiled program (a new value recompiles).
     """
-    _indexer_args(q_I, k_I, weights)
-    rows, n_keys = q_I.shape[0], k_I.shape[0]
-    scale = _attention_args(q_I, q, k, rows, n_keys, softmax_scale, attn_lse)
-    per_head, total, partial = _loss_options(target, reduction, total_heads, q.shape[1], q_I.shape[1], token_mask,
-                                             rows, q_I.device)
+    rows, n_keys, scale, per_head, total, partial = _loss_args(q_I, k_I, weights, q, k, softmax_scale, attn_lse,
+                                                               target, reduction, total_heads, token_mask)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _opt_int("chunk_rows", chunk_rows)
@@ -494,11 +501,8 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
     torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
     arguments are constants of the compiled program (a new value recompiles).
     """
-    _indexer_args(q_I, k_I, weights)
-    rows, n_keys = q_I.shape[0], k_I.shape[0]
-    scale = _attention_args(q_I, q, k, rows, n_keys, softmax_scale, attn_lse)
-    per_head, total, partial = _loss_options(target, reduction, total_heads, q.shape[1], q_I.shape[1], token_mask,
-                                             rows, q_I.device)
+    rows, n_keys, scale, per_head, total, partial = _loss_args(q_I, k_I, weights, q, k, softmax_scale, attn_lse,
+                                                               target, reduction, total_heads, token_mask)
     if partial and not per_head and attn_lse is not None:
         raise ValueError("attn_lse: with total_heads (a tensor-parallel slice of heads) and target='mean' the "
                          "target is renormalised per head on the set; pass attn_lse=None")
