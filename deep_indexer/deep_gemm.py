@@ -67,8 +67,9 @@ def _unpack_q(op: str, q: QInput) -> torch.Tensor:
     return q
 
 
-def _float_weights(weights: torch.Tensor) -> torch.Tensor:
-    if isinstance(weights, torch.Tensor) and weights.dtype in _HALF_WEIGHTS:
+def _float_weights(weights: torch.Tensor, native: tuple = ()) -> torch.Tensor:
+    """16-bit weights as float32, except the dtypes in `native` (which the kernel reads itself)."""
+    if isinstance(weights, torch.Tensor) and weights.dtype in _HALF_WEIGHTS and weights.dtype not in native:
         return weights.float()
     return weights
 
@@ -114,11 +115,9 @@ def fp8_fp4_mqa_logits(
     op = "fp8_fp4_mqa_logits"
     q = _unpack_q(op, q)
     _check_kv(op, kv)
-    extra = {"max_seqlen_k": int(max_seqlen_k)} if max_seqlen_k else {}
-    # the prefill kernel reads bf16 weights itself; other half types are converted
-    w = weights if isinstance(weights, torch.Tensor) and weights.dtype == torch.bfloat16 else _float_weights(weights)
+    w = _float_weights(weights, native=(torch.bfloat16,))  # the prefill kernel reads bf16 weights itself
     return ops.fp8_mqa_logits(q, kv, w, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
-                              logits_dtype=logits_dtype, out=out, **extra)
+                              max_seqlen_k=int(max_seqlen_k), logits_dtype=logits_dtype, out=out)
 
 
 def fp8_mqa_logits(
@@ -149,8 +148,7 @@ def get_paged_mqa_logits_metadata(
 ) -> torch.Tensor:
     """Decode work split: int32 [num_sms + 1, 2], computed on the GPU (no host sync). num_sms may be None
     (get_num_sms() of the inputs' device). indices: int32 [B] request id per row (varlen batches)."""
-    extra = {"indices": indices} if indices is not None else {}
-    return ops.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, out=out, **extra)
+    return ops.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices, out=out)
 
 
 def fp8_fp4_paged_mqa_logits(
@@ -175,9 +173,9 @@ def fp8_fp4_paged_mqa_logits(
     op = "fp8_fp4_paged_mqa_logits"
     q = _unpack_q(op, q)
     _check_kv_cache(op, q, kv_cache)
-    extra = {"indices": indices} if indices is not None else {}
     return ops.fp8_paged_mqa_logits(q, kv_cache, _float_weights(weights), context_lens, block_table, schedule_meta,
-                                    max_context_len, clean_logits, logits_dtype=logits_dtype, out=out, **extra)
+                                    max_context_len, clean_logits, logits_dtype=logits_dtype, indices=indices,
+                                    out=out)
 
 
 def fp8_paged_mqa_logits(

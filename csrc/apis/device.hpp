@@ -6,10 +6,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <utility>
 
 #include "../jit/runtime.hpp"
 #include "../utils/exception.hpp"
@@ -19,7 +15,8 @@ namespace deep_indexer {
 struct OpDevice {
   int device;
   CUstream stream;
-  const jit::DeviceInfo* info;  // info->num_sms is capped by set_num_sms
+  const jit::DeviceInfo* info;  // the device's own properties
+  int num_sms;                  // the SMs the ops use: info->num_sms, or the set_num_sms cap when smaller
 };
 
 namespace detail {
@@ -28,19 +25,6 @@ namespace detail {
 inline std::atomic<int>& num_sms_cap() {
   static std::atomic<int> cap{0};
   return cap;
-}
-
-// A copy of `info` with num_sms = cap, one per (device, cap); never freed, so pointers stay valid.
-inline const jit::DeviceInfo* capped_device_info(const jit::DeviceInfo& info, int cap) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, std::unique_ptr<jit::DeviceInfo>> copies;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& copy = copies[{info.device, cap}];
-  if (!copy) {
-    copy = std::make_unique<jit::DeviceInfo>(info);
-    copy->num_sms = cap;
-  }
-  return copy.get();
 }
 
 }  // namespace detail
@@ -74,9 +58,7 @@ inline OpDevice op_device(const at::Tensor& t) {
   const jit::DeviceInfo& info = jit::require_sm90(device);
   jit::make_current(device);
   const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
-  const int sms = effective_num_sms(info);
-  const jit::DeviceInfo* used = sms == info.num_sms ? &info : detail::capped_device_info(info, sms);
-  return {device, static_cast<CUstream>(stream.native_handle()), used};
+  return {device, static_cast<CUstream>(stream.native_handle()), &info, effective_num_sms(info)};
 }
 
 }  // namespace deep_indexer

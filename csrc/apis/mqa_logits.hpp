@@ -70,12 +70,12 @@ inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const
 
   const OpDevice dev = op_device(q);
   const MqaLogitsRuntime::Params params{static_cast<int>(H), static_cast<int>(D), static_cast<int>(elem_bytes)};
-  const bool fused_clean = clean_logits && sm90::mqa_logits_fused_clean(params.layout(), S, dev.info->num_sms);
+  const bool fused_clean = clean_logits && sm90::mqa_logits_fused_clean(params.layout(), S, dev.num_sms);
   MqaLogitsRuntime::launch({params, q.data_ptr(), k.data_ptr(), k_scale.data_ptr<float>(), weights.data_ptr(),
                             weights.stride(0), weights.scalar_type() == at::kBFloat16, ks.data_ptr<int>(),
                             ke.data_ptr<int>(), logits.data_ptr(), logits.stride(0), static_cast<int>(S),
                             static_cast<int>(SKV), static_cast<int>(max_seqlen_k), fused_clean},
-                           dev.device, dev.info->num_sms, dev.stream);
+                           dev.device, dev.num_sms, dev.stream);
   if (clean_logits && !fused_clean)
     CleanLogitsRuntime::launch({logits.data_ptr(), static_cast<int>(elem_bytes), logits.stride(0), S,
                                 static_cast<int>(cols), 1, ks.data_ptr<int>(), ke.data_ptr<int>(),

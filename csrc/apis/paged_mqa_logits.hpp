@@ -55,7 +55,7 @@ inline at::Tensor get_paged_mqa_logits_metadata(const at::Tensor& context_lens, 
   TensorCheck(op, context_lens, "context_lens").cuda();
   if (indices.has_value()) TensorCheck(op, *indices, "indices").on(context_lens.device());
   const OpDevice dev = op_device(context_lens);
-  const int64_t sms = num_sms.value_or(dev.info->num_sms);
+  const int64_t sms = num_sms.value_or(dev.num_sms);
   DI_CHECK_ARG(sms >= 1 && sms <= 65536, "{}: num_sms must be in [1, 65536], got {}", op, sms);
   at::Tensor schedule;
   if (out.has_value()) {

@@ -29,10 +29,11 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   static unsigned smem_bytes(const Params& p) { return p.layout().fixed_bytes(); }
 
   // `args.cache_vecs` and `args.cand_per_warp` are chosen here.
-  static void launch(const Params& p, TopkArgs args, const jit::DeviceInfo& dev, int device, CUstream stream) {
+  static void launch(const Params& p, TopkArgs args, const jit::DeviceInfo& dev, int num_sms, int device,
+                     CUstream stream) {
     if (args.num_rows == 0 || args.k == 0) return;
     const TopkLayout l = p.layout();
-    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, args.k, dev.num_sms, dev.max_smem_per_block_optin);
+    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, args.k, num_sms, dev.max_smem_per_block_optin);
     args.cache_vecs = t.cache_vecs;
     args.cand_per_warp = t.cand_per_warp;
     const CUfunction f = function(p, device, stream);
