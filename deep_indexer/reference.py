@@ -237,6 +237,47 @@ def split_relu_pieces(q_tilde: torch.Tensor, num_pieces: int = 4) -> tuple[torch
     return torch.stack(pieces), torch.stack(scales)
 
 
+def row_ranges(
+    m: int,
+    n: int,
+    cu_seq_len_k_start: torch.Tensor | None,
+    cu_seq_len_k_end: torch.Tensor | None,
+    context_lens: torch.Tensor | None,
+    next_n: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's valid columns [lo, hi) (int64 [M] each, 0 <= lo <= hi <= N): clean_logits, topk_indices."""
+    _check_int("next_n", next_n, min_value=1)
+    if m % next_n:
+        raise ValueError(f"logits: expected a row count divisible by next_n = {next_n}, got {m}")
+    g = m // next_n
+    i = torch.arange(next_n, device=device).repeat(g)
+    if context_lens is not None:
+        if cu_seq_len_k_start is not None or cu_seq_len_k_end is not None:
+            raise ValueError("context_lens: pass either context_lens or cu_seq_len_k_start/cu_seq_len_k_end, not both")
+        ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=device)
+        if ctx.dim() == 1:
+            _check("context_lens", ctx, shape=(g,))
+            hi = ctx.long().repeat_interleave(next_n) - next_n + 1 + i
+        else:
+            _check("context_lens", ctx, shape=(g, next_n))
+            hi = ctx.long().reshape(-1)
+        lo = torch.zeros(m, dtype=torch.long, device=device)
+    else:
+        if cu_seq_len_k_end is None:
+            raise ValueError("cu_seq_len_k_end: required when context_lens is not given")
+        ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(g,), device=device)
+        hi = ke.long().repeat_interleave(next_n) - next_n + 1 + i
+        if cu_seq_len_k_start is None:
+            lo = torch.zeros(m, dtype=torch.long, device=device)
+        else:
+            ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(g,), device=device)
+            lo = ks.long().repeat_interleave(next_n)
+    lo = lo.clamp(0, n)
+    hi = torch.maximum(hi.clamp(max=n), lo)
+    return lo, hi
+
+
 def clean_logits(
     logits: torch.Tensor,
     cu_seq_len_k_start: torch.Tensor | None,
@@ -253,19 +294,8 @@ def clean_logits(
     m, n = lg.shape
     if n > 1 and m > 0 and lg.stride(1) != 1:
         raise ValueError(f"logits: expected stride(1) == 1, got strides {list(lg.stride())}")
-    _check_int("next_n", next_n, min_value=1)
-    if m % next_n:
-        raise ValueError(f"logits: expected a row count divisible by next_n = {next_n}, got {m}")
-    g = m // next_n
     dev = lg.device
-    ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(g,), device=dev)
-    if cu_seq_len_k_start is None:
-        start = torch.zeros(m, dtype=torch.long, device=dev)
-    else:
-        ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(g,), device=dev)
-        start = ks.long().clamp_min(0).repeat_interleave(next_n)
-    i = torch.arange(next_n, device=dev).repeat(g)
-    end = (ke.long().repeat_interleave(next_n) - next_n + 1 + i).clamp_max(n)
+    start, end = row_ranges(m, n, cu_seq_len_k_start, cu_seq_len_k_end, None, next_n, dev)
     rc = max(1, _CHUNK_BYTES // max(1, 8 * n))
     cols = torch.arange(n, device=dev).unsqueeze(0)
     for r0 in range(0, m, rc):
@@ -335,47 +365,6 @@ def topk_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.zeros_like(key), key)
 
 
-def topk_row_ranges(
-    m: int,
-    n: int,
-    cu_seq_len_k_start: torch.Tensor | None,
-    cu_seq_len_k_end: torch.Tensor | None,
-    context_lens: torch.Tensor | None,
-    next_n: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's valid columns [lo, hi) (int64 [M] each, 0 <= lo <= hi <= N) for topk_indices."""
-    _check_int("next_n", next_n, min_value=1)
-    if m % next_n:
-        raise ValueError(f"logits: expected a row count divisible by next_n = {next_n}, got {m}")
-    g = m // next_n
-    i = torch.arange(next_n, device=device).repeat(g)
-    if context_lens is not None:
-        if cu_seq_len_k_start is not None or cu_seq_len_k_end is not None:
-            raise ValueError("context_lens: pass either context_lens or cu_seq_len_k_start/cu_seq_len_k_end, not both")
-        ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=device)
-        if ctx.dim() == 1:
-            _check("context_lens", ctx, shape=(g,))
-            hi = ctx.long().repeat_interleave(next_n) - next_n + 1 + i
-        else:
-            _check("context_lens", ctx, shape=(g, next_n))
-            hi = ctx.long().reshape(-1)
-        lo = torch.zeros(m, dtype=torch.long, device=device)
-    else:
-        if cu_seq_len_k_end is None:
-            raise ValueError("cu_seq_len_k_end: required when context_lens is not given")
-        ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(g,), device=device)
-        hi = ke.long().repeat_interleave(next_n) - next_n + 1 + i
-        if cu_seq_len_k_start is None:
-            lo = torch.zeros(m, dtype=torch.long, device=device)
-        else:
-            ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(g,), device=device)
-            lo = ks.long().repeat_interleave(next_n)
-    lo = lo.clamp(0, n)
-    hi = torch.maximum(hi.clamp(max=n), lo)
-    return lo, hi
-
-
 def topk_indices(
     logits: torch.Tensor,
     k: int,
@@ -408,7 +397,7 @@ def topk_indices(
     if index_mode not in TOPK_INDEX_MODES:
         raise ValueError(f"index_mode: expected one of {TOPK_INDEX_MODES}, got {index_mode!r}")
     dev = lg.device
-    lo, hi = topk_row_ranges(m, n, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, dev)
+    lo, hi = row_ranges(m, n, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, dev)
     if index_mode == "slot":
         if block_table is None or block_size is None:
             raise ValueError("block_table/block_size: required with index_mode='slot'")
