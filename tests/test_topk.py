@@ -52,43 +52,179 @@ def make_rows(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generato
 
 
 # ------------------------------------------------------------------------------------ kernel emulation
-def emulate_row(key: np.ndarray, k: int, elem_bytes: int, sorted_: bool = False) -> np.ndarray:
-    """The kernel's algorithm on one row's keys (int64, < 2^32): selected columns, in output order."""
-    n = key.shape[0]
-    schedule = [(21, 11), (10, 11), (0, 10)] if elem_bytes == 4 else [(5, 11), (0, 5)]
-    prefix = mask = greater = 0
-    take_eq = n
-    if n > k:
-        k_rem = k
-        for shift, bits in schedule:
+# Constants of include/deep_indexer/topk_layout.hpp (the emulation may shrink the buffer and the
+# window to reach every path on short rows).
+THREADS, CAND_CAP, WINDOW = 512, 8192, 32768
+SAMPLE_MIN = THREADS * 8  # rows longer than this take the threshold sample
+
+
+def isqrt32(x: int) -> int:
+    r, b = 0, 1 << 15
+    while b:
+        if (r + b) * (r + b) <= x:
+            r += b
+        b >>= 1
+    return r
+
+
+def sample_rank(k: int, n: int, m_keys: int, kvec: int) -> int:
+    mu = k * m_keys // n
+    return min(mu + 6 * isqrt32(mu) + 9, m_keys - 2 * kvec)
+
+
+def sample_vectors(n: int, mis: int, elem_bytes: int, threads: int = THREADS) -> np.ndarray:
+    """Vector indices of the threshold sample of a row of n > SAMPLE_MIN keys (the kernel's rule)."""
+    kvec = 16 // elem_bytes
+    num_vecs = (mis + n + kvec - 1) // kvec
+    s_v = min(max(n // (32 * threads * kvec), 1), 2 if elem_bytes == 4 else 1)
+    m_v = s_v * threads
+    return np.arange(m_v, dtype=np.int64) * (num_vecs // m_v)
+
+
+def digits(elem_bytes: int) -> list:
+    return [(21, 11), (10, 11), (0, 10)] if elem_bytes == 4 else [(5, 11), (0, 5)]
+
+
+def kth_bin(hist: np.ndarray, k: int) -> tuple:
+    """(bin, keys above it, keys in it) of the bin holding the k-th largest key (find_kth_bin)."""
+    above = np.cumsum(hist[::-1])[::-1] - hist
+    (b,) = np.nonzero((above < k) & (k <= above + hist))
+    assert b.shape == (1,), "exactly one k-th bin"
+    b = int(b[0])
+    return b, int(above[b]), int(hist[b])
+
+
+def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, elem_bytes: int, sorted_: bool,
+                       ctas: int = 1, cap: int = CAND_CAP, window: int = WINDOW, stats: dict | None = None) -> list:
+    """The kernel's algorithm on one row. `buf` holds the keys of the whole allocation (16-byte
+    aligned at element 0), the row's first column is element start + lo. Mirrors the vector split
+    (mis), the threshold sample, the filter into a buffer of `cap` entries (any order), the
+    fallback radix select over the row, the buffer select and the windowed column-order emission.
+    Returns the output columns (relative to lo), in output order; `stats` gets the path taken. A
+    smaller `cap` scales the sample's thread count (and SAMPLE_MIN) with it."""
+    kvec = 16 // elem_bytes
+    full_mask = 0xFFFFFFFF if elem_bytes == 4 else 0xFFFF
+    n = hi - lo
+    mis = (start + lo) % kvec
+    vec0 = (start + lo - mis) // kvec
+    num_vecs = 0 if n == 0 else (mis + n + kvec - 1) // kvec
+    cols = np.arange(n, dtype=np.int64)
+    keys = buf[start + lo:start + hi].astype(np.int64)
+    path = "direct"
+
+    kmin = 0
+    threads = THREADS * cap // CAND_CAP
+    if n > threads * 8:  # threshold from the strided sample: a two-digit radix select of the j-th key
+        sv = sample_vectors(n, mis, elem_bytes, threads)
+        sk = []
+        for v in sv:
+            for c in range(kvec):
+                j = v * kvec + c - mis
+                if 0 <= j < n:
+                    sk.append(int(buf[(vec0 + v) * kvec + c]))
+        sk = np.array(sk, dtype=np.int64)
+        rank = sample_rank(k, n, len(sv) * kvec, kvec)
+        assert 1 <= rank <= len(sk)
+        prefix = mask = 0
+        for shift, bits in digits(elem_bytes)[:2]:
             dm = (1 << bits) - 1
-            match = (key & mask) == prefix
-            hist = np.bincount(((key[match] >> shift) & dm).astype(np.int64), minlength=2048)
-            above = np.cumsum(hist[::-1])[::-1] - hist  # keys in higher bins
-            (b,) = np.nonzero((above < k_rem) & (k_rem <= above + hist))
-            assert b.shape == (1,), "exactly one k-th bin"
-            b = int(b[0])
-            prefix |= b << shift
-            mask |= dm << shift
-            greater += int(above[b])
-            k_rem -= int(above[b])
-            take_eq = k_rem
-            if k_rem == hist[b]:
+            hist = np.bincount((sk[(sk & mask) == prefix] >> shift) & dm, minlength=2048)
+            b, above, _ = kth_bin(hist, rank)
+            prefix, mask, rank = prefix | (b << shift), mask | (dm << shift), rank - above
+        kmin = prefix
+        path = "sample"
+
+    def filt(kmin_):  # survivors of the whole row (the CTAs' shares together), in some order
+        sel = keys >= kmin_
+        return keys[sel], cols[sel]
+
+    # each CTA of a cluster filters a contiguous share of the vectors: together, the whole row
+    per_cta = -(-num_vecs // ctas)
+    shares = [(min(q * per_cta, num_vecs), min(min(q * per_cta, num_vecs) + per_cta, num_vecs)) for q in range(ctas)]
+    assert sum(e - b for b, e in shares) == num_vecs
+    bk, bc = filt(kmin)
+    ns = len(bk)
+    prefix = mask = greater = 0
+    take_eq, whole, eq_from_row = ns, True, False
+    if ns < min(k, n) or ns > cap:
+        path += "+fallback"
+        k_rem, count_ge = k, 0
+        for shift, bits in digits(elem_bytes):
+            dm = (1 << bits) - 1
+            hist = np.bincount((keys[(keys & mask) == prefix] >> shift) & dm, minlength=2048)
+            b, above, cnt = kth_bin(hist, k_rem)
+            prefix, mask = prefix | (b << shift), mask | (dm << shift)
+            greater, k_rem = greater + above, k_rem - above
+            count_ge = greater + cnt
+            if count_ge <= cap:
                 break
-    mk = key & mask
-    gt, eq = mk > prefix, mk == prefix
-    eq_before = np.cumsum(eq) - eq
-    chosen = gt | (eq & (eq_before < take_eq))
-    # output positions: keys selected before, in column order (gt_before + min(eq_before, take_eq))
-    gt_before = np.cumsum(gt) - gt
-    pos = gt_before + np.minimum(eq_before, take_eq)
-    cols = np.nonzero(chosen)[0]
-    assert cols.shape[0] == min(n, k) == greater + take_eq
-    assert np.array_equal(pos[cols], np.arange(cols.shape[0])), "positions are a permutation in column order"
+        eq_from_row = count_ge > cap
+        bk, bc = filt(prefix + 1 if eq_from_row else prefix)
+        ns = len(bk)
+        assert ns == (greater if eq_from_row else count_ge) and ns <= cap
+        if eq_from_row:
+            path += "+eq_from_row"
+            assert mask == full_mask
+            take_eq, whole = k_rem, False
+        else:
+            prefix = mask = greater = 0
+            take_eq = ns
+    if not eq_from_row and ns > k:
+        k_rem, whole = k, False
+        for shift, bits in digits(elem_bytes):
+            dm = (1 << bits) - 1
+            hist = np.bincount((bk[(bk & mask) == prefix] >> shift) & dm, minlength=2048)
+            b, above, cnt = kth_bin(hist, k_rem)
+            prefix, mask = prefix | (b << shift), mask | (dm << shift)
+            greater, k_rem = greater + above, k_rem - above
+            whole = k_rem == cnt
+            if whole:
+                break
+        take_eq = k_rem
+    total = greater + take_eq
+    assert total == min(k, n)
+
+    out = [None] * total
+    gt_base = eq_base = 0
+    w0 = 0
+    while w0 < n and gt_base + min(eq_base, take_eq) < total:
+        wn = min(window, n - w0)
+        gt = np.zeros(wn, dtype=bool)
+        eq = np.zeros(wn, dtype=bool)
+        inw = (bc >= w0) & (bc < w0 + wn)
+        mk = bk[inw] & mask
+        gt[bc[inw][(mk > prefix) | ((mk == prefix) & whole)] - w0] = True
+        eq[bc[inw][(mk == prefix) & (not whole)] - w0] = True
+        if eq_from_row:
+            eq |= keys[w0:w0 + wn] == prefix
+        assert not (gt & eq).any()
+        g_before = gt_base + np.cumsum(gt) - gt
+        e_before = eq_base + np.cumsum(eq) - eq
+        for j in np.nonzero(gt | eq)[0]:
+            if gt[j] or e_before[j] < take_eq:
+                pos = int(g_before[j] + min(e_before[j], take_eq))
+                assert pos < total and out[pos] is None
+                out[pos] = w0 + int(j)
+        gt_base += int(gt.sum())
+        eq_base += int(eq.sum())
+        w0 += window
+    assert gt_base == (total if whole else greater) and None not in out
+    if stats is not None:
+        stats["path"], stats["survivors"] = path, ns
     if sorted_:
-        composite = (key[cols].astype(np.uint64) << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - cols.astype(np.uint64))
-        cols = cols[np.argsort(composite)[::-1]]  # composites are unique
-    return cols
+        comp = np.array([(int(keys[j]) << 32) | (0xFFFFFFFF - j) for j in out], dtype=np.uint64)
+        out = [out[i] for i in np.argsort(comp, kind="stable")[::-1]]  # composites are unique
+    return out
+
+
+def _emulate_vs_reference(x: torch.Tensor, start: int, lo: int, hi: int, k: int, sorted_: bool, **kw) -> dict:
+    buf = reference.topk_keys(x).numpy()
+    stats = {}
+    got = emulate_kernel_row(buf, start, lo, hi, k, x.element_size(), sorted_, stats=stats, **kw)
+    ref = reference.topk_indices(x[start:].unsqueeze(0), k, torch.tensor([lo], dtype=torch.int32),
+                                 torch.tensor([hi], dtype=torch.int32), sorted=sorted_)[0]
+    assert got == ref[ref >= 0].tolist()
+    return stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,22 +233,75 @@ def emulate_row(key: np.ndarray, k: int, elem_bytes: int, sorted_: bool = False)
 @pytest.mark.parametrize("sorted_", [False, True])
 def test_emulation_matches_reference(dtype, kind, n, k, sorted_):
     gen = torch.Generator().manual_seed(n * 31 + k + len(kind))
-    x = make_rows(kind, 2, n, dtype, gen)
-    ref = reference.topk_indices(x, k, None, torch.full((2,), n, dtype=torch.int32), sorted=sorted_)
-    for r in range(2):
-        got = emulate_row(reference.topk_keys(x[r]).numpy(), k, x.element_size(), sorted_)
-        want = ref[r][ref[r] >= 0].numpy()
-        assert np.array_equal(got, want), (kind, r)
+    width = n + 40
+    x = make_rows(kind, 1, width, dtype, gen)[0]
+    # a small buffer and window reach the sample, fallback and multi-window paths on short rows
+    for start, lo, cap, window in ((0, 0, CAND_CAP, WINDOW), (3, 5, 2500, 1024), (1, 2, 2048, 64)):
+        hi = min(lo + n, width - start)
+        _emulate_vs_reference(x, start, lo, hi, k, sorted_, cap=cap, window=window)
 
 
-def test_emulation_long_row():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,path", [("random", "sample"), ("low_contrast", "sample+fallback+eq_from_row"),
+                                       ("ties", "sample+fallback+eq_from_row"), ("equal", "sample+fallback+eq_from_row")])
+def test_emulation_long_row_paths(dtype, kind, path):
+    # the kernel's real buffer and window: random rows take the sample path (one read), rows with
+    # more than a buffer of keys equal to the k-th take the equal keys from the row
     gen = torch.Generator().manual_seed(7)
-    for kind in ("random", "low_contrast", "ties"):
-        x = make_rows(kind, 1, 262144, torch.float32, gen)
-        key = reference.topk_keys(x[0]).numpy()
-        got = emulate_row(key, 2048, 4)
-        ref = reference.topk_indices(x, 2048, None, torch.tensor([262144], dtype=torch.int32))[0].numpy()
-        assert np.array_equal(got, ref)
+    n = 262144
+    x = make_rows(kind, 1, n + 8, dtype, gen)[0]
+    stats = _emulate_vs_reference(x, 3, 0, n, 2048, False)
+    assert stats["path"] == path
+    if kind == "random":
+        assert 2048 <= stats["survivors"] <= CAND_CAP // 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(9000, 2048), (30000, 2048), (120000, 2048), (30000, 512), (70001, 1), (8193, 2048)])
+def test_emulation_sample_survivors(dtype, n, k):
+    # random rows: the sample's threshold keeps >= k keys that fit the buffer with room to spare
+    gen = torch.Generator().manual_seed(n + k)
+    for trial in range(3):
+        x = make_rows("random", 1, n + 8, dtype, gen)[0]
+        stats = _emulate_vs_reference(x, trial, 0, n, k, False)
+        assert stats["path"] == "sample" and k <= stats["survivors"] <= 0.75 * CAND_CAP, stats
+
+
+def skewed_row(n: int, mis: int, dtype: torch.dtype, sample_value: float, gen: torch.Generator,
+               every: int = 1) -> torch.Tensor:
+    """A random row whose threshold-sample vectors (every `every`-th of them) hold `sample_value`:
+    a sample that misjudges the row (too high: fewer than k survivors; too low: more than the buffer)."""
+    kvec = 16 // torch.tensor([], dtype=dtype).element_size()
+    x = torch.randn(mis + n + 2 * kvec, generator=gen)
+    for v in sample_vectors(n, mis, 16 // kvec)[::every]:
+        x[v * kvec:(v + 1) * kvec] = sample_value
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sample_value,every", [(8.0, 4), (-8.0, 1)])
+def test_emulation_fallback_on_skewed_sample(dtype, sample_value, every):
+    gen = torch.Generator().manual_seed(11)
+    n, mis = 40000, 1
+    x = skewed_row(n, mis, dtype, sample_value, gen, every)
+    stats = _emulate_vs_reference(x, mis, 0, n, 2048, True)
+    assert stats["path"] == "sample+fallback"
+
+
+@pytest.mark.parametrize("elem_bytes", [4, 2])
+@pytest.mark.parametrize("ctas", [1, 2, 8])
+@pytest.mark.parametrize("start,lo,hi,k", [(0, 0, 5000, 512), (3, 7, 4100, 2048), (1, 0, 1, 1), (5, 9, 9, 4),
+                                           (2, 1, 60, 100), (6, 3, 3000, 2047), (0, 5, 300, 37),
+                                           (1, 0, 20000, 2048), (4, 17, 12000, 100)])
+@pytest.mark.parametrize("kind", ["random", "ties", "low_contrast"])
+def test_emulation_ranges_and_clusters(elem_bytes, ctas, start, lo, hi, k, kind):
+    dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
+    gen = torch.Generator().manual_seed(start * 100 + hi + ctas)
+    width = start + hi + 40
+    width += (-width) % 8
+    x = make_rows(kind, 1, width, dtype, gen)[0]
+    for sorted_ in (False, True):
+        _emulate_vs_reference(x, start, lo, hi, k, sorted_, ctas=ctas)
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -342,125 +531,6 @@ def test_topk_torch_op_and_compile():
     assert torch.equal(b.cpu(), reference.topk_indices(x.cpu(), 512, None, ke.cpu(), sorted=True))
 
 
-# ------------------------------------------------------------------------------------ thread-level emulation
-def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, elem_bytes: int, ctas: int,
-                       cache_vecs: int, sorted_: bool) -> list:
-    """The kernel's index arithmetic for one row: `buf` holds keys of the whole allocation, the row
-    starts at element `start` of it (16-byte aligned buffer start). Mirrors the vector split (mis),
-    the per-CTA runs, the per-warp runs, the 32-vector strips and the prefix-count positions.
-    Returns the output columns (relative to lo), positions checked to be a permutation."""
-    kvec, warps = 16 // elem_bytes, 16
-    n = hi - lo
-    mis = (start + lo) % kvec
-    vec0 = (start + lo - mis) // kvec
-    num_vecs = 0 if n == 0 else (mis + n + kvec - 1) // kvec
-
-    def keys_of(v):  # aligned vectors never leave the buffer
-        return buf[(vec0 + v) * kvec:(vec0 + v + 1) * kvec]
-
-    per_cta = -(-num_vecs // ctas)
-    runs = [(min(q * per_cta, num_vecs), min(min(q * per_cta, num_vecs) + per_cta, num_vecs)) for q in range(ctas)]
-    prefix = mask = greater = 0
-    take_eq = n
-    if n > k:
-        schedule = [(21, 11), (10, 11), (0, 10)] if elem_bytes == 4 else [(5, 11), (0, 5)]
-        k_rem = k
-        for shift, bits in schedule:
-            dm = (1 << bits) - 1
-            hist = np.zeros(2048, dtype=np.int64)
-            for vb, ve in runs:
-                for v in range(vb, ve):
-                    for c, key in enumerate(keys_of(v)):
-                        j = v * kvec + c - mis
-                        if 0 <= j < n and (int(key) & mask) == prefix:
-                            hist[(int(key) >> shift) & dm] += 1
-            above = np.cumsum(hist[::-1])[::-1] - hist
-            (b,) = np.nonzero((above < k_rem) & (k_rem <= above + hist))
-            b = int(b[0])
-            prefix, mask = prefix | (b << shift), mask | (dm << shift)
-            greater += int(above[b])
-            k_rem -= int(above[b])
-            take_eq = k_rem
-            if k_rem == hist[b]:
-                break
-    total = greater + take_eq
-    assert total == min(n, k)
-
-    def classify(v, wv1):
-        gt, eq = [], []
-        for c in range(kvec):
-            j = v * kvec + c - mis
-            valid = v < wv1 and 0 <= j < n
-            mk = (int(keys_of(v)[c]) & mask) if v < wv1 else 0
-            gt.append(valid and mk > prefix)
-            eq.append(valid and mk == prefix)
-        return gt, eq
-
-    # pass A: per CTA, per warp counts
-    counts = []
-    for vb, ve in runs:
-        per_warp = -(-(ve - vb) // warps)
-        wl = []
-        for w in range(warps):
-            wv0 = min(vb + w * per_warp, ve)
-            wv1 = min(wv0 + per_warp, ve)
-            g = e = 0
-            for v in range(wv0, wv1):
-                gt, eq = classify(v, wv1)
-                g, e = g + sum(gt), e + sum(eq)
-            wl.append((wv0, wv1, g, e))
-        counts.append(wl)
-    out = [None] * total
-    cta_g = cta_e = 0
-    for q, wl in enumerate(counts):
-        wg, we = cta_g, cta_e
-        for wv0, wv1, g, e in wl:
-            gt_base, eq_base = wg, we
-            for vb in range(wv0, wv1, 32):
-                lanes = [classify(vb + lane, wv1) for lane in range(32)]
-                lg = np.cumsum([sum(x[0]) for x in lanes])
-                le = np.cumsum([sum(x[1]) for x in lanes])
-                assert lg[-1] < 65536 and le[-1] < 65536
-                for lane, (gt, eq) in enumerate(lanes):
-                    g_before = gt_base + int(lg[lane]) - sum(gt)
-                    e_before = eq_base + int(le[lane]) - sum(eq)
-                    for c in range(kvec):
-                        if gt[c] or (eq[c] and e_before < take_eq):
-                            pos = g_before + min(e_before, take_eq)
-                            assert pos < k and out[pos] is None
-                            out[pos] = (vb + lane) * kvec + c - mis
-                        g_before += gt[c]
-                        e_before += eq[c]
-                gt_base += int(lg[-1])
-                eq_base += int(le[-1])
-            wg, we = wg + g, we + e
-        cta_g, cta_e = wg, we
-    assert cta_g == greater and None not in out
-    if sorted_:
-        comp = [(int(buf[start + lo + j]) << 32) | (0xFFFFFFFF - j) for j in out]
-        out = [out[i] for i in np.argsort(comp)[::-1]]
-    return out
-
-
-@pytest.mark.parametrize("elem_bytes", [4, 2])
-@pytest.mark.parametrize("ctas", [1, 2, 8])
-@pytest.mark.parametrize("start,lo,hi,k", [(0, 0, 5000, 512), (3, 7, 4100, 2048), (1, 0, 1, 1), (5, 9, 9, 4),
-                                           (2, 1, 60, 100), (6, 3, 3000, 2047), (0, 5, 300, 37)])
-@pytest.mark.parametrize("kind", ["random", "ties", "low_contrast"])
-def test_thread_level_emulation(elem_bytes, ctas, start, lo, hi, k, kind):
-    dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
-    gen = torch.Generator().manual_seed(start * 100 + hi + ctas)
-    width = start + hi + 40
-    width += (-width) % 8
-    x = make_rows(kind, 1, width, dtype, gen)[0]
-    buf = reference.topk_keys(x).numpy()
-    for sorted_ in (False, True):
-        got = emulate_kernel_row(buf, start, lo, hi, k, elem_bytes, ctas, 64, sorted_)
-        ref = reference.topk_indices(x[start:].unsqueeze(0), k, torch.tensor([lo], dtype=torch.int32),
-                                     torch.tensor([hi], dtype=torch.int32), sorted=sorted_)[0]
-        assert got == ref[ref >= 0].tolist()
-
-
 # ------------------------------------------------------------------------------------ logits -> top-k in one call
 @requires_sm90
 @pytest.mark.gpu
@@ -513,36 +583,44 @@ def test_fused_prefill_matches_standalone(pattern, k, chunk):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster,ctas", [("1", "1"), ("1", "2"), ("2", ""), ("8", "")])
+@pytest.mark.parametrize("cluster", ["1", "2", "4", "8"])
 @pytest.mark.parametrize("sorted_", [False, True])
-def test_topk_forced_launches(monkeypatch, cluster, ctas, sorted_):
-    # every launch form on the same rows, including clusters whose share of a row exceeds the cache
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_topk_forced_clusters(monkeypatch, cluster, sorted_, kind):
+    # every cluster size on rows of every length class (direct, sampled, longer than a window),
+    # misaligned starts and a padded row stride
     monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
-    monkeypatch.setenv("DI_TOPK_CTAS_PER_SM", ctas)
-    gen = torch.Generator().manual_seed(int(cluster) * 10 + len(ctas))
-    m, n = 5, 200000
-    x = make_rows("ties", m, n + 5, torch.float32, gen)[:, 3:n + 3]
-    ks = torch.tensor([0, 17, 1000, 5, 199990], dtype=torch.int32)
-    ke = torch.tensor([n, n - 3, 150000, 2000, n], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(int(cluster) * 10 + sorted_)
+    m, n = 7, 200000
+    x = make_rows(kind, m, n + 5, torch.float32, gen)[:, 3:n + 3]
+    ks = torch.tensor([0, 17, 1000, 5, 199990, 3, 0], dtype=torch.int32)
+    ke = torch.tensor([n, n - 3, 150000, 2000, n, 4100, 9000], dtype=torch.int32)
     _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
+    _check(x.bfloat16(), 512, ks, ke, sorted=sorted_)
 
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("cand", ["0", "32", "512", ""])
-@pytest.mark.parametrize("kind", ["random", "ties", "low_contrast", "equal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_candidate_lists(monkeypatch, cand, kind, dtype):
-    # the candidate lists (default size, forced sizes) and the re-scan path (0, or a list that
-    # overflows) on rows of every length class, one CTA per row and clusters
-    monkeypatch.setenv("DI_TOPK_CAND", cand)
-    gen = torch.Generator().manual_seed(len(cand) * 7 + KINDS.index(kind))
-    m, n = 12, 70000
-    x = make_rows(kind, m, n + 3, dtype, gen)[:, 1:n + 1]
-    ke = torch.tensor([n, 1, 2048, 2049, 3000, 8192, 20000, 33000, 65536, n - 1, 40000, 9000], dtype=torch.int32)
-    ks = torch.tensor([0, 0, 0, 0, 1, 5, 0, 3, 0, 7, 30000, 0], dtype=torch.int32)
-    for k in (2048, 512, 1):
-        _check(x, k, ks, ke, sorted=False, index_mode="absolute", return_values=True)
-    _check(x, 2048, ks, ke, sorted=True, index_mode="relative")
-    monkeypatch.setenv("DI_TOPK_CLUSTER", "4")
-    _check(x[:2], 2048, ks[:2], ke[:2], sorted=False, index_mode="absolute", return_values=True)
+@pytest.mark.parametrize("cluster", ["1", "4"])
+def test_topk_fallback_paths(monkeypatch, dtype, cluster):
+    # rows whose threshold sample misjudges them (too high: fewer than k survivors; too low: more
+    # than the buffer) and rows with more keys equal to the k-th than the buffer holds: the
+    # emulation confirms each row's path, the kernel must still match the reference
+    monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
+    gen = torch.Generator().manual_seed(3 + len(cluster))
+    n, mis = 40000, 1
+    rows = [skewed_row(n, mis, dtype, 8.0, gen, 4), skewed_row(n, mis, dtype, -8.0, gen, 1)]
+    rows += [make_rows(kind, 1, n + mis + 16, dtype, gen)[0] for kind in ("low_contrast", "equal", "random")]
+    x = torch.stack([r[:n + mis + 16] for r in rows])
+    ke = torch.full((len(rows),), n + mis, dtype=torch.int32)
+    ks = torch.full((len(rows),), mis, dtype=torch.int32)
+    want = ["sample+fallback", "sample+fallback", "sample+fallback+eq_from_row", "sample+fallback+eq_from_row", "sample"]
+    for i, path in enumerate(want):
+        stats = _emulate_vs_reference(x[i], 0, mis, n + mis, 2048, False)
+        assert stats["path"] == path
+    width = n + mis + 16
+    pad = torch.empty(len(rows), width + (-width) % 8 + 8, dtype=dtype)[:, :width]  # rows start 16-byte aligned
+    pad.copy_(x)
+    for sorted_ in (False, True):
+        _check(pad, 2048, ks, ke, sorted=sorted_, return_values=True)

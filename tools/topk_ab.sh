@@ -23,14 +23,12 @@ run() {  # name, env..., -- shapes...
 X= run all DI_JIT_DEBUG=1 -- topk
 X=--no-ceilings
 
-for v in ${VARIANTS:-base ctas1}; do
+for v in ${VARIANTS:-base}; do
   case $v in
-    cand0) run cand0 DI_TOPK_CAND=0 -- K-D5 K-P2 ;;
-    match) run match DI_TOPK_CAND=0 DI_JIT_EXTRA_FLAGS=-DDI_TOPK_MATCH_HIST -- K-D5 K-P2 ;;
-    base) run base -- K-D1 K-D5 K-D8 K-P2 K-P3 K-P5 ;;
-    ctas1) run ctas1 DI_TOPK_CTAS_PER_SM=1 -- K-D5 K-D8 K-P2 K-P3 K-P5 ;;
-    ctas2) run ctas2 DI_TOPK_CTAS_PER_SM=2 -- K-D3 K-D8 ;;
+    base) run base -- K-D1 K-D2 K-D5 K-D8 K-P2 K-P3 K-P5 ;;
+    cluster1) run cluster1 DI_TOPK_CLUSTER=1 -- K-D1 K-D2 K-D3 ;;
+    cluster2) run cluster2 DI_TOPK_CLUSTER=2 -- K-D1 K-D2 K-D3 ;;
+    cluster4) run cluster4 DI_TOPK_CLUSTER=4 -- K-D1 K-D2 ;;
     cluster8) run cluster8 DI_TOPK_CLUSTER=8 -- K-D1 ;;
-    cluster2) run cluster2 DI_TOPK_CLUSTER=2 -- K-D1 K-D2 ;;
   esac
 done

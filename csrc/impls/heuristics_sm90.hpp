@@ -144,54 +144,31 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   return (cols + align - 1) / align * align;
 }
 
-// Top-k launch: one CTA per row (grid-stride over rows; clusters of C = 2, 4 or 8 CTAs per row
-// only when forced, see below). With at least 1.5 rows per SM and the
-// unsorted kernel, two CTAs share an SM (one loads while the other selects; each with half the
-// SM's shared memory); else one CTA per SM with the largest row cache. Each CTA caches up to its
-// whole share of the row in shared memory; longer rows re-read their tail from global memory (L2)
-// in later passes. Each warp's candidate list (keys from the k-th key's first-digit bin up, see
-// topk.cuh) gets 1.5x the expected share: (k + cols / 32) / kNumWarps entries (a random row has
-// ~3% of its keys in that bin), 32 to 512. Tuning overrides: DI_TOPK_CLUSTER (1, 2, 4, 8),
-// DI_TOPK_CTAS_PER_SM (1, 2) and DI_TOPK_CAND (entries per warp list; 0: no lists).
+// Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::kCtasPerSm CTAs per
+// SM. C grows (1, 2, 4, 8) while a CTA's share of the longest row needs more than one filter step
+// (kNumThreads x kFilterVecs vectors) and rows x C stays within the CTAs the GPU holds at once: few long
+// rows (1 x 32K) are then read by several SMs, many rows by one CTA each. DI_TOPK_CLUSTER (1, 2,
+// 4, 8) forces C.
 struct TopkLaunch {
-  unsigned grid, cluster;
-  int cache_vecs;
-  int cand_per_warp;
-  unsigned smem;
+  unsigned grid, cluster, smem;
 };
-inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int k, int num_sms, int max_smem_optin) {
-  constexpr int64_t kSmemPerSm = 228 * 1024, kReservedPerCta = 1024;
-  const int64_t sms = std::max(1, num_sms);
+inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms) {
+  const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * TopkLayout::kCtasPerSm;
+  const int64_t step_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * TopkLayout::kFilterVecs * l.vec();
   int cluster = 1;
-  const int forced_cluster = env::get_int("DI_TOPK_CLUSTER");
-  if (forced_cluster == 1 || forced_cluster == 2 || forced_cluster == 4 || forced_cluster == 8) {
-    cluster = forced_cluster;
-  }
-  // NOTES: clusters are off by default: measured on H100 (2026-11-24) one CTA per row beats them on
-  // few rows (1 x 32K: 21.1 vs 28.5 us with 8 CTAs; 64 x 8K: 16.0 vs 20.5 us with 2).
-  const int64_t cta_cols = (cols + cluster - 1) / cluster;
-  int cand = static_cast<int>(std::min<int64_t>(
-      512, std::max<int64_t>(32, (3 * (std::min<int64_t>(k, cta_cols) + cta_cols / 32) / (2 * TopkLayout::kNumWarps) + 31) / 32 * 32)));
-  const int forced_cand = env::get_int("DI_TOPK_CAND", -1);
-  if (forced_cand >= 0) cand = std::min(2048, forced_cand) / 4 * 4;
-  const int64_t need = (cols + l.vec() - 1) / l.vec() / cluster + 3;  // +3: rounding and a misaligned row start
-  const int64_t two_budget = (kSmemPerSm / 2 - kReservedPerCta - static_cast<int64_t>(l.fixed_bytes(cand))) / TopkLayout::kVecBytes;
-  const int64_t one_budget = (max_smem_optin - static_cast<int64_t>(l.fixed_bytes(cand))) / TopkLayout::kVecBytes;
-  const int forced_ctas = env::get_int("DI_TOPK_CTAS_PER_SM");
-  const bool want_two = forced_ctas == 2 || (forced_ctas != 1 && 2 * rows >= 3 * sms);
-  const bool two = want_two && cluster == 1 && TopkLayout::ctas_per_sm_max(l.sorted) >= 2 && two_budget > 0;
-  const int64_t vecs = std::max<int64_t>(0, std::min(need, two ? two_budget : one_budget));
+  while (cluster < TopkLayout::kMaxClusterCtas && (cols + cluster - 1) / cluster > step_keys &&
+         rows * cluster * 2 <= slots)
+    cluster *= 2;
+  const int forced = env::get_int("DI_TOPK_CLUSTER");
+  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;
   TopkLaunch t;
   t.cluster = static_cast<unsigned>(cluster);
-  t.cache_vecs = static_cast<int>(vecs);
-  t.cand_per_warp = cand;
-  t.smem = l.smem_bytes(t.cache_vecs, cand);
-  const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, (two ? 2 : 1) * sms / cluster));
-  t.grid = static_cast<unsigned>(std::max<int64_t>(1, clusters) * cluster);
+  t.smem = l.smem_bytes();
+  const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, slots / cluster));
+  t.grid = static_cast<unsigned>(clusters * cluster);
   print_choice([&] {
-    return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, {} CTA(s)/SM, cache {} keys, lists {} per warp, smem {} B",
-                       rows, cols, l.elem_bytes, l.sorted, t.grid, cluster, two ? 2 : 1,
-                       static_cast<int64_t>(t.cache_vecs) * l.vec(), cand, t.smem);
+    return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, smem {} B", rows, cols,
+                       l.elem_bytes, l.sorted, t.grid, cluster, t.smem);
   });
   return t;
 }

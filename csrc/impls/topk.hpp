@@ -26,16 +26,16 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   static std::string instantiation(const Params& p) {
     return fmt::format("&deep_indexer::topk_kernel<{}, {}>", p.elem_bytes, p.sorted ? "true" : "false");
   }
-  static unsigned smem_bytes(const Params& p) { return p.layout().fixed_bytes(); }
+  static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 
-  // `args.cache_vecs` and `args.cand_per_warp` are chosen here.
-  static void launch(const Params& p, TopkArgs args, const jit::DeviceInfo& dev, int num_sms, int device,
+  static void launch(const Params& p, const TopkArgs& args, const jit::DeviceInfo& dev, int num_sms, int device,
                      CUstream stream) {
     if (args.num_rows == 0 || args.k == 0) return;
     const TopkLayout l = p.layout();
-    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, args.k, num_sms, dev.max_smem_per_block_optin);
-    args.cache_vecs = t.cache_vecs;
-    args.cand_per_warp = t.cand_per_warp;
+    DI_CHECK_ARG(l.smem_bytes() <= static_cast<unsigned>(dev.max_smem_per_block_optin),
+                 "topk: needs {} B of shared memory per block, the device allows {}", l.smem_bytes(),
+                 dev.max_smem_per_block_optin);
+    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, num_sms);
     const CUfunction f = function(p, device, stream);
     jit::LaunchConfig cfg;
     cfg.grid = t.grid;

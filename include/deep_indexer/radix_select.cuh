@@ -1,5 +1,5 @@
-// Radix-select primitives shared by the top-k kernels: order-preserving keys, warp-aggregated
-// shared-memory histograms and the block-wide search of the bin that holds the k-th largest key.
+// Radix-select primitives shared by the top-k kernels: order-preserving keys, warp scans and the
+// block-wide search of the bin that holds the k-th largest key.
 #pragma once
 #include <cstdint>
 
@@ -44,14 +44,6 @@ __device__ __forceinline__ uint4 pack(const uint32_t (&e)[16 / kElemBytes]) {
 template <int kElemBytes>
 __device__ __forceinline__ uint32_t to_key(uint32_t raw) {
   return kElemBytes == 4 ? float_key(raw) : bf16_key(raw);
-}
-
-// hist[bin] += 1 for every active lane; lanes with equal bins add once (heavy ties would
-// otherwise serialize on one address). Must be called by all 32 lanes of the warp.
-__device__ __forceinline__ void warp_hist_add(uint32_t* hist, uint32_t bin, bool active) {
-  if (__ballot_sync(kFullMask, active) == 0u) return;  // common in the refinement passes
-  const uint32_t peers = __match_any_sync(kFullMask, active ? bin : 0xFFFFFFFFu);
-  if (active && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(hist + bin, __popc(peers));
 }
 
 // Inclusive warp scan of `v` from the top lane down: returns the sum over lanes >= this lane.

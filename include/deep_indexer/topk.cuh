@@ -1,18 +1,22 @@
 // topk: exact, deterministic top-k indices of every row of a logits matrix (docs/topk.md).
 //
-// One cluster of C CTAs per row (C = 1 by default; 2 to 8 when forced, see heuristics_sm90.hpp),
-// grid-stride over rows. CTA q of the cluster owns a contiguous run of the row's 16-byte vectors,
-// warp w of the CTA a contiguous part of that run. Keys: radix::float_key / bf16_key. Radix select
-// of the k-th largest key over TopkLayout's digit schedule: pass 0 reads the CTA's run from global
-// memory once, builds the first histogram (plain shared atomics) and keeps the keys in a
-// shared-memory cache (its first `cache_vecs` vectors; the rest is re-read from global memory,
-// usually L2). Then each warp lists its keys whose first digit is >= the k-th key's (column order);
-// later passes histogram the next digit over the lists only and stop once the k-th bin is taken
-// whole; when a list overflows, the CTA re-scans its run instead (same result). With C > 1 every
-// CTA sums the cluster's histograms through distributed shared memory and runs the same search, so
-// all CTAs agree on the threshold. Selection: key > threshold, plus the first (k - count_greater)
-// keys equal to the threshold in column order; every output position is a prefix count in column
-// order (over CTAs, warps, lanes; no atomics), so the result is unique and run-to-run identical.
+// One cluster of C CTAs per row (C = 1 for many rows; up to 8 when few rows must fill the GPU),
+// grid-stride over rows. Keys: radix::float_key / bf16_key (order-preserving, NaN lowest).
+// 1. Threshold: a row of more than kSampleMinKeys keys takes a strided sample of 16-byte vectors
+//    and a two-digit radix select of the sample's j-th largest key (TopkLayout::sample_rank):
+//    kmin, usually a little below the row's k-th key. Shorter rows keep every key (kmin = 0).
+//    Every CTA of the cluster computes the same kmin from the same sample.
+// 2. Filter: one read of the row (each CTA its contiguous share); the keys >= kmin go to CTA 0's
+//    buffer as (key, column) pairs (warp-aggregated slots; counted even when the buffer is full).
+// 3. CTA 0: if fewer than k keys or more than the buffer survived, a radix select over the whole
+//    row (re-reads) finds a threshold whose survivors fit, and the filter runs again (rare: skewed
+//    or low-contrast rows). A radix select over the buffer then gives the k-th key (prefix/mask),
+//    the count above it and how many keys equal to it to take.
+// 4. CTA 0 emits in column order: windows of kWindow columns, a bit per selected column in two
+//    planes (above the threshold / equal to it), a block scan of their popcounts; every output
+//    position is a prefix count (ties to the smaller column), so the result does not depend on
+//    the order in which keys reached the buffer. When more keys equal the threshold than the
+//    buffer holds, the equal plane is rebuilt from the row, window by window.
 #pragma once
 #include <cooperative_groups.h>
 
@@ -38,34 +42,77 @@
 #endif
 
 namespace deep_indexer {
+namespace topk_detail {
+
+// The value of element c of a 16-byte vector as a float (bfloat16 widened exactly).
+template <int kElemBytes>
+__device__ __forceinline__ float value_at(const uint4& v, int c) {
+  const uint32_t w = c < 4 / kElemBytes * 1   ? v.x
+                     : c < 4 / kElemBytes * 2 ? v.y
+                     : c < 4 / kElemBytes * 3 ? v.z
+                                              : v.w;
+  if constexpr (kElemBytes == 4) return __uint_as_float(w);
+  else return __uint_as_float((c & 1) ? (w & 0xFFFF0000u) : (w << 16));
+}
+template <int kElemBytes>
+__device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
+  const uint32_t w = c < 4 / kElemBytes * 1   ? v.x
+                     : c < 4 / kElemBytes * 2 ? v.y
+                     : c < 4 / kElemBytes * 3 ? v.z
+                                              : v.w;
+  if constexpr (kElemBytes == 4) return w;
+  else return (c & 1) ? (w >> 16) : (w & 0xFFFFu);
+}
+
+// NOTES: "key >= kmin" as a float comparison (kmin > 0): the smallest value whose key is >= kmin.
+// Keys in (0, key(-inf)] hold no value but -inf, so they compare as -inf (every non-NaN value);
+// NaN (key 0) never passes; kmin above key(+inf) gives a NaN bound that nothing passes.
+template <int kElemBytes>
+__device__ __forceinline__ float key_floor_value(uint32_t kmin) {
+  if constexpr (kElemBytes == 4) {
+    if (kmin <= 0x007FFFFFu) return __uint_as_float(0xFF800000u);
+    return __uint_as_float((kmin & 0x80000000u) ? (kmin & 0x7FFFFFFFu) : ~kmin);
+  } else {
+    if (kmin <= 0x007Fu) return __uint_as_float(0xFF800000u);
+    const uint32_t bits = (kmin & 0x8000u) ? (kmin & 0x7FFFu) : (~kmin & 0xFFFFu);
+    return __uint_as_float(bits << 16);
+  }
+}
+
+}  // namespace topk_detail
 
 template <int kElemBytes, bool kSorted>
-__global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_sm_max(kSorted)) topk_kernel(const TopkArgs a) {
+__global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerSm) topk_kernel(const TopkArgs a) {
   namespace cg = cooperative_groups;
+  using namespace topk_detail;
   constexpr TopkLayout L{kElemBytes, kSorted};
   constexpr int kThreads = TopkLayout::kNumThreads;
   constexpr int kWarps = TopkLayout::kNumWarps;
   constexpr int kVec = L.vec();
   constexpr int kPasses = L.num_passes();
-  // 16-byte loads in flight per thread in the histogram passes (fewer where 64 registers must do)
-  constexpr int kUnroll = kSorted || kElemBytes == 4 ? 4 : 2;
+  constexpr int kCap = TopkLayout::kCandCap;
+  constexpr int kBins = TopkLayout::kHistBins;
+  // 16-byte vectors per thread per filter step; their pass bits fit one 32-bit word
+  constexpr int kUnroll = TopkLayout::kFilterVecs;
+  constexpr int kSampleVecs = L.max_sample_vecs();
+  static_assert(kUnroll * kVec <= 32, "pass bits of one step in a word");
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
+  constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
 
   extern __shared__ __align__(16) uint8_t smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
   uint32_t* warp_sums2 = warp_sums + kWarps;                                     // [kWarps]
-  // [0, 3): find_kth_bin; [4, 6): this CTA's gt/eq counts; [6]: a candidate list overflowed
+  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's)
   uint32_t* scalars = warp_sums2 + kWarps;
-  uint32_t* cta_counts = scalars + 4;
-  uint32_t* overflow = scalars + 6;
+  uint32_t* count = scalars + 4;
+  uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
+  uint32_t* cand_col = reinterpret_cast<uint32_t*>(smem + L.cand_col_offset());
+  uint32_t* plane_gt = reinterpret_cast<uint32_t*>(smem + L.plane_offset());
+  uint32_t* plane_eq = plane_gt + TopkLayout::kWindowWords;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
-  const int cand_cap = a.cand_per_warp;
-  uint4* cache = reinterpret_cast<uint4*>(smem + L.cache_offset(cand_cap));
-  using KeyWord = std::conditional_t<kElemBytes == 4, uint32_t, uint16_t>;
-  const KeyWord* cache_words = reinterpret_cast<const KeyWord*>(cache);
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = static_cast<int>(cluster.num_blocks());  // C
@@ -75,15 +122,12 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
     if (num_ctas > 1) cluster.sync();
     else __syncthreads();
   };
-  // The sort buffer of the cluster lives in CTA 0.
-  unsigned long long* sort_dst = kSorted ? cluster.map_shared_rank(sort_buf, 0) : sort_buf;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t lanes_below = (1u << lane) - 1u;
-  // This warp's candidate list: element indices (column + mis), in column order.
-  uint32_t* my_cand = reinterpret_cast<uint32_t*>(smem + L.cand_offset()) + warp * cand_cap;
   const int k = a.k;
   const int64_t num_clusters = gridDim.x / num_ctas;
+  if (tid == 0) *count = 0;
+  row_sync();
 
   for (int64_t r = blockIdx.x / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the row's valid columns [lo, lo + n)
@@ -94,8 +138,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
     const int64_t hi64 = static_cast<int64_t>(__ldg(a.ke + g)) - a.range_next_n + i_in + 1;
     const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
     const int n = hi - lo;
-    const int64_t seq = r / a.table_next_n;
-    const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
 
     // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
     // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi)
@@ -103,276 +145,316 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
     const uint8_t* row_bytes = static_cast<const uint8_t*>(a.logits) + (r * a.row_stride + lo) * kElemBytes;
     const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
     const uint4* row_vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
-    const KeyWord* row_words = reinterpret_cast<const KeyWord*>(row_vec);
     const int num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
-    // This CTA's run of vectors [v_begin, v_end); warp w owns the contiguous part [wv0, wv1).
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
-    const int per_warp = (v_end - v_begin + kWarps - 1) / kWarps;
-    const int wv0 = min(v_begin + warp * per_warp, v_end), wv1 = min(wv0 + per_warp, v_end);
+    // Bit c: element c of vector v is a column of the row (0 <= v * kVec + c - mis < n).
+    auto valid_bits = [&](int v) -> uint32_t {
+      const int first = v * kVec - mis;
+      const int c_lo = min(max(-first, 0), kVec), c_hi = min(max(n - first, 0), kVec);
+      return ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
+    };
 
-    // Keys of vector v: from the cache for v < v_cached, else from global memory.
-    int v_cached = v_begin;
-    auto load_keys = [&](int v, uint32_t (&key)[kVec]) {
-      if (v < v_cached) {
-        radix::unpack<kElemBytes>(cache[v - v_begin], key);
-      } else {
-        radix::unpack<kElemBytes>(__ldg(row_vec + v), key);
+    // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
+    // threshold is known), `filter` appends the keys >= kmin (kmin = 0: every key) to `dst_*`.
+    constexpr int kStep = kThreads * kUnroll;
+    uint4 next[kUnroll];
+    auto prefetch = [&](int vb0, int vb1) {
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = vb0 + warp * 32 * kUnroll + u * 32 + lane;
+        next[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
       }
     };
-    // The key of element e = v * kVec + c (a candidate list entry).
-    auto key_at = [&](uint32_t e) -> uint32_t {
-      const int v = static_cast<int>(e / kVec);
-      if (v < v_cached) return cache_words[e - static_cast<uint32_t>(v_begin) * kVec];
-      return radix::to_key<kElemBytes>(__ldg(row_words + e));
-    };
-
-    // ---- radix select: the threshold `prefix` over the resolved bits `mask`, the number of keys
-    // above it (`greater`) and how many keys equal to it to take (`take_eq`). Same in every CTA.
-    uint32_t prefix = 0, mask = 0, greater = 0, take_eq = static_cast<uint32_t>(n);
-    // NOTES: after pass 0, each warp lists (in column order) its keys whose first digit is >= the
-    // k-th key's: at most k - 1 keys above that bin plus the bin itself. Later passes and the
-    // selection read only these lists. `use_lists` is false when a list of this CTA overflowed
-    // (low-contrast or clustered rows): then they re-scan the CTA's whole run (same results).
-    bool use_lists = false;
-    uint32_t cand_n = 0;  // entries of this warp's list (warp-uniform)
-    if (n > k) {
-      v_cached = v_begin + min(v_end - v_begin, a.cache_vecs);
-      uint32_t k_rem = static_cast<uint32_t>(k);
-      bool done = false;
+    auto filter = [&](int vb0, int vb1, uint32_t kmin, uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
+      const bool all = kmin == 0u;
+      const float bound = key_floor_value<kElemBytes>(kmin);
+      // Warp-uniform trip counts; the next step's loads are issued before this step's keys are used.
 #pragma unroll 1
-      for (int pass = 0; pass < kPasses && !done; ++pass) {
-        const int shift = L.digit_shift(pass);
-        const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-        row_sync();  // the cluster has finished reading this CTA's previous histogram
-        for (int b = tid; b < TopkLayout::kHistBins; b += kThreads) hist[b] = 0;
-        if (tid == 0) *overflow = 0;
-        __syncthreads();
-        if (use_lists) {
-          for (uint32_t i = lane; i < cand_n; i += 32) {
-            const uint32_t key = key_at(my_cand[i]);
-            if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+      for (int base = vb0 + warp * 32 * kUnroll; base < vb1; base += kStep) {
+        uint4 cur[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          cur[u] = next[u];
+          const int v = base + kStep + u * 32 + lane;
+          next[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        uint32_t bits = 0;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = base + u * 32 + lane;
+          uint32_t pass = v < vb1 ? valid_bits(v) : 0u;
+          if (!all) {
+#pragma unroll
+            for (int c = 0; c < kVec; ++c)
+              pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(cur[u], c) >= bound)) << c);
           }
-        } else {
-          // Warp-uniform trip counts; kUnroll independent 16-byte loads in flight per thread
-          // before any of them is used.
-          for (int vb = v_begin + warp * 32 * kUnroll; vb < v_end; vb += kThreads * kUnroll) {
-            uint4 raw[kUnroll];
+          bits |= pass << (u * kVec);
+        }
+        if (__any_sync(radix::kFullMask, bits != 0u)) {
+          const uint32_t my = __popc(bits);
+          const uint32_t incl = radix::warp_prefix_sum(my);
+          uint32_t slot = 0;
+          if (lane == 31) slot = atomicAdd(dst_count, incl);
+          slot = __shfl_sync(radix::kFullMask, slot, 31) + incl - my;
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-              const int v = vb + u * 32 + lane;
-              raw[u] = make_uint4(0u, 0u, 0u, 0u);
-              if (v < v_end) raw[u] = pass > 0 && v < v_cached ? cache[v - v_begin] : __ldg(row_vec + v);
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-              const int v = vb + u * 32 + lane;
-              uint32_t key[kVec];
-              radix::unpack<kElemBytes>(raw[u], key);
-              if (pass == 0 || v >= v_cached) {
-#pragma unroll
-                for (int c = 0; c < kVec; ++c) key[c] = radix::to_key<kElemBytes>(key[c]);
-                if (pass == 0 && v < v_cached) cache[v - v_begin] = radix::pack<kElemBytes>(key);
-              }
+          for (int u = 0; u < kUnroll; ++u) {
+            if ((bits >> (u * kVec)) & ((1u << kVec) - 1u)) {
 #pragma unroll
               for (int c = 0; c < kVec; ++c) {
-                const int j = v * kVec + c - mis;
-                const bool active = v < v_end && j >= 0 && j < n && (key[c] & mask) == prefix;
-#ifdef DI_TOPK_MATCH_HIST
-                radix::warp_hist_add(hist, (key[c] >> shift) & digit_mask, active);
-#else
-                if (active) atomicAdd(hist + ((key[c] >> shift) & digit_mask), 1u);
-#endif
+                if ((bits >> (u * kVec + c)) & 1u) {
+                  if (slot < static_cast<uint32_t>(kCap)) {
+                    dst_key[slot] = radix::to_key<kElemBytes>(raw_at<kElemBytes>(cur[u], c));
+                    dst_col[slot] = static_cast<uint32_t>((base + u * 32 + lane) * kVec + c - mis);
+                  }
+                  ++slot;
+                }
               }
             }
           }
         }
-        radix::KthBin kb;
-        if (num_ctas > 1) {
-          cluster.sync();  // every CTA's histogram is complete
-          kb = radix::find_kth_bin<kThreads, TopkLayout::kHistBins>(
-              [&](int b) {
-                uint32_t sum = 0;
-                for (int q = 0; q < num_ctas; ++q) sum += cluster.map_shared_rank(hist, q)[b];
-                return sum;
-              },
-              k_rem, warp_sums, scalars);
-        } else {
-          kb = radix::find_kth_bin<kThreads, TopkLayout::kHistBins>([&](int b) { return hist[b]; }, k_rem, warp_sums,
-                                                                    scalars);
-        }
-        prefix |= kb.bin << shift;
-        mask |= digit_mask << shift;
-        greater += kb.above;
-        k_rem -= kb.above;
-        take_eq = k_rem;
-        done = k_rem == kb.count;  // the whole bin is taken: lower digits cannot matter
-
-        if (pass == 0 && cand_cap > 0) {
-          // The lists: keys (valid) with (key & mask) >= prefix, in column order.
-          for (int vb = wv0; vb < wv1; vb += 32) {
-            const int v = vb + lane;
-            uint32_t key[kVec] = {};
-            if (v < wv1) load_keys(v, key);
-            uint32_t sel = 0;
-#pragma unroll
-            for (int c = 0; c < kVec; ++c) {
-              const int j = v * kVec + c - mis;
-              sel |= static_cast<uint32_t>(v < wv1 && j >= 0 && j < n && (key[c] & mask) >= prefix) << c;
-            }
-            const uint32_t my = __popc(sel);
-            const uint32_t incl = radix::warp_prefix_sum(my);
-            uint32_t pos = cand_n + incl - my;
-            cand_n += __shfl_sync(radix::kFullMask, incl, 31);
-#pragma unroll
-            for (int c = 0; c < kVec; ++c) {
-              if ((sel >> c) & 1u) {
-                if (pos < static_cast<uint32_t>(cand_cap)) my_cand[pos] = static_cast<uint32_t>(v * kVec + c);
-                ++pos;
-              }
-            }
-          }
-          if (lane == 0 && cand_n > static_cast<uint32_t>(cand_cap)) atomicOr(overflow, 1u);
-          __syncthreads();
-          use_lists = *overflow == 0u;
-        }
-      }
-    }
-    DI_TOPK_ASSERT(greater + take_eq == static_cast<uint32_t>(min(k, n)));
-    const uint32_t total = min(greater + take_eq, static_cast<uint32_t>(k));  // = min(k, n)
-
-    // ---- selection in column order: pass A counts (warps, then CTAs), pass B writes at
-    // prefix-count positions. From the candidate lists, or by a scan of the warp's part.
-    // Bit c of gt / eq: key c of vector v is above / equal to the threshold (and valid).
-    auto classify = [&](int v, uint32_t (&key)[kVec], uint32_t& gt, uint32_t& eq) {
-#pragma unroll
-      for (int c = 0; c < kVec; ++c) key[c] = 0;
-      if (v < wv1) load_keys(v, key);
-      gt = eq = 0;
-#pragma unroll
-      for (int c = 0; c < kVec; ++c) {
-        const int j = v * kVec + c - mis;
-        const bool valid = v < wv1 && j >= 0 && j < n;
-        const uint32_t mk = key[c] & mask;
-        gt |= static_cast<uint32_t>(valid && mk > prefix) << c;
-        eq |= static_cast<uint32_t>(valid && mk == prefix) << c;
       }
     };
-    uint32_t w_gt = 0, w_eq = 0;
-    if (use_lists) {
-      for (uint32_t i = lane; i < cand_n; i += 32) {
-        const uint32_t mk = key_at(my_cand[i]) & mask;
-        w_gt += mk > prefix;
-        w_eq += mk == prefix;
-      }
-    } else {
-      for (int vb = wv0; vb < wv1; vb += 32) {
-        uint32_t key[kVec], gt, eq;
-        classify(vb + lane, key, gt, eq);
-        w_gt += __popc(gt);
-        w_eq += __popc(eq);
-      }
-    }
+
+    // ---- 1. threshold (every CTA of the cluster computes the same kmin)
+    prefetch(v_begin, v_end);
+    uint32_t kmin = 0;
+    if (n > TopkLayout::kSampleMinKeys) {
+      // sample vector t of this thread: (tid + t * kThreads) * stride, stride = num_vecs / m_v >= 1
+      const int s_v = L.sample_vecs_per_thread(n);
+      const int m_v = s_v * kThreads;  // <= num_vecs: n > kSampleMinKeys
+      const int stride = num_vecs / m_v;
+      uint4 sample[kSampleVecs];
+      uint32_t sample_valid = 0;  // bit t * kVec + c
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      w_gt += __shfl_xor_sync(radix::kFullMask, w_gt, off);
-      w_eq += __shfl_xor_sync(radix::kFullMask, w_eq, off);
-    }
-    if (lane == 0) warp_sums[warp] = w_gt, warp_sums2[warp] = w_eq;
-    __syncthreads();
-    uint32_t gt_base = 0, eq_base = 0;  // keys before this warp's part (in this CTA, then the cluster)
-    for (int w = 0; w < warp; ++w) gt_base += warp_sums[w], eq_base += warp_sums2[w];
-    if (num_ctas > 1) {
-      if (tid == kThreads - 1) cta_counts[0] = gt_base + w_gt, cta_counts[1] = eq_base + w_eq;
-      cluster.sync();
-      for (int q = 0; q < rank; ++q) {
-        const uint32_t* other = cluster.map_shared_rank(cta_counts, q);
-        gt_base += other[0];
-        eq_base += other[1];
+      for (int t = 0; t < kSampleVecs; ++t) {
+        const int v = (tid + t * kThreads) * stride;
+        sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+        sample_valid |= (t < s_v ? valid_bits(v) : 0u) << (t * kVec);
       }
-    }
-#ifdef DI_TOPK_DEBUG
-    if (warp == kWarps - 1 && lane == 0 && rank == num_ctas - 1)
-      DI_TOPK_ASSERT(gt_base + w_gt == greater && eq_base + w_eq >= take_eq);
-#endif
-
-    // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
-    auto store = [&](int pos, int j) {
-      int idx = j;
-      if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
-        idx = lo + j;
-      } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
-        const int blk = j / a.block_size;
-        idx = blk < a.table_cols
-                  ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
-                  : -1;
-      }
-      if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
-      a.out[r * a.out_stride + pos] = idx;
-      if (a.out_values != nullptr) {
-        const int64_t src = r * a.row_stride + lo + j;
-        if constexpr (kElemBytes == 4)
-          static_cast<uint32_t*>(a.out_values)[r * a.values_stride + pos] =
-              __ldg(static_cast<const uint32_t*>(a.logits) + src);
-        else
-          static_cast<uint16_t*>(a.out_values)[r * a.values_stride + pos] =
-              __ldg(static_cast<const uint16_t*>(a.logits) + src);
-      }
-    };
-    auto emit = [&](uint32_t pos, int j, uint32_t key) {
-      DI_TOPK_ASSERT(pos < static_cast<uint32_t>(k));
-      if (pos >= static_cast<uint32_t>(k)) return;  // unreachable; never writes out of bounds
-      if constexpr (kSorted)
-        sort_dst[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
-      else
-        store(static_cast<int>(pos), j);
-    };
-
-    if (use_lists) {
-      for (uint32_t i0 = 0; i0 < cand_n; i0 += 32) {
-        const uint32_t i = i0 + lane;
-        const uint32_t e = i < cand_n ? my_cand[i] : 0u;
-        const uint32_t key = i < cand_n ? key_at(e) : 0u;
-        const uint32_t mk = key & mask;
-        const bool is_gt = i < cand_n && mk > prefix, is_eq = i < cand_n && mk == prefix;
-        const uint32_t bg = __ballot_sync(radix::kFullMask, is_gt), be = __ballot_sync(radix::kFullMask, is_eq);
-        const uint32_t g_before = gt_base + __popc(bg & lanes_below);
-        const uint32_t e_before = eq_base + __popc(be & lanes_below);
-        if (is_gt || (is_eq && e_before < take_eq))
-          emit(g_before + min(e_before, take_eq), static_cast<int>(e) - mis, key);
-        gt_base += __popc(bg);
-        eq_base += __popc(be);
-      }
-    } else {
-      for (int vb = wv0; vb < wv1; vb += 32) {
-        const int v = vb + lane;
-        uint32_t key[kVec], gt, eq;
-        classify(v, key, gt, eq);
-        const uint32_t my_gt = __popc(gt), my_eq = __popc(eq);
-        // counts fit 16 bits: a strip holds 32 * kVec <= 256 keys
-        const uint32_t packed = radix::warp_prefix_sum(my_gt | (my_eq << 16));
-        const uint32_t strip = __shfl_sync(radix::kFullMask, packed, 31);
-        uint32_t g_before = gt_base + (packed & 0xFFFFu) - my_gt;
-        uint32_t e_before = eq_base + (packed >> 16) - my_eq;
-        if ((gt | eq) != 0) {
+      const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
+      uint32_t prefix = 0, mask = 0, k_rem = j;
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        const int shift = L.digit_shift(pass);
+        const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
+        for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < kSampleVecs; ++t) {
 #pragma unroll
           for (int c = 0; c < kVec; ++c) {
-            const bool is_gt = (gt >> c) & 1u, is_eq = (eq >> c) & 1u;
-            if (is_gt || (is_eq && e_before < take_eq)) emit(g_before + min(e_before, take_eq), v * kVec + c - mis, key[c]);
-            g_before += is_gt;
-            e_before += is_eq;
+            const uint32_t key = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c));
+            if (((sample_valid >> (t * kVec + c)) & 1u) && (key & mask) == prefix)
+              atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
           }
         }
-        gt_base += strip & 0xFFFFu;
-        eq_base += strip >> 16;
+        const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
+                                                                      warp_sums, scalars);
+        prefix |= kb.bin << shift;
+        mask |= digit_mask << shift;
+        k_rem -= kb.above;
       }
+      kmin = prefix;
     }
 
-    if constexpr (kSorted) {
-      row_sync();  // every CTA's entries are in CTA 0's sort buffer
-      if (rank == 0) {
+    // ---- 2. filter this CTA's share into the buffer and counter of CTA 0 of the cluster
+    if (num_ctas > 1)
+      filter(v_begin, v_end, kmin, cluster.map_shared_rank(count, 0), cluster.map_shared_rank(cand_key, 0),
+             cluster.map_shared_rank(cand_col, 0));
+    else
+      filter(v_begin, v_end, kmin, count, cand_key, cand_col);
+    row_sync();  // every survivor of the cluster is in CTA 0
+
+    if (rank == 0) {
+      uint32_t ns = *count;
+      // ---- 3. the selection's threshold: prefix over the resolved bits `mask`, the keys above it
+      // (`greater`), how many keys equal to it to take (`take_eq`); `whole`: every equal key is taken.
+      uint32_t prefix = 0, mask = 0, greater = 0, take_eq = ns;
+      bool whole = true, eq_from_row = false;
+      if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
+        // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
+        uint32_t k_rem = static_cast<uint32_t>(k), count_ge = 0;
+#pragma unroll 1
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int shift = L.digit_shift(pass);
+          const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
+          for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
+          __syncthreads();
+          for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
+            const int v = vb + lane;
+            const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+            const uint32_t valid = v < num_vecs ? valid_bits(v) : 0u;
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              const uint32_t key = radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c));
+              if (((valid >> c) & 1u) && (key & mask) == prefix)
+                atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+            }
+          }
+          const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
+                                                                        warp_sums, scalars);
+          prefix |= kb.bin << shift;
+          mask |= digit_mask << shift;
+          greater += kb.above;
+          k_rem -= kb.above;
+          count_ge = greater + kb.count;
+          if (count_ge <= static_cast<uint32_t>(kCap)) break;
+        }
+        // NOTES: count_ge > kCap only after the last digit: more keys equal the threshold key than
+        // the buffer holds. The buffer then takes the keys above it; the equal ones come from the row.
+        eq_from_row = count_ge > static_cast<uint32_t>(kCap);
+        if (tid == 0) *count = 0;
+        __syncthreads();
+        prefetch(0, num_vecs);
+        filter(0, num_vecs, eq_from_row ? prefix + 1u : prefix, count, cand_key, cand_col);
+        __syncthreads();
+        ns = *count;
+        DI_TOPK_ASSERT(ns == (eq_from_row ? greater : count_ge));
+        if (eq_from_row) {
+          DI_TOPK_ASSERT(mask == kFullKeyMask);
+          take_eq = k_rem;
+          whole = false;
+        } else {
+          prefix = mask = greater = 0;
+          take_eq = ns;
+        }
+      }
+      if (!eq_from_row && ns > static_cast<uint32_t>(k)) {
+        // Radix select of the k-th key over the buffer; stops once the k-th key's bin is taken whole.
+        uint32_t k_rem = static_cast<uint32_t>(k);
+        whole = false;
+#pragma unroll 1
+        for (int pass = 0; pass < kPasses && !whole; ++pass) {
+          const int shift = L.digit_shift(pass);
+          const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
+          for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
+          __syncthreads();
+          for (uint32_t i = tid; i < ns; i += kThreads) {
+            const uint32_t key = cand_key[i];
+            if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+          }
+          const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
+                                                                        warp_sums, scalars);
+          prefix |= kb.bin << shift;
+          mask |= digit_mask << shift;
+          greater += kb.above;
+          k_rem -= kb.above;
+          whole = k_rem == kb.count;
+        }
+        take_eq = k_rem;
+      }
+      const uint32_t total = greater + take_eq;
+      DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
+
+      const int64_t seq = r / a.table_next_n;
+      const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
+      // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
+      auto store = [&](int pos, int j) {
+        int idx = j;
+        if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
+          idx = lo + j;
+        } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
+          const int blk = j / a.block_size;
+          idx = blk < a.table_cols
+                    ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
+                    : -1;
+        }
+        if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
+        a.out[r * a.out_stride + pos] = idx;
+        if (a.out_values != nullptr) {
+          const int64_t src = r * a.row_stride + lo + j;
+          if constexpr (kElemBytes == 4)
+            static_cast<uint32_t*>(a.out_values)[r * a.values_stride + pos] =
+                __ldg(static_cast<const uint32_t*>(a.logits) + src);
+          else
+            static_cast<uint16_t*>(a.out_values)[r * a.values_stride + pos] =
+                __ldg(static_cast<const uint16_t*>(a.logits) + src);
+        }
+      };
+      auto key_of_col = [&](int j) -> uint32_t {
+        if constexpr (kElemBytes == 4)
+          return radix::to_key<4>(__ldg(static_cast<const uint32_t*>(a.logits) + r * a.row_stride + lo + j));
+        else
+          return radix::to_key<2>(__ldg(static_cast<const uint16_t*>(a.logits) + r * a.row_stride + lo + j));
+      };
+
+      // ---- 4. emission in column order, window by window
+      uint32_t gt_base = 0, eq_base = 0;
+#pragma unroll 1
+      for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
+        const uint32_t wn = static_cast<uint32_t>(min(TopkLayout::kWindow, n - w0));
+        for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
+        __syncthreads();
+        for (uint32_t i = tid; i < ns; i += kThreads) {
+          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+          if (j < wn) {
+            const uint32_t mk = cand_key[i] & mask;
+            if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
+            else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
+          }
+        }
+        if (eq_from_row) {
+          const int vw0 = (w0 + mis) / kVec, vw1 = (w0 + static_cast<int>(wn) - 1 + mis) / kVec + 1;
+          for (int v = vw0 + tid; v < vw1; v += kThreads) {
+            const uint4 raw = __ldg(row_vec + v);
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              const uint32_t j = static_cast<uint32_t>(v * kVec + c - mis - w0);
+              if (j < wn && radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)) == prefix)
+                atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
+            }
+          }
+        }
+        __syncthreads();
+        // Block scan of (above, equal) counts packed in 16-bit halves (a window has < 65536 columns).
+        uint32_t gw[TopkLayout::kWordsPerThread], ew[TopkLayout::kWordsPerThread], mine = 0;
+#pragma unroll
+        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
+          gw[q] = plane_gt[tid * TopkLayout::kWordsPerThread + q];
+          ew[q] = plane_eq[tid * TopkLayout::kWordsPerThread + q];
+          mine += __popc(gw[q]) | (__popc(ew[q]) << 16);
+        }
+        const uint32_t incl = radix::warp_prefix_sum(mine);
+        if (lane == 31) warp_sums[warp] = incl;
+        __syncthreads();
+        uint32_t before = incl - mine, all = 0;
+        for (int w = 0; w < kWarps; ++w) {
+          const uint32_t s = warp_sums[w];
+          before += w < warp ? s : 0u;
+          all += s;
+        }
+        uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
+#pragma unroll
+        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
+          uint32_t bits = gw[q] | ew[q];
+          while (bits != 0u) {
+            const int b = __ffs(bits) - 1;
+            bits &= bits - 1u;
+            const bool is_gt = (gw[q] >> b) & 1u;
+            if (is_gt || e_before < take_eq) {
+              const uint32_t pos = g_before + min(e_before, take_eq);
+              const int j = w0 + (tid * TopkLayout::kWordsPerThread + q) * 32 + b;
+              DI_TOPK_ASSERT(pos < total);
+              if (pos < total) {  // always; never writes out of bounds
+                if constexpr (kSorted)
+                  sort_buf[pos] = (static_cast<unsigned long long>(key_of_col(j)) << 32) |
+                                  (0xFFFFFFFFu - static_cast<uint32_t>(j));
+                else
+                  store(static_cast<int>(pos), j);
+              }
+            }
+            g_before += is_gt;
+            e_before += !is_gt;
+          }
+        }
+        gt_base += all & 0xFFFFu;
+        eq_base += all >> 16;
+        __syncthreads();  // planes and warp sums are reused
+      }
+      DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
+
+      if constexpr (kSorted) {
         // Bitonic sort (descending) of the composite keys: key, then smaller column first.
         int size = 1;
         while (size < static_cast<int>(total)) size <<= 1;
@@ -393,10 +475,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
         for (int p = tid; p < static_cast<int>(total); p += kThreads)
           store(p, static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(sort_buf[p] & 0xFFFFFFFFull)));
       }
-    }
 
-    // ---- padding
-    if (rank == 0) {
+      // ---- padding
       for (int p = static_cast<int>(total) + tid; p < k; p += kThreads) {
         a.out[r * a.out_stride + p] = -1;
         if (a.out_values != nullptr) {
@@ -406,8 +486,10 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::ctas_per_
             static_cast<uint16_t*>(a.out_values)[r * a.values_stride + p] = static_cast<uint16_t>(kNegInfBits);
         }
       }
+      __syncthreads();  // every read of the counter and the buffer is done
+      if (tid == 0) *count = 0;
     }
-    row_sync();  // shared memory (read by the cluster) is reused by the next row
+    row_sync();  // CTA 0's buffer and counter are reused by the next row
   }
 }
 

@@ -1,4 +1,4 @@
-// Shared-memory layout and digit schedule of the top-k kernel, shared by host and device.
+// Shared-memory layout, sampling rule and arguments of the top-k kernel, shared by host and device.
 #pragma once
 #include <cstdint>
 
@@ -9,13 +9,24 @@ namespace deep_indexer {
 struct TopkLayout {
   static constexpr int kMaxK = 2048;        // largest supported k
   static constexpr int kHistBins = 2048;    // widest radix digit: 11 bits
-  static constexpr int kNumThreads = 512;   // one CTA per row
+  static constexpr int kNumThreads = 512;
   static constexpr int kNumWarps = kNumThreads / 32;
-  static constexpr int kVecBytes = 16;      // one uint4 of logits (or keys) per lane access
-
-  // CTAs per SM the kernel is built for (64 registers per thread for 2): the unsorted kernels
-  // may share an SM between two CTAs; the sorted ones (the bitonic sort) take 1.
-  DI_HOST_DEVICE static constexpr int ctas_per_sm_max(bool sorted) { return sorted ? 1 : 2; }
+  static constexpr int kCtasPerSm = 2;      // 64 registers per thread; smem_bytes() <= half an SM
+  static constexpr int kVecBytes = 16;      // one uint4 of logits per lane access
+  static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
+  // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
+  static constexpr int kCandCap = 8192;
+  // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
+  // buffer). n > kNumThreads * 8 gives every sample slot a vector of its own.
+  static constexpr int kSampleMinKeys = kNumThreads * 8;
+  static_assert(kSampleMinKeys <= kCandCap, "unsampled rows fit the buffer");
+  // Emission: the row's columns in windows of kWindow, one bit per column in two planes.
+  static constexpr int kWindow = 32768;
+  static constexpr int kWindowWords = kWindow / 32;
+  static constexpr int kWordsPerThread = kWindowWords / kNumThreads;
+  static_assert(kWindowWords % kNumThreads == 0, "whole plane words per thread");
+  static_assert(kWindow < 65536, "per-window counts are packed in 16 bits");
+  static constexpr int kMaxClusterCtas = 8;
 
   int elem_bytes;  // 4: float32 (32-bit keys), 2: bfloat16 (16-bit keys)
   bool sorted;     // a [kMaxK] uint64 sort buffer
@@ -30,25 +41,41 @@ struct TopkLayout {
     return elem_bytes == 4 ? (pass == 2 ? 10 : 11) : (pass == 0 ? 11 : 5);
   }
 
-  // Byte offsets inside dynamic shared memory (every region 16-byte aligned). The candidate lists
-  // (kNumWarps x `cand_per_warp` uint32 element indices) and the row cache are sized per launch.
+  // Threshold sample of a row of n > kSampleMinKeys valid keys: vectors per thread, then the rank j
+  // (1 = largest) of the sample key taken as the threshold. The row's k-th largest key lies above
+  // the sample's j-th only if more than j sample keys are >= it: mu = k * m / n expected, j is mu
+  // plus 6 standard deviations plus 8, so a row rarely keeps fewer than k keys; it keeps about
+  // n * j / m (for n = 30K, k = 2048: ~3.3K), which must fit kCandCap. Both outcomes are checked.
+  // At most 2 vectors per thread (4096 float32 keys), 1 for bfloat16 (4096 keys; registers).
+  DI_HOST_DEVICE constexpr int max_sample_vecs() const { return elem_bytes == 4 ? 2 : 1; }
+  DI_HOST_DEVICE constexpr int sample_vecs_per_thread(int64_t n) const {
+    const int64_t s = n / (32 * static_cast<int64_t>(kNumThreads) * vec());
+    return s < 1 ? 1 : s > max_sample_vecs() ? max_sample_vecs() : static_cast<int>(s);
+  }
+  DI_HOST_DEVICE static constexpr uint32_t isqrt(uint32_t x) {
+    uint32_t r = 0;
+    for (uint32_t b = 1u << 15; b != 0; b >>= 1)
+      if ((r + b) * (r + b) <= x) r += b;
+    return r;
+  }
+  // m_keys: keys in the sample (the rank is clamped below it, leaving room for the row's ends).
+  DI_HOST_DEVICE static constexpr uint32_t sample_rank(int k, int64_t n, uint32_t m_keys, int vec_keys) {
+    const uint32_t mu = static_cast<uint32_t>(static_cast<int64_t>(k) * m_keys / n);
+    const uint32_t j = mu + 6 * isqrt(mu) + 9;
+    const uint32_t cap = m_keys - 2 * static_cast<uint32_t>(vec_keys);
+    return j < cap ? j : cap;
+  }
+
+  // Byte offsets inside dynamic shared memory (every region 16-byte aligned).
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + kHistBins * 4; }
   static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4;  // warp sums x2 + row scalars
-  DI_HOST_DEVICE constexpr unsigned sort_offset() const { return scratch_offset() + kScratchBytes; }
+  DI_HOST_DEVICE constexpr unsigned cand_key_offset() const { return scratch_offset() + kScratchBytes; }
+  DI_HOST_DEVICE constexpr unsigned cand_col_offset() const { return cand_key_offset() + kCandCap * 4; }
+  DI_HOST_DEVICE constexpr unsigned plane_offset() const { return cand_col_offset() + kCandCap * 4; }
+  DI_HOST_DEVICE constexpr unsigned sort_offset() const { return plane_offset() + 2 * kWindowWords * 4; }
   DI_HOST_DEVICE constexpr unsigned sort_bytes() const { return sorted ? kMaxK * 8u : 0u; }
-  DI_HOST_DEVICE constexpr unsigned cand_offset() const { return sort_offset() + sort_bytes(); }
-  DI_HOST_DEVICE static constexpr unsigned cand_bytes(int cand_per_warp) {
-    return static_cast<unsigned>(cand_per_warp) * kNumWarps * 4u;
-  }
-  DI_HOST_DEVICE constexpr unsigned cache_offset(int cand_per_warp) const {
-    return cand_offset() + cand_bytes(cand_per_warp);
-  }
-  DI_HOST_DEVICE constexpr unsigned fixed_bytes(int cand_per_warp = 0) const { return cache_offset(cand_per_warp); }
-  // Dynamic shared memory for a row cache of `cache_vecs` 16-byte vectors of keys.
-  DI_HOST_DEVICE constexpr unsigned smem_bytes(int cache_vecs, int cand_per_warp) const {
-    return fixed_bytes(cand_per_warp) + static_cast<unsigned>(cache_vecs) * kVecBytes;
-  }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return sort_offset() + sort_bytes(); }
 };
 
 // Index conventions of the output (see docs/topk.md).
@@ -75,8 +102,6 @@ struct TopkArgs {
   int64_t out_stride;
   void* out_values;       // may be null; logits dtype
   int64_t values_stride;
-  int cache_vecs;         // 16-byte vectors of keys cached in shared memory per row
-  int cand_per_warp;      // entries of each warp's candidate list (a multiple of 4)
 };
 
 }  // namespace deep_indexer
