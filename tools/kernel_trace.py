@@ -1,6 +1,7 @@
-"""Timelines of cold-L2 decode calls (metadata, then logits) from the kernels' DI_KERNEL_TRACE build.
+"""Timelines of cold-L2 decode calls (metadata, then logits) and top-k calls from the kernels'
+DI_KERNEL_TRACE build.
 
-    python3 tools/kernel_trace.py D1 D2 [--json FILE]
+    python3 tools/kernel_trace.py D1 D2 K-D2 K-P2 [--json FILE]
 
 The kernel is compiled with -DDI_KERNEL_TRACE (a separate JIT cache entry): every role prints its
 entry/exit %globaltimer and %clock64 marks (include/deep_indexer/trace.cuh):
@@ -13,7 +14,10 @@ entry/exit %globaltimer and %clock64 marks (include/deep_indexer/trace.cuh):
            (q: 7 likewise, 4 its first context length in; the first work is resolved before __syncthreads)
     math : 0 after __syncthreads, 1 first tile full, 2 q ready, 3 first tile done, 4 last tile done,
            5 total wait for full stages
-A shape is a benchmark id (D1..D7) or B:next_n:avg[:H].
+    topk : thread 0 of each CTA, its first row: 0 sample in, 1 threshold known, 2 own filter done,
+           3 survivors complete (cluster), 4 selection threshold, 5 emitted, 6 row end, 7 cycles in
+           fallbacks (all rows); n = the first row's survivors
+A shape is a benchmark id (D1..D7, K-* top-k) or B:next_n:avg[:H].
 The report gives, per role and mark, the median and max over CTAs in ns (clock64 converted with the
 clock rate measured from the same records), the spread of CTA starts and the kernel span.
 """
@@ -34,6 +38,7 @@ import torch  # noqa: E402
 import deep_indexer as di  # noqa: E402
 from deep_indexer import bench  # noqa: E402
 
+ROLES = ("meta", "q", "kv", "math", "topk")
 LINE = re.compile(r"DI_TRACE (\w+) cta=(\d+) idx=(\d+) n=(\d+) gt0=(\d+) gt1=(\d+) c=([\d,]+) end=(\d+)")
 
 
@@ -69,7 +74,7 @@ def analyse(text: str) -> dict:
     out = {"records": len(recs), "clock_GHz": ghz, "span_ns": max(r["gt1"] for r in recs) - t0,
            "cta_start_ns": {"median": statistics.median(r["gt0"] - t0 for r in recs),
                             "max": max(r["gt0"] - t0 for r in recs)}}
-    for role in ("meta", "q", "kv", "math"):
+    for role in ROLES:
         rr = [r for r in recs if r["role"] == role]
         if not rr:
             continue
@@ -87,6 +92,15 @@ def analyse(text: str) -> dict:
     return out
 
 
+def show(a: dict) -> None:
+    print(f"  span {a.get('span_ns')} ns, CTA starts {a.get('cta_start_ns')}")
+    for role in ROLES:
+        if role in a:
+            marks = " ".join(f"{k[4]}:{v[0]}/{v[1]}" for k, v in a[role].items() if k.startswith("mark"))
+            print(f"    {role:5s} n={a[role]['items_median']} marks(median/max ns) {marks} "
+                  f"end {a[role]['end_ns'][0]}/{a[role]['end_ns'][1]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="+")
@@ -96,6 +110,19 @@ def main() -> int:
     timer = bench.Timer(dev, "read")
     res = {}
     for sid in args.shapes:
+        if sid in bench.TOPK_SHAPES:
+            t = bench.topk_case(sid, dev, seed=1)
+            run = lambda t=t: di.topk_indices(t["logits"], t["k"], t["ks"], t["ke"])
+            capture(lambda: [run() for _ in range(3)])
+            runs = []
+            for _ in range(3):
+                timer.flush_l2()
+                runs.append(analyse(capture(run)))
+            best = min(runs, key=lambda a: a.get("span_ns", 1e18))
+            res[sid] = {"best": best, "spans_ns": [a.get("span_ns") for a in runs]}
+            print(f"== {sid} ({t['shape']}): spans {res[sid]['spans_ns']} ns")
+            show(best)
+            continue
         B, nn, avg, H = bench.decode_shape(sid)
         x, run = bench.decode_case(sid, dev)
         run_meta = lambda: di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
@@ -127,12 +154,8 @@ def main() -> int:
         print(f"== {sid} (B={B} next_n={nn} avg={avg}): spans {res[sid]['spans_ns']} ns, "
               f"traced event time {us:.1f} us")
         for name, a in (("cold", best), ("warm", best["warm"]), ("meta cold", metas[0]), ("meta warm", meta_warm)):
-            print(f"  {name}: span {a.get('span_ns')} ns, CTA starts {a.get('cta_start_ns')}")
-            for role in ("meta", "q", "kv", "math"):
-                if role in a:
-                    marks = " ".join(f"{k[4]}:{v[0]}/{v[1]}" for k, v in a[role].items() if k.startswith("mark"))
-                    print(f"    {role:5s} n={a[role]['items_median']} marks(median/max ns) {marks} "
-                          f"end {a[role]['end_ns'][0]}/{a[role]['end_ns'][1]}")
+            print(f"  {name}:", end="")
+            show(a)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

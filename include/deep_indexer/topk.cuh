@@ -25,6 +25,7 @@
 
 #include "radix_select.cuh"
 #include "topk_layout.hpp"
+#include "trace.cuh"
 
 // -DDI_TOPK_DEBUG (through DI_JIT_EXTRA_FLAGS): device checks of the selection invariants (the JIT
 // builds with -DNDEBUG, so these trap instead of using assert).
@@ -128,6 +129,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   const int64_t num_clusters = gridDim.x / num_ctas;
   if (tid == 0) *count = 0;
   row_sync();
+  // DI_KERNEL_TRACE: thread 0's first row; marks 0 sample in, 1 threshold, 2 own filter done,
+  // 3 survivors complete, 4 selection threshold, 5 emitted, 6 row end; 7 cycles in fallbacks
+  Tracer tr;
+  tr.start();
+  int first_ns = -1;
 
   for (int64_t r = blockIdx.x / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the row's valid columns [lo, lo + n)
@@ -232,6 +238,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
         sample_valid |= (t < s_v ? valid_bits(v) : 0u) << (t * kVec);
       }
+      tr.mark<0>(static_cast<int>(sample[0].x));
       const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
       uint32_t prefix = 0, mask = 0, k_rem = j;
 #pragma unroll 1
@@ -256,6 +263,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         k_rem -= kb.above;
       }
       kmin = prefix;
+      tr.mark<1>();
     }
 
     // ---- 2. filter this CTA's share into the buffer and counter of CTA 0 of the cluster
@@ -264,7 +272,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
              cluster.map_shared_rank(cand_col, 0));
     else
       filter(v_begin, v_end, kmin, count, cand_key, cand_col);
+    tr.mark<2>();
     row_sync();  // every survivor of the cluster is in CTA 0
+    tr.mark<3>();
 
     if (rank == 0) {
       uint32_t ns = *count;
@@ -272,6 +282,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       // (`greater`), how many keys equal to it to take (`take_eq`); `whole`: every equal key is taken.
       uint32_t prefix = 0, mask = 0, greater = 0, take_eq = ns;
       bool whole = true, eq_from_row = false;
+      if (first_ns < 0) first_ns = static_cast<int>(ns);
+      const uint64_t fallback_t0 = tr.now();
       if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
         // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
         uint32_t k_rem = static_cast<uint32_t>(k), count_ge = 0;
@@ -319,6 +331,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           prefix = mask = greater = 0;
           take_eq = ns;
         }
+        tr.add_since<7>(fallback_t0);
       }
       if (!eq_from_row && ns > static_cast<uint32_t>(k)) {
         // Radix select of the k-th key over the buffer; stops once the k-th key's bin is taken whole.
@@ -344,6 +357,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         }
         take_eq = k_rem;
       }
+      tr.mark<4>();
       const uint32_t total = greater + take_eq;
       DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
 
@@ -453,6 +467,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         __syncthreads();  // planes and warp sums are reused
       }
       DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
+      tr.mark<5>();
 
       if constexpr (kSorted) {
         // Bitonic sort (descending) of the composite keys: key, then smaller column first.
@@ -490,7 +505,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       if (tid == 0) *count = 0;
     }
     row_sync();  // CTA 0's buffer and counter are reused by the next row
+    tr.mark<6>();
   }
+  if (tid == 0) tr.print("topk", rank, first_ns);
 }
 
 }  // namespace deep_indexer
