@@ -146,18 +146,18 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
 
 // Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::kCtasPerSm CTAs per
 // SM. C grows (1, 2, 4, 8) while a CTA's share of the longest row needs more than one filter step
-// (kNumThreads x kFilterVecs vectors) and rows x C stays within the CTAs the GPU holds at once: few long
-// rows (1 x 32K) are then read by several SMs, many rows by one CTA each. DI_TOPK_CLUSTER (1, 2,
-// 4, 8) forces C.
+// (kNumThreads x kFilterVecs vectors) and rows x C x 4 <= SMs: only a few long rows (1 x 32K) are
+// split over SMs. CTA 0 of a cluster selects and writes alone, so splitting pays only where the
+// filter's read is the row's critical path. DI_TOPK_CLUSTER (1, 2, 4, 8) forces C.
 struct TopkLaunch {
   unsigned grid, cluster, smem;
 };
 inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms) {
-  const int64_t slots = static_cast<int64_t>(std::max(1, num_sms)) * TopkLayout::kCtasPerSm;
+  const int64_t sms = std::max(1, num_sms), slots = sms * TopkLayout::kCtasPerSm;
   const int64_t step_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * TopkLayout::kFilterVecs * l.vec();
   int cluster = 1;
   while (cluster < TopkLayout::kMaxClusterCtas && (cols + cluster - 1) / cluster > step_keys &&
-         rows * cluster * 2 <= slots)
+         rows * cluster * 2 * 4 <= sms)
     cluster *= 2;
   const int forced = env::get_int("DI_TOPK_CLUSTER");
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;

@@ -68,6 +68,26 @@ __device__ __forceinline__ uint32_t warp_prefix_sum(uint32_t v) {
   return v;
 }
 
+// Sum of `v` over the warps above this one (w > warp), once every warp's lane 0 has written its
+// total to warp_sums[w] and the block has synchronised: one load and a shuffle scan, no loop.
+template <int kWarps>
+__device__ __forceinline__ uint32_t sum_of_warps_above(const uint32_t* warp_sums) {
+  static_assert(kWarps <= 32, "one warp sum per lane");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t suffix = warp_suffix_sum(lane < kWarps ? warp_sums[lane] : 0u);  // lanes >= l
+  return warp + 1 < 32 ? __shfl_sync(kFullMask, suffix, (warp + 1) & 31) : 0u;
+}
+// Likewise over the warps below this one (w < warp); `total` gets every warp's sum.
+template <int kWarps>
+__device__ __forceinline__ uint32_t sum_of_warps_below(const uint32_t* warp_sums, uint32_t& total) {
+  static_assert(kWarps <= 32, "one warp sum per lane");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t s = lane < kWarps ? warp_sums[lane] : 0u;
+  const uint32_t incl = warp_prefix_sum(s);  // lanes <= l
+  total = __shfl_sync(kFullMask, incl, 31);
+  return __shfl_sync(kFullMask, incl - s, warp);
+}
+
 struct KthBin {
   uint32_t bin;    // the bin holding the k-th largest key
   uint32_t above;  // keys in higher bins
@@ -93,8 +113,7 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
   const uint32_t incl = warp_suffix_sum(own);
   if (lane == 0) warp_sums[warp] = incl;
   __syncthreads();
-  uint32_t above = incl - own;
-  for (int w = warp + 1; w < kWarps; ++w) above += warp_sums[w];
+  uint32_t above = incl - own + sum_of_warps_above<kWarps>(warp_sums);
 #pragma unroll
   for (int i = kPer - 1; i >= 0; --i) {
     if (above < k && k <= above + c[i]) {

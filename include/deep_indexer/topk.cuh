@@ -386,14 +386,20 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
                 __ldg(static_cast<const uint16_t*>(a.logits) + src);
         }
       };
-      auto key_of_col = [&](int j) -> uint32_t {
-        if constexpr (kElemBytes == 4)
-          return radix::to_key<4>(__ldg(static_cast<const uint32_t*>(a.logits) + r * a.row_stride + lo + j));
-        else
-          return radix::to_key<2>(__ldg(static_cast<const uint16_t*>(a.logits) + r * a.row_stride + lo + j));
-      };
 
-      // ---- 4. emission in column order, window by window
+      // ---- 4. emission in column order, window by window. An entry's output position is the count
+      // of selected columns before it: the prefix counts of the plane words before its word (a
+      // block scan, kept in `word_prefix`, which reuses the histogram) plus its word's lower bits.
+      auto emit = [&](uint32_t pos, int j, uint32_t key) {
+        DI_TOPK_ASSERT(pos < total);
+        if (pos >= total) return;  // unreachable; never writes out of bounds
+        if constexpr (kSorted)
+          sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+        else
+          store(static_cast<int>(pos), j);
+      };
+      uint32_t* word_prefix = hist;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
+      static_assert(TopkLayout::kWindowWords <= kBins, "word prefixes fit the histogram");
       uint32_t gt_base = 0, eq_base = 0;
 #pragma unroll 1
       for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
@@ -421,50 +427,57 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           }
         }
         __syncthreads();
-        // Block scan of (above, equal) counts packed in 16-bit halves (a window has < 65536 columns).
-        uint32_t gw[TopkLayout::kWordsPerThread], ew[TopkLayout::kWordsPerThread], mine = 0;
+        // Block scan of the words' (above, equal) counts, packed in 16-bit halves (< 65536 columns).
+        uint32_t gw[TopkLayout::kWordsPerThread], ew[TopkLayout::kWordsPerThread], cnt[TopkLayout::kWordsPerThread];
+        uint32_t mine = 0;
 #pragma unroll
         for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
           gw[q] = plane_gt[tid * TopkLayout::kWordsPerThread + q];
           ew[q] = plane_eq[tid * TopkLayout::kWordsPerThread + q];
-          mine += __popc(gw[q]) | (__popc(ew[q]) << 16);
+          cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
+          mine += cnt[q];
         }
         const uint32_t incl = radix::warp_prefix_sum(mine);
         if (lane == 31) warp_sums[warp] = incl;
         __syncthreads();
-        uint32_t before = incl - mine, all = 0;
-        for (int w = 0; w < kWarps; ++w) {
-          const uint32_t s = warp_sums[w];
-          before += w < warp ? s : 0u;
-          all += s;
-        }
-        uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
+        uint32_t all;
+        uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
 #pragma unroll
         for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
-          uint32_t bits = gw[q] | ew[q];
-          while (bits != 0u) {
-            const int b = __ffs(bits) - 1;
-            bits &= bits - 1u;
-            const bool is_gt = (gw[q] >> b) & 1u;
-            if (is_gt || e_before < take_eq) {
-              const uint32_t pos = g_before + min(e_before, take_eq);
-              const int j = w0 + (tid * TopkLayout::kWordsPerThread + q) * 32 + b;
-              DI_TOPK_ASSERT(pos < total);
-              if (pos < total) {  // always; never writes out of bounds
-                if constexpr (kSorted)
-                  sort_buf[pos] = (static_cast<unsigned long long>(key_of_col(j)) << 32) |
-                                  (0xFFFFFFFFu - static_cast<uint32_t>(j));
-                else
-                  store(static_cast<int>(pos), j);
-              }
+          word_prefix[tid * TopkLayout::kWordsPerThread + q] = before;
+          if (eq_from_row) {
+            // the equal keys are not in the buffer: walk this word's bits in column order
+            uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
+            uint32_t bits = gw[q] | ew[q];
+            while (bits != 0u) {
+              const int b = __ffs(bits) - 1;
+              bits &= bits - 1u;
+              const bool is_gt = (gw[q] >> b) & 1u;
+              if (!is_gt && e_before < take_eq)
+                emit(g_before + e_before, w0 + (tid * TopkLayout::kWordsPerThread + q) * 32 + b, prefix);
+              g_before += is_gt;
+              e_before += !is_gt;
             }
-            g_before += is_gt;
-            e_before += !is_gt;
+          }
+          before += cnt[q];
+        }
+        __syncthreads();
+        for (uint32_t i = tid; i < ns; i += kThreads) {
+          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+          if (j < wn) {
+            const uint32_t key = cand_key[i], mk = key & mask;
+            const bool is_gt = mk > prefix || (mk == prefix && whole);
+            if (is_gt || mk == prefix) {
+              const uint32_t word = j >> 5, lower = (1u << (j & 31)) - 1u, wp = word_prefix[word];
+              const uint32_t g_before = gt_base + (wp & 0xFFFFu) + __popc(plane_gt[word] & lower);
+              const uint32_t e_before = eq_base + (wp >> 16) + __popc(plane_eq[word] & lower);
+              if (is_gt || e_before < take_eq) emit(g_before + min(e_before, take_eq), static_cast<int>(j) + w0, key);
+            }
           }
         }
         gt_base += all & 0xFFFFu;
         eq_base += all >> 16;
-        __syncthreads();  // planes and warp sums are reused
+        __syncthreads();  // planes, word prefixes and warp sums are reused
       }
       DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
       tr.mark<5>();
