@@ -89,8 +89,9 @@ def variants(
             for n, small in itertools.product(nn, (1, 0)):
                 add(op, next_n=n, small=small)
         elif op == "topk":
-            for dt, srt in itertools.product(dtypes, (0, 1)):
-                add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt)
+            for dt, srt, cl in itertools.product(dtypes, (0, 1), (0, 1)):
+                if not (srt and cl):  # the cluster form is unsorted only
+                    add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl)
         elif op == "training_logits":
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
             for h, d in itertools.product(hs, dims):

@@ -587,7 +587,8 @@ def test_fused_prefill_matches_standalone(pattern, k, chunk):
 @pytest.mark.parametrize("sorted_", [False, True])
 @pytest.mark.parametrize("kind", ["random", "ties"])
 def test_topk_forced_clusters(monkeypatch, cluster, sorted_, kind):
-    # every cluster size on rows of every length class (direct, sampled, longer than a window),
+    # every cluster size (sorted output always runs one CTA per row) on rows of every length class
+    # (direct, sampled, longer than a window),
     # misaligned starts and a padded row stride
     monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
     gen = torch.Generator().manual_seed(int(cluster) * 10 + sorted_)

@@ -28,6 +28,7 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   const int64_t m = logits.size(0), n = logits.size(1);
   DI_CHECK_ARG(m % next_n == 0, "{}: logits has {} rows, not a multiple of next_n = {}", op, m, next_n);
   DI_CHECK_ARG(n < INT_MAX, "{}: logits has {} columns; at most {} are supported", op, n, INT_MAX - 1);
+  DI_CHECK_ARG(m < INT_MAX, "{}: logits has {} rows; at most {} are supported", op, m, INT_MAX - 1);
   const int64_t groups = m / next_n;
 
   // Row ranges: (ks, ke) grouped by next_n, context_lens [B] (the same grouping, ks = 0) or
@@ -111,7 +112,7 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   args.out_stride = idx.stride(0);
   args.out_values = return_values ? vals.data_ptr() : nullptr;
   args.values_stride = return_values ? vals.stride(0) : 0;
-  TopkRuntime::launch({static_cast<int>(logits.element_size()), sorted}, args, *d.info, d.num_sms, d.device,
+  TopkRuntime::launch({static_cast<int>(logits.element_size()), sorted, false}, args, *d.info, d.num_sms, d.device,
                       d.stream);
   return result;
 }

@@ -148,7 +148,8 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
 // SM. C grows (1, 2, 4, 8) while a CTA's share of the longest row needs more than one filter step
 // (kNumThreads x kFilterVecs vectors) and rows x C x 4 <= SMs: only a few long rows (1 x 32K) are
 // split over SMs. CTA 0 of a cluster selects and writes alone, so splitting pays only where the
-// filter's read is the row's critical path. DI_TOPK_CLUSTER (1, 2, 4, 8) forces C.
+// filter's read is the row's critical path. Sorted output takes C = 1 (its sort runs in one CTA
+// anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
 struct TopkLaunch {
   unsigned grid, cluster, smem;
 };
@@ -161,6 +162,7 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
     cluster *= 2;
   const int forced = env::get_int("DI_TOPK_CLUSTER");
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;
+  if (l.sorted) cluster = 1;
   TopkLaunch t;
   t.cluster = static_cast<unsigned>(cluster);
   t.smem = l.smem_bytes();

@@ -65,6 +65,18 @@ __device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
   else return (c & 1) ? (w >> 16) : (w & 0xFFFFu);
 }
 
+// Element c (0 <= c < 2 * kVec) of two 16-byte vectors, its raw bits (c is not a compile-time constant).
+template <int kElemBytes>
+__device__ __forceinline__ uint32_t raw_of_pair(const uint4& a, const uint4& b, int c) {
+  constexpr int kPerWord = 4 / kElemBytes;
+  const int w = c / kPerWord;  // a select tree on values (an indexed array would go to local memory)
+  const uint32_t lo = (w & 2) ? ((w & 1) ? a.w : a.z) : ((w & 1) ? a.y : a.x);
+  const uint32_t hi = (w & 2) ? ((w & 1) ? b.w : b.z) : ((w & 1) ? b.y : b.x);
+  const uint32_t word = (w & 4) ? hi : lo;
+  if constexpr (kElemBytes == 4) return word;
+  else return (c & 1) ? (word >> 16) : (word & 0xFFFFu);
+}
+
 // NOTES: "key >= kmin" as a float comparison (kmin > 0): the smallest value whose key is >= kmin.
 // Keys in (0, key(-inf)] hold no value but -inf, so they compare as -inf (every non-NaN value);
 // NaN (key 0) never passes; kmin above key(+inf) gives a NaN bound that nothing passes.
@@ -82,8 +94,11 @@ __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
 
 }  // namespace topk_detail
 
-template <int kElemBytes, bool kSorted>
+// kCluster: launched with clusters of 2-8 CTAs per row (else one CTA per row, no DSMEM code);
+// unsorted output only.
+template <int kElemBytes, bool kSorted, bool kCluster>
 __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerSm) topk_kernel(const TopkArgs a) {
+  static_assert(!(kSorted && kCluster), "sorted output runs one CTA per row");
   namespace cg = cooperative_groups;
   using namespace topk_detail;
   constexpr TopkLayout L{kElemBytes, kSorted};
@@ -99,6 +114,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   static_assert(kUnroll * kVec <= 32, "pass bits of one step in a word");
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
+  static_assert(L.digit_shift(0) + L.digit_bits(0) == 8 * kElemBytes, "digit 0 is the key's top bits");
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
 
@@ -116,17 +132,18 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
 
   cg::cluster_group cluster = cg::this_cluster();
-  const int num_ctas = static_cast<int>(cluster.num_blocks());  // C
-  const int rank = static_cast<int>(cluster.block_rank());
+  const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;  // C
+  // the CTA's rank in its cluster (a special register, read where used)
+  auto rank = [&]() { return kCluster ? static_cast<int>(cluster.block_rank()) : 0; };
   // Block barrier, or cluster barrier (release/acquire of shared memory) when C > 1.
   auto row_sync = [&]() {
-    if (num_ctas > 1) cluster.sync();
+    if constexpr (kCluster) cluster.sync();
     else __syncthreads();
   };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int k = a.k;
-  const int64_t num_clusters = gridDim.x / num_ctas;
+  const int& k = a.k;  // read from the parameter bank where used (no register for the whole kernel)
+  const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   if (tid == 0) *count = 0;
   row_sync();
   // DI_KERNEL_TRACE: thread 0's first row; marks 0 sample in, 1 threshold, 2 own filter done,
@@ -135,10 +152,10 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   tr.start();
   int first_ns = -1;
 
-  for (int64_t r = blockIdx.x / num_ctas; r < a.num_rows; r += num_clusters) {
-    // ---- the row's valid columns [lo, lo + n)
-    const int64_t g = r / a.range_next_n;
-    const int64_t i_in = r - g * a.range_next_n;
+  for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
+    // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
+    const int g = r / a.range_next_n;
+    const int i_in = r - g * a.range_next_n;
     const int64_t lo64 = a.ks == nullptr ? 0 : max(static_cast<int64_t>(__ldg(a.ks + g)), int64_t(0));
     const int lo = static_cast<int>(min(lo64, static_cast<int64_t>(a.num_cols)));
     const int64_t hi64 = static_cast<int64_t>(__ldg(a.ke + g)) - a.range_next_n + i_in + 1;
@@ -148,12 +165,13 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
     // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi)
     // they hold are read (never used) safely.
-    const uint8_t* row_bytes = static_cast<const uint8_t*>(a.logits) + (r * a.row_stride + lo) * kElemBytes;
+    const uint8_t* row_bytes =
+        static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
     const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
     const uint4* row_vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
     const int num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
-    const int v_begin = min(rank * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
+    const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
     // Bit c: element c of vector v is a column of the row (0 <= v * kVec + c - mis < n).
     auto valid_bits = [&](int v) -> uint32_t {
       const int first = v * kVec - mis;
@@ -162,63 +180,71 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     };
 
     // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
-    // threshold is known), `filter` appends the keys >= kmin (kmin = 0: every key) to `dst_*`.
+    // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
+    // every key) to `dst_*`. Two register buffers alternate: one step's loads are in flight while
+    // the other step is filtered.
     constexpr int kStep = kThreads * kUnroll;
-    uint4 next[kUnroll];
-    auto prefetch = [&](int vb0, int vb1) {
+    constexpr uint32_t kVecMask = (1u << kVec) - 1u;
+    constexpr int kCountBits = kUnroll * kVec >= 16 ? 5 : 4;  // bits of a thread's count (<= kUnroll * kVec)
+    static_assert(kUnroll == 2, "raw_of_pair reads a step of two vectors");
+    uint4 buf_a[kUnroll], buf_b[kUnroll];
+    auto load_step = [&](uint4 (&buf)[kUnroll], int base, int vb1) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int v = vb0 + warp * 32 * kUnroll + u * 32 + lane;
-        next[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+        const int v = base + u * 32 + lane;
+        buf[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    };
+    auto prefetch = [&](int vb0, int vb1) { load_step(buf_a, vb0 + warp * 32 * kUnroll, vb1); };
+    auto filter_step = [&](const uint4 (&buf)[kUnroll], int base, int vb1, bool all, float bound,
+                           uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
+      uint32_t bits = 0;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * 32 + lane;
+        uint32_t pass = 0;
+        if (v < vb1) pass = v > 0 && v < num_vecs - 1 ? kVecMask : valid_bits(v);  // interior vectors are whole
+        if (!all) {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c)
+            pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(buf[u], c) >= bound)) << c);
+        }
+        bits |= pass << (u * kVec);
+      }
+      if (!__any_sync(radix::kFullMask, bits != 0u)) return;
+      // this lane's first slot: the warp's exclusive prefix of the counts, from ballots of their bits
+      const uint32_t my = __popc(bits), below = (1u << lane) - 1u;
+      uint32_t before = 0, total = 0;
+#pragma unroll
+      for (int bit = 0; bit < kCountBits; ++bit) {
+        const uint32_t m = __ballot_sync(radix::kFullMask, (my >> bit) & 1u);
+        before += __popc(m & below) << bit;
+        total += __popc(m) << bit;
+      }
+      uint32_t slot = 0;
+      if (lane == 0) slot = atomicAdd(dst_count, total);
+      slot = __shfl_sync(radix::kFullMask, slot, 0) + before;
+      while (bits != 0u) {
+        const int b = __ffs(bits) - 1;
+        bits &= bits - 1u;
+        if (slot < static_cast<uint32_t>(kCap)) {
+          dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
+          dst_col[slot] = static_cast<uint32_t>((base + (b / kVec) * 32 + lane) * kVec + (b % kVec) - mis);
+        }
+        ++slot;
       }
     };
     auto filter = [&](int vb0, int vb1, uint32_t kmin, uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
       const bool all = kmin == 0u;
       const float bound = key_floor_value<kElemBytes>(kmin);
-      // Warp-uniform trip counts; the next step's loads are issued before this step's keys are used.
+      // Warp-uniform trip counts; buf_a holds the first step (prefetch).
 #pragma unroll 1
-      for (int base = vb0 + warp * 32 * kUnroll; base < vb1; base += kStep) {
-        uint4 cur[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          cur[u] = next[u];
-          const int v = base + kStep + u * 32 + lane;
-          next[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-        }
-        uint32_t bits = 0;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = base + u * 32 + lane;
-          uint32_t pass = v < vb1 ? valid_bits(v) : 0u;
-          if (!all) {
-#pragma unroll
-            for (int c = 0; c < kVec; ++c)
-              pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(cur[u], c) >= bound)) << c);
-          }
-          bits |= pass << (u * kVec);
-        }
-        if (__any_sync(radix::kFullMask, bits != 0u)) {
-          const uint32_t my = __popc(bits);
-          const uint32_t incl = radix::warp_prefix_sum(my);
-          uint32_t slot = 0;
-          if (lane == 31) slot = atomicAdd(dst_count, incl);
-          slot = __shfl_sync(radix::kFullMask, slot, 31) + incl - my;
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            if ((bits >> (u * kVec)) & ((1u << kVec) - 1u)) {
-#pragma unroll
-              for (int c = 0; c < kVec; ++c) {
-                if ((bits >> (u * kVec + c)) & 1u) {
-                  if (slot < static_cast<uint32_t>(kCap)) {
-                    dst_key[slot] = radix::to_key<kElemBytes>(raw_at<kElemBytes>(cur[u], c));
-                    dst_col[slot] = static_cast<uint32_t>((base + u * 32 + lane) * kVec + c - mis);
-                  }
-                  ++slot;
-                }
-              }
-            }
-          }
-        }
+      for (int base = vb0 + warp * 32 * kUnroll; base < vb1; base += 2 * kStep) {
+        load_step(buf_b, base + kStep, vb1);
+        filter_step(buf_a, base, vb1, all, bound, dst_count, dst_key, dst_col);
+        if (base + kStep >= vb1) break;
+        load_step(buf_a, base + 2 * kStep, vb1);
+        filter_step(buf_b, base + kStep, vb1, all, bound, dst_count, dst_key, dst_col);
       }
     };
 
@@ -267,7 +293,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     }
 
     // ---- 2. filter this CTA's share into the buffer and counter of CTA 0 of the cluster
-    if (num_ctas > 1)
+    if constexpr (kCluster)
       filter(v_begin, v_end, kmin, cluster.map_shared_rank(count, 0), cluster.map_shared_rank(cand_key, 0),
              cluster.map_shared_rank(cand_col, 0));
     else
@@ -276,7 +302,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     row_sync();  // every survivor of the cluster is in CTA 0
     tr.mark<3>();
 
-    if (rank == 0) {
+    if (rank() == 0) {
       uint32_t ns = *count;
       // ---- 3. the selection's threshold: prefix over the resolved bits `mask`, the keys above it
       // (`greater`), how many keys equal to it to take (`take_eq`); `whole`: every equal key is taken.
@@ -343,9 +369,17 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
           for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
           __syncthreads();
-          for (uint32_t i = tid; i < ns; i += kThreads) {
-            const uint32_t key = cand_key[i];
-            if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+          if (pass == 0) {
+            for (uint32_t i = tid; i < ns; i += kThreads) {  // raw bits -> keys, in place
+              const uint32_t key = radix::to_key<kElemBytes>(cand_key[i]);
+              cand_key[i] = key;
+              atomicAdd(hist + (key >> shift), 1u);
+            }
+          } else {
+            for (uint32_t i = tid; i < ns; i += kThreads) {
+              const uint32_t key = cand_key[i];
+              if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+            }
           }
           const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
                                                                         warp_sums, scalars);
@@ -356,6 +390,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           whole = k_rem == kb.count;
         }
         take_eq = k_rem;
+      } else {
+        for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
+        __syncthreads();
       }
       tr.mark<4>();
       const uint32_t total = greater + take_eq;
@@ -363,6 +400,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
 
       const int64_t seq = r / a.table_next_n;
       const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
+      int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
       auto store = [&](int pos, int j) {
         int idx = j;
@@ -375,9 +413,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
                     : -1;
         }
         if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
-        a.out[r * a.out_stride + pos] = idx;
+        out_row[pos] = idx;
         if (a.out_values != nullptr) {
-          const int64_t src = r * a.row_stride + lo + j;
+          const int64_t src = static_cast<int64_t>(r) * a.row_stride + lo + j;
           if constexpr (kElemBytes == 4)
             static_cast<uint32_t*>(a.out_values)[r * a.values_stride + pos] =
                 __ldg(static_cast<const uint32_t*>(a.logits) + src);
@@ -506,7 +544,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
 
       // ---- padding
       for (int p = static_cast<int>(total) + tid; p < k; p += kThreads) {
-        a.out[r * a.out_stride + p] = -1;
+        out_row[p] = -1;
         if (a.out_values != nullptr) {
           if constexpr (kElemBytes == 4)
             static_cast<uint32_t*>(a.out_values)[r * a.values_stride + p] = kNegInfBits;
@@ -520,7 +558,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     row_sync();  // CTA 0's buffer and counter are reused by the next row
     tr.mark<6>();
   }
-  if (tid == 0) tr.print("topk", rank, first_ns);
+  if (tid == 0) tr.print("topk", rank(), first_ns);
 }
 
 }  // namespace deep_indexer

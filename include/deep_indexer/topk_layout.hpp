@@ -52,15 +52,20 @@ struct TopkLayout {
     const int64_t s = n / (32 * static_cast<int64_t>(kNumThreads) * vec());
     return s < 1 ? 1 : s > max_sample_vecs() ? max_sample_vecs() : static_cast<int>(s);
   }
-  DI_HOST_DEVICE static constexpr uint32_t isqrt(uint32_t x) {
+  // floor(sqrt(x)) for x < 2^24 (exact in float; the correction covers sqrtf rounding up).
+  DI_HOST_DEVICE static uint32_t isqrt(uint32_t x) {
+#ifdef __CUDA_ARCH__
+    uint32_t r = static_cast<uint32_t>(sqrtf(static_cast<float>(x)));
+#else
     uint32_t r = 0;
-    for (uint32_t b = 1u << 15; b != 0; b >>= 1)
+    for (uint32_t b = 1u << 11; b != 0; b >>= 1)
       if ((r + b) * (r + b) <= x) r += b;
-    return r;
+#endif
+    return r * r > x ? r - 1 : r;
   }
   // m_keys: keys in the sample (the rank is clamped below it, leaving room for the row's ends).
-  DI_HOST_DEVICE static constexpr uint32_t sample_rank(int k, int64_t n, uint32_t m_keys, int vec_keys) {
-    const uint32_t mu = static_cast<uint32_t>(static_cast<int64_t>(k) * m_keys / n);
+  DI_HOST_DEVICE static uint32_t sample_rank(int k, int n, uint32_t m_keys, int vec_keys) {
+    const uint32_t mu = static_cast<uint32_t>(static_cast<uint64_t>(k) * m_keys / static_cast<uint32_t>(n));
     const uint32_t j = mu + 6 * isqrt(mu) + 9;
     const uint32_t cap = m_keys - 2 * static_cast<uint32_t>(vec_keys);
     return j < cap ? j : cap;
