@@ -126,11 +126,13 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         rank = sample_rank(k, n, len(sv) * kvec, kvec)
         assert 1 <= rank <= len(sk)
         prefix = mask = 0
-        for shift, bits in digits(elem_bytes)[:2]:
+        for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
             dm = (1 << bits) - 1
             hist = np.bincount((sk[(sk & mask) == prefix] >> shift) & dm, minlength=2048)
-            b, above, _ = kth_bin(hist, rank)
+            b, above, cnt = kth_bin(hist, rank)
             prefix, mask, rank = prefix | (b << shift), mask | (dm << shift), rank - above
+            if d == 0 and (above + cnt) * n <= (cap // 2) * len(sv) * kvec:  # the first digit's edge is enough
+                break
         kmin = prefix
         path = "sample"
 

@@ -28,7 +28,7 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   const int64_t m = logits.size(0), n = logits.size(1);
   DI_CHECK_ARG(m % next_n == 0, "{}: logits has {} rows, not a multiple of next_n = {}", op, m, next_n);
   DI_CHECK_ARG(n < INT_MAX, "{}: logits has {} columns; at most {} are supported", op, n, INT_MAX - 1);
-  DI_CHECK_ARG(m < INT_MAX, "{}: logits has {} rows; at most {} are supported", op, m, INT_MAX - 1);
+  DI_CHECK_ARG(m <= INT_MAX - (1 << 20), "{}: logits has {} rows; at most {} are supported", op, m, INT_MAX - (1 << 20));
   const int64_t groups = m / next_n;
 
   // Row ranges: (ks, ke) grouped by next_n, context_lens [B] (the same grouping, ks = 0) or

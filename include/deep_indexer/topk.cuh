@@ -119,7 +119,16 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
 
   extern __shared__ __align__(16) uint8_t smem[];
+  // NOTES: `hist` is all zero whenever a radix pass starts: each pass clears `hist_next` (last read
+  // by the previous pass's find_kth_bin, which ends with a barrier) while it counts into `hist`,
+  // and the two swap; find_kth_bin's opening barrier orders the clearing before the next pass.
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());
+  uint32_t* hist_next = hist + kBins;
+  auto next_hist_pass = [&]() {
+    uint32_t* t = hist;
+    hist = hist_next;
+    hist_next = t;
+  };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
   uint32_t* warp_sums2 = warp_sums + kWarps;                                     // [kWarps]
   // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's)
@@ -145,6 +154,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   const int& k = a.k;  // read from the parameter bank where used (no register for the whole kernel)
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   if (tid == 0) *count = 0;
+  for (int b = tid; b < 2 * kBins; b += kThreads) hist[b] = 0;
+  for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
   row_sync();
   // DI_KERNEL_TRACE: thread 0's first row; marks 0 sample in, 1 threshold, 2 own filter done,
   // 3 survivors complete, 4 selection threshold, 5 emitted, 6 row end; 7 cycles in fallbacks
@@ -152,13 +163,22 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   tr.start();
   int first_ns = -1;
 
-  for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
+  // The (ks, ke) entries of a row; each row's are loaded one row ahead.
+  auto load_range = [&](int64_t r, int& ks_v, int& ke_v) {
+    if (r >= a.num_rows) return;
+    const int g = static_cast<int>(r) / a.range_next_n;
+    ks_v = a.ks == nullptr ? 0 : __ldg(a.ks + g);
+    ke_v = __ldg(a.ke + g);
+  };
+  int ks_next = 0, ke_next = 0;
+  load_range(static_cast<int>(blockIdx.x) / num_ctas, ks_next, ke_next);
+  for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {  // no overflow: rows < 2^31 - 2^20
     // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
-    const int g = r / a.range_next_n;
-    const int i_in = r - g * a.range_next_n;
-    const int64_t lo64 = a.ks == nullptr ? 0 : max(static_cast<int64_t>(__ldg(a.ks + g)), int64_t(0));
-    const int lo = static_cast<int>(min(lo64, static_cast<int64_t>(a.num_cols)));
-    const int64_t hi64 = static_cast<int64_t>(__ldg(a.ke + g)) - a.range_next_n + i_in + 1;
+    const int ks_r = ks_next, ke_r = ke_next;
+    load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
+    const int i_in = r % a.range_next_n;
+    const int lo = min(max(ks_r, 0), a.num_cols);
+    const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
     const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
     const int n = hi - lo;
 
@@ -271,8 +291,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       for (int pass = 0; pass < 2; ++pass) {
         const int shift = L.digit_shift(pass);
         const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-        for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
-        __syncthreads();
+        for (int b = tid; b < kBins; b += kThreads) hist_next[b] = 0;
 #pragma unroll
         for (int t = 0; t < kSampleVecs; ++t) {
 #pragma unroll
@@ -284,9 +303,14 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         }
         const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
                                                                       warp_sums, scalars);
+        next_hist_pass();
         prefix |= kb.bin << shift;
         mask |= digit_mask << shift;
         k_rem -= kb.above;
+        // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
+        // that is at most half the buffer (decode-sized rows), else refine by a second digit.
+        if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
+          break;
       }
       kmin = prefix;
       tr.mark<1>();
@@ -317,8 +341,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         for (int pass = 0; pass < kPasses; ++pass) {
           const int shift = L.digit_shift(pass);
           const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-          for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
-          __syncthreads();
+          for (int b = tid; b < kBins; b += kThreads) hist_next[b] = 0;
           for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
             const int v = vb + lane;
             const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
@@ -332,6 +355,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           }
           const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
                                                                         warp_sums, scalars);
+          next_hist_pass();
           prefix |= kb.bin << shift;
           mask |= digit_mask << shift;
           greater += kb.above;
@@ -367,8 +391,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         for (int pass = 0; pass < kPasses && !whole; ++pass) {
           const int shift = L.digit_shift(pass);
           const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-          for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
-          __syncthreads();
+          for (int b = tid; b < kBins; b += kThreads) hist_next[b] = 0;
           if (pass == 0) {
             for (uint32_t i = tid; i < ns; i += kThreads) {  // raw bits -> keys, in place
               const uint32_t key = radix::to_key<kElemBytes>(cand_key[i]);
@@ -383,6 +406,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           }
           const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
                                                                         warp_sums, scalars);
+          next_hist_pass();
           prefix |= kb.bin << shift;
           mask |= digit_mask << shift;
           greater += kb.above;
@@ -427,7 +451,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
 
       // ---- 4. emission in column order, window by window. An entry's output position is the count
       // of selected columns before it: the prefix counts of the plane words before its word (a
-      // block scan, kept in `word_prefix`, which reuses the histogram) plus its word's lower bits.
+      // block scan, kept in `word_prefix`, in the histogram that is not clean) plus its word's lower
+      // bits. The planes are clean when a row starts (cleared after the previous row's emission).
       auto emit = [&](uint32_t pos, int j, uint32_t key) {
         DI_TOPK_ASSERT(pos < total);
         if (pos >= total) return;  // unreachable; never writes out of bounds
@@ -436,14 +461,16 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         else
           store(static_cast<int>(pos), j);
       };
-      uint32_t* word_prefix = hist;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
+      uint32_t* word_prefix = hist_next;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
       static_assert(TopkLayout::kWindowWords <= kBins, "word prefixes fit the histogram");
       uint32_t gt_base = 0, eq_base = 0;
 #pragma unroll 1
       for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
         const uint32_t wn = static_cast<uint32_t>(min(TopkLayout::kWindow, n - w0));
-        for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
-        __syncthreads();
+        if (w0 > 0) {
+          for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
+          __syncthreads();
+        }
         for (uint32_t i = tid; i < ns; i += kThreads) {
           const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
           if (j < wn) {
@@ -517,6 +544,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         eq_base += all >> 16;
         __syncthreads();  // planes, word prefixes and warp sums are reused
       }
+      for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;  // for the next row
       DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
       tr.mark<5>();
 

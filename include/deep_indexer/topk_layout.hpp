@@ -71,9 +71,16 @@ struct TopkLayout {
     return j < cap ? j : cap;
   }
 
+  // The sample's first-digit bin edge alone is threshold enough when the keys it keeps, about
+  // n * count_ge / m (count_ge: sample keys in or above the bin), are at most half the buffer.
+  DI_HOST_DEVICE static constexpr bool coarse_sample_enough(uint32_t count_ge, int n, uint32_t m_keys) {
+    return static_cast<uint64_t>(count_ge) * static_cast<uint32_t>(n) <= static_cast<uint64_t>(kCandCap / 2) * m_keys;
+  }
+
   // Byte offsets inside dynamic shared memory (every region 16-byte aligned).
+  // Two histograms: a radix pass counts into one while the other is cleared for the next pass.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
-  DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + kHistBins * 4; }
+  DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + 2 * kHistBins * 4; }
   static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4;  // warp sums x2 + row scalars
   DI_HOST_DEVICE constexpr unsigned cand_key_offset() const { return scratch_offset() + kScratchBytes; }
   DI_HOST_DEVICE constexpr unsigned cand_col_offset() const { return cand_key_offset() + kCandCap * 4; }
