@@ -196,4 +196,26 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   return t;
 }
 
+// Training target (training_target.cuh): clusters of 2 CTAs (2 consecutive rows) share every key tile
+// by TMA multicast, halving the L2 -> SM traffic (~128 FLOP per key byte per CTA at H = 128).
+// DI_TRAINING_TARGET_CLUSTER=1/2 forces it.
+inline int training_target_cluster() {
+  const int forced = env::get_int("DI_TRAINING_TARGET_CLUSTER");
+  const int c = forced == 1 || forced == 2 ? forced : 2;
+  print_choice([&] { return fmt::format("training_target cluster={}", c); });
+  return c;
+}
+
+// Indexer dk kernel (training_indexer_bwd.cuh): a CTA owns 128 keys and a range of rows; the rows of a
+// call are split into `splits` ranges so that there are about 4 CTAs per SM (causal chunks leave many
+// (key block, range) pairs empty), each range at least 64 rows. DI_TRAINING_DK_SPLITS forces the count.
+inline int training_dk_splits(int num_kblocks, int rows, int num_sms) {
+  const int forced = env::get_int("DI_TRAINING_DK_SPLITS");
+  const int max_splits = std::max(1, (rows + 63) / 64);
+  int splits = forced > 0 ? forced : (4 * num_sms + std::max(1, num_kblocks) - 1) / std::max(1, num_kblocks);
+  splits = std::max(1, std::min(splits, max_splits));
+  print_choice([&] { return fmt::format("training_dk kblocks={} rows={}: splits={}", num_kblocks, rows, splits); });
+  return splits;
+}
+
 }  // namespace deep_indexer::sm90
