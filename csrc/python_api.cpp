@@ -80,7 +80,8 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       py::gil_scoped_release release;
       r = TrainingLogitsStatsRuntime::precompile(p, arch);
     } else if (op == "training_target") {
-      TrainingTargetRuntime::Params p{param(params, "head_dim"), param(params, "cluster")};
+      TrainingTargetRuntime::Params p{param(params, "head_dim"), param(params, "cluster"),
+                                      params.contains("lse") && params["lse"].cast<int>() != 0};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TrainingTargetRuntime::precompile(p, arch);
@@ -178,6 +179,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_training_target", &bf16_training_target, py::arg("q"), py::arg("k"), py::arg("lse"), py::arg("ks"),
         py::arg("ke"), py::arg("p"), py::arg("plogp"), py::arg("mass"), py::arg("row_begin"), py::arg("row_end"),
         py::arg("softmax_scale"), py::arg("inv_heads"));
+  m.def("bf16_attention_lse", &bf16_attention_lse, py::arg("q"), py::arg("k"), py::arg("ks"), py::arg("ke"),
+        py::arg("lse_out"), py::arg("row_begin"), py::arg("row_end"), py::arg("softmax_scale"));
   m.def("bf16_indexer_logits_stats", &bf16_indexer_logits_stats, py::arg("q"), py::arg("k"), py::arg("weights"),
         py::arg("ks"), py::arg("ke"), py::arg("p"), py::arg("lse_out"), py::arg("pi_out"), py::arg("row_begin"),
         py::arg("row_end"));

@@ -102,8 +102,8 @@ def variants(
             if heads and 128 not in heads:
                 continue
             dims = [d for d in (head_dims or TRAINING_TARGET_HEAD_DIMS) if d in TRAINING_TARGET_HEAD_DIMS]
-            for d, c in itertools.product(dims, (1, 2)):
-                add(op, head_dim=d, cluster=c)
+            for d, c, lse in itertools.product(dims, (1, 2), (0, 1)):
+                add(op, head_dim=d, cluster=c, lse=lse)
         elif op in ("training_indexer_dk", "training_indexer_dq"):
             if heads and 64 not in heads:
                 continue

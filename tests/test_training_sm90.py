@@ -88,7 +88,8 @@ def test_target_kernel(cluster, bounds, monkeypatch):
     ks, ke = packed_bounds(CU) if bounds == "packed" else _random_bounds(t, n, 5)
     ks, ke = ks.cuda(), ke.cuda()
     scale = 0.07
-    _, p_ref, valid, lse = _naive_mean_loss(*_inputs(t, n, 128, seed=11)[:3], q, k, scale, ks, ke)
+    q_i, k_i, w = (x.double() for x in _inputs(t, n, 128, seed=11)[:3])
+    _, p_ref, valid, lse = _naive_mean_loss(q_i, k_i, w, q, k, scale, ks, ke)
     r0, r1 = 37, 300
     p = torch.full((r1 - r0, n + 4), float("nan"), device="cuda")
     plogp = torch.full((t,), 7.0, device="cuda")
@@ -149,6 +150,24 @@ def test_mean_loss_against_fp64(di, bounds, chunked, monkeypatch):
         assert a.dtype == torch.float32
         d = calc_diff(a.double(), b)
         assert d < GRAD_TOL, f"{name} (fp32): calc_diff {d:.3g} vs float64"
+
+
+@needs_sm90
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_attention_lse_kernel(cluster, monkeypatch):
+    """attn_lse=None on the SM90 path: the kernel's LSE against float64 (fp32 sums, ex2.approx: ~1e-6), -inf for
+    empty rows, and the loss against float64 with it."""
+    monkeypatch.setenv("DI_TRAINING_TARGET_CLUSTER", str(cluster))
+    (q_i, k_i, w, q, k), ks, ke, kw = _loss_case(128, "random", seed=71)
+    scale = 0.05
+    ref_loss, _, valid, ref_lse = _naive_mean_loss(q_i.double(), k_i.double(), w.double(), q, k, scale, ks, ke)
+    res = indexer_kl_loss(q_i, k_i, w, q, k, scale, backend="sm90", **kw)
+    empty = ~valid.any(-1)
+    assert torch.isneginf(res.attn_lse[empty]).all()
+    err = (res.attn_lse[~empty].double() - ref_lse[~empty]).abs().max().item()
+    assert err < 1e-5 * max(1.0, ref_lse[~empty].abs().max().item()), f"lse: max abs error {err:.3g}"
+    err = (res.per_token.double() - ref_loss).abs().max().item()
+    assert err <= LOSS_TOL * max(1.0, ref_loss.abs().max().item()), f"loss: max abs error {err:.3g}"
 
 
 @needs_sm90

@@ -71,7 +71,43 @@ inline void bf16_training_target(const at::Tensor& q, const at::Tensor& k, const
        ks.data_ptr<int>(), ke.data_ptr<int>(), p.data_ptr<float>(), p.stride(0),
        plogp.has_value() ? plogp->data_ptr<float>() : nullptr, mass.has_value() ? mass->data_ptr<float>() : nullptr,
        static_cast<int>(row_begin), static_cast<int>(row_end), static_cast<int>(N),
-       static_cast<float>(softmax_scale * 1.4426950408889634), static_cast<float>(inv_heads)},
+       static_cast<float>(softmax_scale * 1.4426950408889634), static_cast<float>(inv_heads), nullptr},
+      dev.stream, dev.device);
+}
+
+// The attention's log-sum-exp lse_out[t, h] = log sum_s exp(softmax_scale q[t, h] . k[s]) over the valid keys of
+// the rows [row_begin, row_end) (-inf for an empty row). q [T, 128, D] bf16, k [N, D] bf16, lse_out [T, 128] fp32.
+inline void bf16_attention_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ks, const at::Tensor& ke,
+                               const at::Tensor& lse_out, int64_t row_begin, int64_t row_end, double softmax_scale) {
+  constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 attention lse)";
+  TensorCheck(op, q, "q").dtype(at::kBFloat16).ndim(3).contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  DI_CHECK_ARG(H == TrainingTargetLayout::kNumHeads && TrainingTargetLayout::supported_head_dim(static_cast<int>(D)),
+               "{}: q has {} heads of dim {}; the sm90 kernel supports 128 heads, dims 64..576 (multiples of 64)", op, H, D);
+  TensorCheck(op, k, "k").dtype(at::kBFloat16).shape({TensorCheck::kAny, D}).contiguous();
+  const int64_t N = k.size(0);
+  DI_CHECK_ARG(N < INT_MAX - 128 && T < INT_MAX / 128, "{}: at most 2^31 - 128 keys and 2^24 rows, got {} and {}", op,
+               N, T);
+  training_api::check_bounds(op, ks, ke, T);
+  training_api::check_rows(op, T, row_begin, row_end);
+  TensorCheck(op, lse_out, "lse_out").dtype(at::kFloat).shape({T, H}).contiguous();
+  DI_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale > 0, "{}: softmax_scale must be positive, got {}", op,
+               softmax_scale);
+  TensorCheck(op, q, "q").cuda();
+  for (auto [t, name] : {std::pair{&k, "k"}, {&ks, "ks"}, {&ke, "ke"}, {&lse_out, "lse_out"}})
+    TensorCheck(op, *t, name).on(q.device());
+  if (row_end == row_begin) return;
+  if (N == 0) {
+    lse_out.narrow(0, row_begin, row_end - row_begin).fill_(-INFINITY);
+    return;
+  }
+  TensorCheck(op, k, "k").aligned(16);
+  const OpDevice dev = op_device(q);
+  TrainingTargetRuntime::launch(
+      {{static_cast<int>(D), sm90::training_target_cluster(), true}, q.data_ptr(), k.data_ptr(), nullptr,
+       ks.data_ptr<int>(), ke.data_ptr<int>(), nullptr, 0, nullptr, nullptr, static_cast<int>(row_begin),
+       static_cast<int>(row_end), static_cast<int>(N), static_cast<float>(softmax_scale * 1.4426950408889634), 1.0f,
+       lse_out.data_ptr<float>()},
       dev.stream, dev.device);
 }
 

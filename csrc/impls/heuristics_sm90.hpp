@@ -196,12 +196,14 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   return t;
 }
 
-// Training target (training_target.cuh): clusters of 2 CTAs (2 consecutive rows) share every key tile
-// by TMA multicast, halving the L2 -> SM traffic (~128 FLOP per key byte per CTA at H = 128).
-// DI_TRAINING_TARGET_CLUSTER=1/2 forces it.
+// Training target (training_target.cuh): one CTA per row (cluster 1), or clusters of 2 CTAs (2 consecutive
+// rows) that share every key tile by TMA multicast (half the L2 -> SM traffic). Measured on H100
+// (2026-11-24, T = 16384 causal, Dqk = 576, tools/training_kernel_times.py): cluster 1 26.5 ms (0.95 of the
+// bf16 GEMM rate), cluster 2 35.8 ms (0.70): L2 did not bound the single CTA, the lockstep of the pair cost
+// more. DI_TRAINING_TARGET_CLUSTER=1/2 forces it.
 inline int training_target_cluster() {
   const int forced = env::get_int("DI_TRAINING_TARGET_CLUSTER");
-  const int c = forced == 1 || forced == 2 ? forced : 2;
+  const int c = forced == 1 || forced == 2 ? forced : 1;
   print_choice([&] { return fmt::format("training_target cluster={}", c); });
   return c;
 }

@@ -12,6 +12,7 @@ namespace deep_indexer {
 struct TrainingTargetRuntime : jit::KernelRuntime<TrainingTargetRuntime> {
   struct Params {
     int head_dim, cluster;
+    bool lse_mode = false;  // the attention LSE instead of the target (kLse)
     TrainingTargetLayout layout() const {
       const TrainingTargetLayout l{head_dim, cluster};
       DI_CHECK_ARG(l.valid(), "training_target: unsupported configuration: head dim {} (supported: multiples of 64 up to "
@@ -23,10 +24,10 @@ struct TrainingTargetRuntime : jit::KernelRuntime<TrainingTargetRuntime> {
   static const char* kernel_name() { return "training_target"; }
   static const char* header() { return "deep_indexer/training_target.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("training_target<D={},cluster={}>", p.head_dim, p.cluster);
+    return fmt::format("training_target<D={},cluster={}{}>", p.head_dim, p.cluster, p.lse_mode ? ",lse" : "");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::training_target_kernel<{}, {}>", p.head_dim, p.cluster);
+    return fmt::format("&deep_indexer::training_target_kernel<{}, {}, {}>", p.head_dim, p.cluster, p.lse_mode);
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 
@@ -41,6 +42,7 @@ struct TrainingTargetRuntime : jit::KernelRuntime<TrainingTargetRuntime> {
     float *plogp, *mass;  // [T] or null
     int row_begin, row_end, num_keys;
     float scale_log2, inv_heads;
+    float* lse_out;  // lse_mode: [T, 128]
   };
 
   static void launch(const Args& a, CUstream stream, int device) {
@@ -57,7 +59,7 @@ struct TrainingTargetRuntime : jit::KernelRuntime<TrainingTargetRuntime> {
     cfg.smem = l.smem_bytes();
     cfg.cluster = static_cast<unsigned>(a.params.cluster);
     jit::launch(f, cfg, stream, tmap_k, a.q, a.lse, a.ks, a.ke, a.p, a.p_stride, a.plogp, a.mass, a.row_begin,
-                a.row_end, a.num_keys, a.scale_log2, a.inv_heads);
+                a.row_end, a.num_keys, a.scale_log2, a.inv_heads, a.lse_out);
   }
 };
 

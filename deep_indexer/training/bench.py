@@ -135,6 +135,15 @@ def bench_mean(dev, tokens, timer, iters, rate, logits_only=False, backends=("au
                     f"fp32), bwd {fb / b / 1e12:.1f} TFLOP/s = {fb / b / rate:.2f} of GEMM counting 4 H_I D_I per "
                     f"pair ({1.5 * fb / b / rate:.2f} counting 6 H_I D_I: with the recompute of S)")
             rows.append((f"logits {tokens} {be}", f, b, note))
+            if be == "sm90":  # the op alone (the row above also times the masking and the sum of [T, T] fp32)
+                def fwd_only():
+                    with torch.no_grad():
+                        indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
+
+                t1 = timer(fwd_only, iters)
+                rows.append((f"logits {tokens} sm90 fwd op only", t1, float("nan"),
+                             f"fwd {ff / t1 / 1e12:.1f} TFLOP/s = {ff / t1 / rate:.2f} of GEMM (bar 0.6; incl. the "
+                             f"-inf fill of [T, T] fp32)"))
     else:
         scale = 192 ** -0.5
         ff, fb = 2 * (h * dqk + hi * di) * pairs, 2 * (h * dqk + 3 * hi * di) * pairs

@@ -390,6 +390,13 @@ def warmup_backward(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke
                              total, chunk_rows, chunk_keys)
 
 
+def attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend):
+    """The attention's LSE [T, H] when the caller gives none: on the SM90 kernel for backend "sm90"."""
+    if backend == "sm90":
+        return sm90.attention_lse(q, k, scale, ks, ke)
+    return ref.attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
+
+
 _BACKENDS = ("auto", "torch", "sm90")
 
 
@@ -485,7 +492,7 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     with torch.no_grad():
         q_d, k_d = q.detach(), k.detach()
         if attn_lse is None:
-            lse = ref.attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks)
+            lse = attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks, backend)
         else:
             lse = attn_lse.detach()
     per_token, lse_i, mass = _WarmupKL.apply(q_I, k_I, weights, q_d, k_d, lse, ks, ke, ks_cpu, ke_cpu,
@@ -601,7 +608,7 @@ def _warmup_loss_traced(q_i, k_i, w, q, k, scale, ks, ke, cu_seqlens, causal, at
     valid = ke > ks
     q_d, k_d = q.detach(), k.detach()
     if attn_lse is None:
-        lse = ops.training_attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks)
+        lse = ops.training_attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks, backend)
     else:
         lse = attn_lse.detach()
     per_token, lse_i, mass = ops.indexer_kl_loss_fwd(q_i, k_i, w, q_d, k_d, lse, ks, ke, ks_cpu, ke_cpu, scale,

@@ -3,6 +3,7 @@
 Kernels (include/deep_indexer/training_*.cuh), per chunk of query rows (chunk buffers [rows, N] fp32 of at most
 `_CHUNK_BYTES`, written only at valid (row, key) pairs, never read elsewhere):
 
+  (no lse) training_target (lse)   the attention LSE per (row, head) when the caller passes none
   forward   training_target         p = mean_h exp(scale q.k - lse) (bf16 WGMMA, q in registers, 2-CTA multicast
                                     of the key tiles), and per row sum p log p, sum p
             training_logits_stats   per row logsumexp_s I and sum_s p I (I recomputed from q_I, k_I, w)
@@ -89,6 +90,17 @@ def _common(q_i, k_i, w, ks, ke):
 
 def _safe(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def attention_lse(q, k, scale, ks, ke):
+    """lse [T, 128] fp32 of the attention logits over each row's valid keys (-inf for an empty row), on the target
+    kernel's structure (an online max / sum per (row, head)): for callers that pass no attn_lse."""
+    from .. import _C
+
+    q, k = q.contiguous(), k.contiguous()
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    _C.bf16_attention_lse(q, k, ks.int().contiguous(), ke.int().contiguous(), lse, 0, q.shape[0], scale)
+    return lse
 
 
 def mean_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, total_heads, partial):

@@ -76,12 +76,14 @@ def _(like, n_keys, ks, ke, cu_seqlens, causal, token_mask):
 @torch.library.custom_op(f"{_LIB}::training_attention_lse", mutates_args=())
 def training_attention_lse(q: Tensor, k: Tensor, scale: float, ks: Tensor, ke: Tensor, ks_cpu: Tensor,
                            ke_cpu: Tensor, chunk_rows: Optional[int] = None,
-                           chunk_keys: Optional[int] = None) -> Tensor:
-    return ref.attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
+                           chunk_keys: Optional[int] = None, backend: str = "torch") -> Tensor:
+    from .ops import attention_lse
+
+    return attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend)
 
 
 @training_attention_lse.register_fake
-def _(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_keys=None):
+def _(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_keys=None, backend="torch"):
     return q.new_empty((q.shape[0], q.shape[1]), dtype=ref.accum_dtype(q, k))
 
 

@@ -70,13 +70,16 @@ DI_DEVICE void load_a_fragments(uint32_t (&a)[kDim / 16][4], const __nv_bfloat16
 
 }  // namespace training_detail
 
-template <int kHeadDim, int kCluster>
+// kLse: the attention's own log-sum-exp instead (when the caller has none): lse_out[t, h] = log sum_s
+// exp(scale q[t, h] . k[s]) over the row's valid keys (-inf for an empty row), an online max / sum per
+// (row, head) over the tiles; `lse`, p and the statistics are not used, the reducer warps idle.
+template <int kHeadDim, int kCluster, bool kLse = false>
 __global__ void __launch_bounds__(TrainingTargetLayout::kThreads, 1)
     training_target_kernel(const __grid_constant__ CUtensorMap tmap_k, const __nv_bfloat16* __restrict__ q,
                            const float* __restrict__ lse, const int* __restrict__ ks, const int* __restrict__ ke,
                            float* __restrict__ p_out, int64_t p_stride, float* __restrict__ plogp_out,
                            float* __restrict__ mass_out, int row_begin, int row_end, int num_keys, float scale_log2,
-                           float inv_heads) {
+                           float inv_heads, float* __restrict__ lse_out) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = TrainingTargetLayout;
   constexpr L lay{kHeadDim, kCluster};
@@ -170,7 +173,7 @@ __global__ void __launch_bounds__(TrainingTargetLayout::kThreads, 1)
           }
         }
       }
-    } else if (warp <= 2) {
+    } else if (warp <= 2 && !kLse) {
       // Reducer: key column c of every own tile.
       const int c = static_cast<int>(threadIdx.x) - 32;
       float plogp = 0.0f, mass = 0.0f;
@@ -220,8 +223,10 @@ __global__ void __launch_bounds__(TrainingTargetLayout::kThreads, 1)
       const long long head0 = static_cast<long long>(t) * L::kNumHeads + 64 * wg;
       training_detail::load_a_fragments<kHeadDim>(a, q, head0, head0 + 64, wi, static_cast<int>(lane));
       const int h = 64 * wg + 16 * wi + static_cast<int>(lane / 4);
-      lse2[0] = __ldg(lse + static_cast<long long>(t) * L::kNumHeads + h) * kLog2e;
-      lse2[1] = __ldg(lse + static_cast<long long>(t) * L::kNumHeads + h + 8) * kLog2e;
+      if constexpr (!kLse) {
+        lse2[0] = __ldg(lse + static_cast<long long>(t) * L::kNumHeads + h) * kLog2e;
+        lse2[1] = __ldg(lse + static_cast<long long>(t) * L::kNumHeads + h + 8) * kLog2e;
+      }
       // Warpgroup 0 issues first.
       if (wg == 1) ptx::named_barrier_arrive(L::kBarSchedule0, 256);
     }
@@ -229,6 +234,8 @@ __global__ void __launch_bounds__(TrainingTargetLayout::kThreads, 1)
     float acc[Mma::kNumAccum];
 #pragma unroll
     for (int i = 0; i < Mma::kNumAccum; ++i) acc[i] = 0.0f;
+    float run_m[2] = {-INFINITY, -INFINITY}, run_l[2] = {0.0f, 0.0f};  // kLse: log2-domain max, sum of exp2
+    const int quad = static_cast<int>(lane & 3);
     for (int j = 0, n = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
       ptx::mbar_wait(full(s), static_cast<uint32_t>(j / kStages) & 1u);
@@ -259,7 +266,35 @@ __global__ void __launch_bounds__(TrainingTargetLayout::kThreads, 1)
           ptx::mbar_arrive(empty(s));
         }
       }
-      if (own) {
+      if (kLse && own) {
+        // Online log-sum-exp of the rows 16 wi + lane / 4 + 8 i over the tile's valid keys (the quad's lanes hold
+        // all 64 columns, so the quad's max is the tile's).
+        const int key_base = u_lo + j * kBlockKV + 2 * quad;
+#pragma unroll
+        for (int g = 0; g < 8; ++g)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int key = key_base + 8 * g + c;
+              acc[4 * g + 2 * i + c] = key >= lo && key < hi ? acc[4 * g + 2 * i + c] * scale_log2 : -INFINITY;
+            }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int g = 0; g < 8; ++g) mx = fmaxf(mx, fmaxf(acc[4 * g + 2 * i], acc[4 * g + 2 * i + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(run_m[i], mx);  // finite: an own tile has a valid key
+          float sum = 0.0f;
+#pragma unroll
+          for (int g = 0; g < 8; ++g)
+            sum += ptx::ex2_approx(acc[4 * g + 2 * i] - m_new) + ptx::ex2_approx(acc[4 * g + 2 * i + 1] - m_new);
+          run_l[i] = run_l[i] * ptx::ex2_approx(run_m[i] - m_new) + sum;
+          run_m[i] = m_new;
+        }
+      } else if (own) {
         // acc[4 g + 2 i + c]: head row 16 wi + lane / 4 + 8 i, key column 8 g + 2 quad + c.
         float v[16];
 #pragma unroll
@@ -286,6 +321,19 @@ __global__ void __launch_bounds__(TrainingTargetLayout::kThreads, 1)
     }
     // Balance the schedule barrier: warpgroup 1's last arrival on warpgroup 0's barrier.
     if (has_own && wg == 0) ptx::named_barrier_sync(L::kBarSchedule0, 256);
+    if constexpr (kLse) {
+      constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        run_l[i] += __shfl_xor_sync(0xffffffffu, run_l[i], 1);
+        run_l[i] += __shfl_xor_sync(0xffffffffu, run_l[i], 2);
+      }
+      if (quad == 0 && t < row_end) {
+        const long long h = static_cast<long long>(t) * L::kNumHeads + 64 * wg + 16 * wi + lane / 4;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) lse_out[h + 8 * i] = has_own ? (run_m[i] + log2f(run_l[i])) * kLn2 : -INFINITY;
+      }
+    }
     __syncwarp();
     if constexpr (kCluster > 1) ptx::cluster_sync();
   }
