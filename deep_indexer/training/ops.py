@@ -1,4 +1,4 @@
-"""Autograd ops for training the lightning indexer (portable PyTorch path: CPU or CUDA).
+"""Autograd ops for training the lightning indexer (portable PyTorch path: CPU or CUDA; SM90 kernels in sm90.py).
 
 Public entry points: `indexer_logits`, `indexer_kl_loss` (warm-up stage, dense), `sparse_indexer_kl_loss`
 (sparse stage, over given top-k sets) and `packed_bounds`. The compute lives in `reference.py`.
