@@ -6,6 +6,7 @@
 #include "apis/paged_mqa_logits.hpp"
 #include "apis/topk.hpp"
 #include "apis/training_logits.hpp"
+#include "apis/training_loss.hpp"
 #include "jit/compiler.hpp"
 #include "jit/runtime.hpp"
 #include "utils/exception.hpp"
@@ -73,10 +74,31 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TrainingLogitsRuntime::precompile(p, arch);
+    } else if (op == "training_logits_stats") {
+      TrainingLogitsStatsRuntime::Params p{param(params, "num_heads"), param(params, "head_dim")};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = TrainingLogitsStatsRuntime::precompile(p, arch);
+    } else if (op == "training_target") {
+      TrainingTargetRuntime::Params p{param(params, "head_dim"), param(params, "cluster"),
+                                      params.contains("lse") && params["lse"].cast<int>() != 0};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = TrainingTargetRuntime::precompile(p, arch);
+    } else if (op == "training_indexer_dk") {
+      TrainingIndexerDkRuntime::Params p{param(params, "head_dim"), param(params, "loss") != 0};
+      training_indexer_bwd_layout(p.head_dim);  // validates
+      py::gil_scoped_release release;
+      r = TrainingIndexerDkRuntime::precompile(p, arch);
+    } else if (op == "training_indexer_dq") {
+      TrainingIndexerDqRuntime::Params p{param(params, "head_dim")};
+      training_indexer_bwd_layout(p.head_dim);  // validates
+      py::gil_scoped_release release;
+      r = TrainingIndexerDqRuntime::precompile(p, arch);
     } else {
       throw DIValueError(fmt::format(
           "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata, "
-          "topk, training_logits)",
+          "topk, training_logits, training_logits_stats, training_target, training_indexer_dk, training_indexer_dq)",
           op));
     }
   }
@@ -154,4 +176,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("return_values"), py::arg("out"), py::arg("out_values"));
   m.def("bf16_indexer_logits", &bf16_indexer_logits, py::arg("q"), py::arg("k"), py::arg("weights"), py::arg("ks"),
         py::arg("ke"), py::arg("out"));
+  m.def("bf16_training_target", &bf16_training_target, py::arg("q"), py::arg("k"), py::arg("lse"), py::arg("ks"),
+        py::arg("ke"), py::arg("p"), py::arg("plogp"), py::arg("mass"), py::arg("row_begin"), py::arg("row_end"),
+        py::arg("softmax_scale"), py::arg("inv_heads"));
+  m.def("bf16_attention_lse", &bf16_attention_lse, py::arg("q"), py::arg("k"), py::arg("ks"), py::arg("ke"),
+        py::arg("lse_out"), py::arg("row_begin"), py::arg("row_end"), py::arg("softmax_scale"));
+  m.def("bf16_indexer_logits_stats", &bf16_indexer_logits_stats, py::arg("q"), py::arg("k"), py::arg("weights"),
+        py::arg("ks"), py::arg("ke"), py::arg("p"), py::arg("lse_out"), py::arg("pi_out"), py::arg("row_begin"),
+        py::arg("row_end"));
+  m.def("bf16_indexer_logits_bwd_dk", &bf16_indexer_logits_bwd_dk, py::arg("q"), py::arg("k"), py::arg("weights"),
+        py::arg("ks"), py::arg("ke"), py::arg("vals"), py::arg("vals_row0"), py::arg("g"), py::arg("mass"),
+        py::arg("lse_i"), py::arg("di_out"), py::arg("row_begin"), py::arg("row_end"), py::arg("key_begin"),
+        py::arg("key_end"));
+  m.def("bf16_indexer_logits_bwd_dq", &bf16_indexer_logits_bwd_dq, py::arg("q"), py::arg("k"), py::arg("weights"),
+        py::arg("ks"), py::arg("ke"), py::arg("di"), py::arg("di_row0"), py::arg("dq"), py::arg("dw"),
+        py::arg("row_begin"), py::arg("row_end"));
 }

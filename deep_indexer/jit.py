@@ -28,7 +28,9 @@ TRAINING_HEAD_DIMS = (64, 128)  # bf16 training kernels (deep_indexer.training)
 NEXT_N = (1, 2, 3, 4, 5, 6, 7, 8)
 BLOCK_KV = (32, 64)
 LOGITS_DTYPES = ("float32", "bfloat16")
-OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk", "training_logits")
+TRAINING_TARGET_HEAD_DIMS = (128, 192, 576)  # attention q.k dims precompiled for the warm-up target (any multiple of 64 up to 576 compiles on use)
+OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk", "training_logits",
+       "training_logits_stats", "training_target", "training_indexer_dk", "training_indexer_dq")
 _ELEM_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -64,7 +66,8 @@ def variants(
     nn = _check_choice("next_n", next_n or NEXT_N, NEXT_N)
     bk = _check_choice("block_kv", block_kv or BLOCK_KV, BLOCK_KV)
     if head_dims:
-        _check_choice("head dim", head_dims, sorted(set(MQA_HEAD_DIMS) | set(PAGED_HEAD_DIMS) | set(TRAINING_HEAD_DIMS)))
+        _check_choice("head dim", head_dims, sorted(set(MQA_HEAD_DIMS) | set(PAGED_HEAD_DIMS) | set(TRAINING_HEAD_DIMS)
+                                                    | set(TRAINING_TARGET_HEAD_DIMS)))
     out: list[Variant] = []
 
     def add(op: str, **params):
@@ -92,10 +95,26 @@ def variants(
             for dt, srt, cl in itertools.product(dtypes, (0, 1), (0, 1)):
                 if not (srt and cl):  # the cluster form is unsorted only
                     add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl)
-        elif op == "training_logits":
+        elif op in ("training_logits", "training_logits_stats"):
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
             for h, d in itertools.product(hs, dims):
                 add(op, num_heads=h, head_dim=d)
+        elif op == "training_target":
+            if heads and 128 not in heads:
+                continue
+            dims = [d for d in (head_dims or TRAINING_TARGET_HEAD_DIMS) if d in TRAINING_TARGET_HEAD_DIMS]
+            for d, c, lse in itertools.product(dims, (1, 2), (0, 1)):
+                add(op, head_dim=d, cluster=c, lse=lse)
+        elif op in ("training_indexer_dk", "training_indexer_dq"):
+            if heads and 64 not in heads:
+                continue
+            dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
+            for d in dims:
+                if op == "training_indexer_dk":
+                    for loss in (0, 1):
+                        add(op, head_dim=d, loss=loss)
+                else:
+                    add(op, head_dim=d)
     return out
 
 

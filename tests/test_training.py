@@ -828,7 +828,8 @@ def test_sm90_indexer_logits_kernel(heads, dim, tokens, keys):
     assert torch.isfinite(out[valid]).all(), "valid entries not written"
     assert torch.isnan(out[~valid]).all(), "entries outside the ranges written"
     assert calc_diff(out[valid], ref[valid]) < 1e-5
-    # through the autograd op: -inf outside, the backward on the portable path
+    # through the autograd op: -inf outside; the backward on the portable path, or for 64 heads on the SM90
+    # kernels (test_training_sm90.py checks them against float64; here within their bar of the portable one)
     x = [v.clone().requires_grad_(True) for v in (q_i, k_i, w)]
     got = indexer_logits(*x, ks=ks, ke=ke, backend="sm90")
     assert torch.equal(got == float("-inf"), ~valid)
@@ -836,7 +837,10 @@ def test_sm90_indexer_logits_kernel(heads, dim, tokens, keys):
     y = [v.clone().requires_grad_(True) for v in (q_i, k_i, w)]
     indexer_logits(*y, ks=ks, ke=ke).masked_fill(~valid, 0).sum().backward()
     for a, b in zip(x, y):
-        assert torch.equal(a.grad, b.grad)
+        if heads == 64:
+            assert calc_diff(a.grad.double(), b.grad.double()) < 1e-5
+        else:
+            assert torch.equal(a.grad, b.grad)
     # deterministic: bitwise equal run to run
     assert torch.equal(indexer_logits(q_i, k_i, w, ks=ks, ke=ke, backend="sm90"), got.detach())
 

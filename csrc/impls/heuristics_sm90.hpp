@@ -175,4 +175,28 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   return t;
 }
 
+// Training target (training_target.cuh): one CTA per row (cluster 1), or clusters of 2 CTAs (2 consecutive
+// rows) that share every key tile by TMA multicast (half the L2 -> SM traffic). Measured on H100
+// (2026-11-24, T = 16384 causal, Dqk = 576, tools/training_kernel_times.py): cluster 1 26.5 ms (0.95 of the
+// bf16 GEMM rate), cluster 2 35.8 ms (0.70): L2 did not bound the single CTA, the lockstep of the pair cost
+// more. DI_TRAINING_TARGET_CLUSTER=1/2 forces it.
+inline int training_target_cluster() {
+  const int forced = env::get_int("DI_TRAINING_TARGET_CLUSTER");
+  const int c = forced == 1 || forced == 2 ? forced : 1;
+  print_choice([&] { return fmt::format("training_target cluster={}", c); });
+  return c;
+}
+
+// Indexer dk kernel (training_indexer_bwd.cuh): a CTA owns 128 keys and a range of rows; the rows of a
+// call are split into `splits` ranges so that there are about 4 CTAs per SM (causal chunks leave many
+// (key block, range) pairs empty), each range at least 64 rows. DI_TRAINING_DK_SPLITS forces the count.
+inline int training_dk_splits(int num_kblocks, int rows, int num_sms) {
+  const int forced = env::get_int("DI_TRAINING_DK_SPLITS");
+  const int max_splits = std::max(1, (rows + 63) / 64);
+  int splits = forced > 0 ? forced : (4 * num_sms + std::max(1, num_kblocks) - 1) / std::max(1, num_kblocks);
+  splits = std::max(1, std::min(splits, max_splits));
+  print_choice([&] { return fmt::format("training_dk kblocks={} rows={}: splits={}", num_kblocks, rows, splits); });
+  return splits;
+}
+
 }  // namespace deep_indexer::sm90

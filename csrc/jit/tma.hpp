@@ -86,4 +86,11 @@ inline CUtensorMap make_kmajor_fp8_map(const void* base, uint64_t rows, int row_
                             swizzle_for_row_bytes(row_bytes), what);
 }
 
+// A row-major bf16 matrix of `rows` rows of `cols` elements (cols a multiple of 64), loaded in boxes of
+// 64 columns (128 bytes, 128-byte swizzle) x `box_rows` rows: the training kernels' q_I, k_I and k tiles.
+inline CUtensorMap make_bf16_rows_map(const void* base, uint64_t rows, uint64_t cols, int box_rows, const char* what) {
+  return make_tensor_map<2>(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {cols, rows}, {cols * 2},
+                            {64u, static_cast<uint32_t>(box_rows)}, CU_TENSOR_MAP_SWIZZLE_128B, what);
+}
+
 }  // namespace deep_indexer::jit

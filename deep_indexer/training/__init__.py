@@ -6,7 +6,8 @@
     packed_bounds           per-row key ranges for packed (causal) sequences, incl. context parallelism
 
 These ops run everywhere PyTorch runs (CPU or GPU): chunked, online (flash-attention style) PyTorch code
-that never forms a [T, T] tensor. `reference` holds that compute.
+that never forms a [T, T] tensor. `reference` holds that compute. On SM90 GPUs the warm-up loss's `mean`
+target and the indexer logits backward run on Hopper kernels where the shapes allow (`sm90`, backend="auto").
 They trace under torch.compile(fullgraph=True) through custom ops (torch.ops.deep_indexer.*, registered by
 `torch_ops`); the non-tensor arguments are constants of the compiled program.
 """

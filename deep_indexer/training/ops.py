@@ -1,4 +1,4 @@
-"""Autograd ops for training the lightning indexer (portable PyTorch path: CPU or CUDA).
+"""Autograd ops for training the lightning indexer (portable PyTorch path: CPU or CUDA; SM90 kernels in sm90.py).
 
 Public entry points: `indexer_logits`, `indexer_kl_loss` (warm-up stage, dense), `sparse_indexer_kl_loss`
 (sparse stage, over given top-k sets) and `packed_bounds`. The compute lives in `reference.py`.
@@ -12,6 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import reference as ref
+from . import sm90
 from . import torch_ops as _torch_ops  # noqa: F401  (registers torch.ops.deep_indexer.* training ops)
 
 # NOTES: while torch.compile traces, the public functions go through torch.ops.deep_indexer.* (custom ops with
@@ -271,7 +272,7 @@ class _IndexerLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunks, backend):
         ctx.save_for_backward(q_i, k_i, w, ks, ke)
-        ctx.cpu_bounds, ctx.chunks = (ks_cpu, ke_cpu), chunks
+        ctx.cpu_bounds, ctx.chunks, ctx.backend = (ks_cpu, ke_cpu), chunks, backend
         if backend == "sm90":
             return _sm90_logits(q_i, k_i, w, ks, ke)
         return ref.indexer_logits_fwd(*_detached(q_i, k_i, w), ks, ke, ks_cpu, ke_cpu, *chunks)
@@ -280,8 +281,16 @@ class _IndexerLogits(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         q_i, k_i, w, ks, ke = _detached(*ctx.saved_tensors)
-        dq, dk, dw = ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, *ctx.cpu_bounds, *ctx.chunks)
+        dq, dk, dw = logits_backward(grad, q_i, k_i, w, ks, ke, *ctx.cpu_bounds, *ctx.chunks, ctx.backend)
         return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), None, None, None, None, None, None
+
+
+def logits_backward(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend):
+    """(dq_I, dk_I, dw) in the accumulation dtype: on the SM90 kernels for backend "sm90" where they apply
+    (64 indexer heads of dim 64 or 128, bf16), else the portable code."""
+    if backend == "sm90" and sm90.logits_unsupported(q_i, k_i) is None:
+        return sm90.logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu)
+    return ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
 
 
 def _sm90_logits(q_i, k_i, w, ks, ke):
@@ -316,8 +325,9 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
     accepted for symmetry with the losses (this op is always deterministic).
 
     backend: "torch" (the portable code above) or "sm90": the forward runs on a Hopper kernel (bf16 q_I and
-    k_I, WGMMA with fp32 accumulation; H_I in 16/32/64/128, D_I in 64/128; deterministic), the backward on
-    the portable code.
+    k_I, WGMMA with fp32 accumulation; H_I in 16/32/64/128, D_I in 64/128; deterministic), and so does the
+    backward for H_I = 64 (dS = dI w [S > 0] rounded to bf16 as the operand of the dq_I / dk_I WGMMAs, fp32
+    accumulation, no atomics: deterministic); other shapes take the portable backward.
 
     torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
     arguments are constants of the compiled program (a new value recompiles).
@@ -344,9 +354,9 @@ def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, caus
 class _WarmupKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_i, k_i, w, q, k, lse_att, ks, ke, ks_cpu, ke_cpu, cfg):
-        scale, per_head, total, partial, chunks = cfg
-        loss, lse_i, mass = ref.warmup_kl_fwd(*_detached(q_i, k_i, w), q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head,
-                                              total, partial, *chunks)
+        scale, per_head, total, partial, chunks, backend = cfg
+        loss, lse_i, mass = warmup_forward(*_detached(q_i, k_i, w), q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu,
+                                           per_head, total, partial, *chunks, backend)
         ctx.save_for_backward(q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke)
         ctx.cpu_bounds, ctx.cfg = (ks_cpu, ke_cpu), cfg
         ctx.mark_non_differentiable(lse_i, mass)
@@ -356,10 +366,52 @@ class _WarmupKL(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad, _g_lse, _g_mass):
         q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke = _detached(*ctx.saved_tensors)
-        scale, per_head, total, _partial, chunks = ctx.cfg
-        dq, dk, dw = ref.warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke,
-                                       *ctx.cpu_bounds, per_head, total, *chunks)
+        scale, per_head, total, _partial, chunks, backend = ctx.cfg
+        dq, dk, dw = warmup_backward(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, *ctx.cpu_bounds,
+                                     per_head, total, *chunks, backend)
         return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w), *([None] * 8)
+
+
+def warmup_forward(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head, total, partial, chunk_rows,
+                   chunk_keys, backend):
+    """(per_token, indexer_lse, target_mass): the SM90 kernels for backend "sm90" (resolved by _loss_backend),
+    else reference.warmup_kl_fwd."""
+    if backend == "sm90":
+        return sm90.mean_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, total, partial)
+    return ref.warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head, total, partial,
+                             chunk_rows, chunk_keys)
+
+
+def warmup_backward(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, per_head, total,
+                    chunk_rows, chunk_keys, backend):
+    if backend == "sm90":
+        return sm90.mean_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, total)
+    return ref.warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, per_head,
+                             total, chunk_rows, chunk_keys)
+
+
+def attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend):
+    """The attention's LSE [T, H] when the caller gives none: on the SM90 kernel for backend "sm90"."""
+    if backend == "sm90":
+        return sm90.attention_lse(q, k, scale, ks, ke)
+    return ref.attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
+
+
+_BACKENDS = ("auto", "torch", "sm90")
+
+
+def _loss_backend(backend, q_i, k_i, q, k, per_head) -> str:
+    """"auto" -> "sm90" where the SM90 kernels apply, else "torch"; "sm90" where they do not is an error."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return backend
+    why = sm90.mean_unsupported(q_i, k_i, q, k, per_head)
+    if why is None:
+        return "sm90"
+    if backend == "sm90":
+        raise ValueError(f"backend='sm90': the SM90 warm-up loss {why}")
+    return "torch"
 
 
 def _loss_args(q_I, k_I, weights, q, k, softmax_scale, attn_lse, target, reduction, total_heads, token_mask):
@@ -374,7 +426,8 @@ def _loss_args(q_I, k_I, weights, q, k, softmax_scale, attn_lse, target, reducti
 
 def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=None, cu_seqlens=None,
                     causal=True, attn_lse=None, target="mean", token_mask=None, reduction="mean",
-                    total_heads=None, deterministic=False, chunk_rows=None, chunk_keys=None) -> KLLoss:
+                    total_heads=None, deterministic=False, chunk_rows=None, chunk_keys=None,
+                    backend="auto") -> KLLoss:
     """Warm-up (dense) indexer loss: KL(p[t, :] || softmax(I[t, :])) per query row, against a frozen attention.
 
     Indexer: q_I [T, H_I, D_I], k_I [N, D_I], weights [T, H_I] (see `indexer_logits`). Frozen attention:
@@ -408,6 +461,12 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     (float64 for float64 inputs), fixed order: bitwise reproducible run to run (`deterministic` has no
     further effect here).
 
+    backend: "auto" (default): the SM90 kernels (sm90.py) when they apply -- an SM90 GPU, bfloat16 q_I, k_I,
+    q, k, target "mean", 128 attention heads of one key head with Dqk a multiple of 64 up to 576, 64 indexer
+    heads of dim 64 or 128 -- else the portable code; "torch": the portable code; "sm90": the kernels or an
+    error. The kernels compute in fp32 like the portable code, except dS = dI w [S > 0], rounded to bf16 as
+    the operand of the dq_I / dk_I WGMMAs; they use no atomics (deterministic).
+
     Returns KLLoss(loss, per_token, num_tokens, indexer_lse, attn_lse, target_mass).
 
     torch.compile: traceable with fullgraph=True (through torch.ops.deep_indexer custom ops); the non-tensor
@@ -419,9 +478,10 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _opt_int("chunk_rows", chunk_rows)
     _opt_int("chunk_keys", chunk_keys)
+    backend = _loss_backend(backend, q_I, k_I, q, k, per_head)
     if _compiling():
         return _warmup_loss_traced(q_I, k_I, weights, q, k, scale, ks, ke, cu_seqlens, causal, attn_lse, per_head,
-                                   total, partial, token_mask, reduction, (chunk_rows, chunk_keys))
+                                   total, partial, token_mask, reduction, (chunk_rows, chunk_keys), backend)
     ks, ke, ks_cpu, ke_cpu = _bounds(rows, n_keys, q_I.device, ks, ke, cu_seqlens, causal)
     if token_mask is not None:  # a masked row becomes empty: no work, no loss
         mask, mask_cpu = _index_pair("token_mask", token_mask, q_I.device)
@@ -432,11 +492,11 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     with torch.no_grad():
         q_d, k_d = q.detach(), k.detach()
         if attn_lse is None:
-            lse = ref.attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks)
+            lse = attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks, backend)
         else:
             lse = attn_lse.detach()
     per_token, lse_i, mass = _WarmupKL.apply(q_I, k_I, weights, q_d, k_d, lse, ks, ke, ks_cpu, ke_cpu,
-                                             (scale, per_head, total, partial, chunks))
+                                             (scale, per_head, total, partial, chunks, backend))
     loss, n = _reduce(per_token, valid, reduction)
     return KLLoss(loss, per_token, n, lse_i, lse, mass)
 
@@ -542,17 +602,17 @@ def sparse_indexer_kl_loss(q_I, k_I, weights, q, k, indices, softmax_scale=None,
 
 
 def _warmup_loss_traced(q_i, k_i, w, q, k, scale, ks, ke, cu_seqlens, causal, attn_lse, per_head, total, partial,
-                        token_mask, reduction, chunks):
+                        token_mask, reduction, chunks, backend="torch"):
     ops = _ops()
     ks, ke, ks_cpu, ke_cpu = ops.training_bounds(q_i, k_i.shape[0], ks, ke, cu_seqlens, causal, token_mask)
     valid = ke > ks
     q_d, k_d = q.detach(), k.detach()
     if attn_lse is None:
-        lse = ops.training_attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks)
+        lse = ops.training_attention_lse(q_d, k_d, scale, ks, ke, ks_cpu, ke_cpu, *chunks, backend)
     else:
         lse = attn_lse.detach()
     per_token, lse_i, mass = ops.indexer_kl_loss_fwd(q_i, k_i, w, q_d, k_d, lse, ks, ke, ks_cpu, ke_cpu, scale,
-                                                     per_head, total, partial, *chunks)
+                                                     per_head, total, partial, *chunks, backend)
     loss, n = _reduce(per_token, valid, reduction)
     return KLLoss(loss, per_token, n, lse_i.detach(), lse, mass.detach())
 

@@ -76,12 +76,14 @@ def _(like, n_keys, ks, ke, cu_seqlens, causal, token_mask):
 @torch.library.custom_op(f"{_LIB}::training_attention_lse", mutates_args=())
 def training_attention_lse(q: Tensor, k: Tensor, scale: float, ks: Tensor, ke: Tensor, ks_cpu: Tensor,
                            ke_cpu: Tensor, chunk_rows: Optional[int] = None,
-                           chunk_keys: Optional[int] = None) -> Tensor:
-    return ref.attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
+                           chunk_keys: Optional[int] = None, backend: str = "torch") -> Tensor:
+    from .ops import attention_lse
+
+    return attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend)
 
 
 @training_attention_lse.register_fake
-def _(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_keys=None):
+def _(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_keys=None, backend="torch"):
     return q.new_empty((q.shape[0], q.shape[1]), dtype=ref.accum_dtype(q, k))
 
 
@@ -106,23 +108,25 @@ def _(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_keys=None, bac
 
 @torch.library.custom_op(f"{_LIB}::indexer_logits_bwd", mutates_args=())
 def indexer_logits_bwd(grad: Tensor, q_i: Tensor, k_i: Tensor, w: Tensor, ks: Tensor, ke: Tensor, ks_cpu: Tensor,
-                       ke_cpu: Tensor, chunk_rows: Optional[int] = None,
-                       chunk_keys: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+                       ke_cpu: Tensor, chunk_rows: Optional[int] = None, chunk_keys: Optional[int] = None,
+                       backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(dq_I, dk_I, dw) in the inputs' dtypes."""
+    from .ops import logits_backward
+
     grad, q_i, k_i, w = _detached(grad, q_i, k_i, w)
-    dq, dk, dw = ref.indexer_logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
+    dq, dk, dw = logits_backward(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend)
     return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w)
 
 
 @indexer_logits_bwd.register_fake
-def _(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_keys=None):
+def _(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows=None, chunk_keys=None, backend="torch"):
     return torch.empty_like(q_i), torch.empty_like(k_i), torch.empty_like(w)
 
 
 def _logits_setup(ctx, inputs, output):
-    q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, _backend = inputs
+    q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend = inputs
     ctx.save_for_backward(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu)
-    ctx.chunks = (chunk_rows, chunk_keys)
+    ctx.chunks = (chunk_rows, chunk_keys, backend)
 
 
 def _logits_backward(ctx, grad):
@@ -139,11 +143,13 @@ indexer_logits_fwd.register_autograd(_logits_backward, setup_context=_logits_set
 def indexer_kl_loss_fwd(q_i: Tensor, k_i: Tensor, w: Tensor, q: Tensor, k: Tensor, lse_att: Tensor, ks: Tensor,
                         ke: Tensor, ks_cpu: Tensor, ke_cpu: Tensor, scale: float, per_head: bool, total_heads: int,
                         partial: bool, chunk_rows: Optional[int] = None,
-                        chunk_keys: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+                        chunk_keys: Optional[int] = None, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(per_token loss [T], indexer_lse, target_mass) in the accumulation dtype."""
+    from .ops import warmup_forward
+
     q_i, k_i, w, q, k, lse_att = _detached(q_i, k_i, w, q, k, lse_att)
-    return ref.warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head, total_heads,
-                             partial, chunk_rows, chunk_keys)
+    return warmup_forward(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head, total_heads, partial,
+                          chunk_rows, chunk_keys, backend)
 
 
 def _stat_shape(q, per_head):
@@ -152,7 +158,7 @@ def _stat_shape(q, per_head):
 
 @indexer_kl_loss_fwd.register_fake
 def _(q_i, k_i, w, q, k, lse_att, ks, ke, ks_cpu, ke_cpu, scale, per_head, total_heads, partial, chunk_rows=None,
-      chunk_keys=None):
+      chunk_keys=None, backend="torch"):
     acc = ref.accum_dtype(q_i, k_i, w, q, k)
     stat = _stat_shape(q, per_head)
     return q.new_empty((q.shape[0],), dtype=acc), q.new_empty(stat, dtype=acc), q.new_empty(stat, dtype=acc)
@@ -162,31 +168,33 @@ def _(q_i, k_i, w, q, k, lse_att, ks, ke, ks_cpu, ke_cpu, scale, per_head, total
 def indexer_kl_loss_bwd(grad: Tensor, q_i: Tensor, k_i: Tensor, w: Tensor, q: Tensor, k: Tensor, lse_att: Tensor,
                         lse_i: Tensor, mass: Tensor, ks: Tensor, ke: Tensor, ks_cpu: Tensor, ke_cpu: Tensor,
                         scale: float, per_head: bool, total_heads: int, chunk_rows: Optional[int] = None,
-                        chunk_keys: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+                        chunk_keys: Optional[int] = None, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(dq_I, dk_I, dw) in the inputs' dtypes for the per-token loss gradient grad [T]."""
+    from .ops import warmup_backward
+
     grad, q_i, k_i, w, q, k, lse_att = _detached(grad, q_i, k_i, w, q, k, lse_att)
-    dq, dk, dw = ref.warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu,
-                                   per_head, total_heads, chunk_rows, chunk_keys)
+    dq, dk, dw = warmup_backward(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu,
+                                 per_head, total_heads, chunk_rows, chunk_keys, backend)
     return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w)
 
 
 @indexer_kl_loss_bwd.register_fake
 def _(grad, q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, scale, per_head, total_heads,
-      chunk_rows=None, chunk_keys=None):
+      chunk_rows=None, chunk_keys=None, backend="torch"):
     return torch.empty_like(q_i), torch.empty_like(k_i), torch.empty_like(w)
 
 
 def _warmup_setup(ctx, inputs, output):
-    q_i, k_i, w, q, k, lse_att, ks, ke, ks_cpu, ke_cpu, scale, per_head, total, _partial, cr, ck = inputs
+    q_i, k_i, w, q, k, lse_att, ks, ke, ks_cpu, ke_cpu, scale, per_head, total, _partial, cr, ck, backend = inputs
     _loss, lse_i, mass = output
     ctx.save_for_backward(q_i, k_i, w, q, k, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu)
-    ctx.cfg = (scale, per_head, total, cr, ck)
+    ctx.cfg = (scale, per_head, total, cr, ck, backend)
 
 
 def _warmup_backward(ctx, grad, _g_lse, _g_mass):
     # NOTES: only the per-token loss is differentiable; the statistics are detached by the caller.
     dq, dk, dw = indexer_kl_loss_bwd(grad, *ctx.saved_tensors, *ctx.cfg)
-    return dq, dk, dw, *([None] * 13)
+    return dq, dk, dw, *([None] * 14)
 
 
 indexer_kl_loss_fwd.register_autograd(_warmup_backward, setup_context=_warmup_setup)

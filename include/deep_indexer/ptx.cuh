@@ -62,6 +62,46 @@ DI_DEVICE void mbar_wait(uint64_t* bar, uint32_t phase) {
   }
 }
 
+// Wait with cluster-scope acquire: for barriers that other CTAs of the cluster arrive on.
+DI_DEVICE bool mbar_try_wait_cluster(uint64_t* bar, uint32_t phase) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(phase)
+      : "memory");
+  return done != 0;
+}
+
+DI_DEVICE void mbar_wait_cluster(uint64_t* bar, uint32_t phase) {
+  while (!mbar_try_wait_cluster(bar, phase)) {
+  }
+}
+
+// ---------------------------------------------------------------- clusters
+DI_DEVICE uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster (release / acquire of shared memory and mbarrier state).
+DI_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Arrive on the mbarrier at `bar`'s offset in the shared memory of CTA `cta` of the cluster (may be this CTA).
+DI_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
 // ---------------------------------------------------------------- TMA
 DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
@@ -96,6 +136,17 @@ DI_DEVICE void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(hint)
+      : "memory");
+}
+
+// A 2-D box into the same shared-memory offset of every CTA in `cta_mask` (bit i: cluster rank i); each
+// destination's mbarrier at `bar`'s offset receives the box's bytes.
+DI_DEVICE void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0, int32_t c1,
+                                     uint16_t cta_mask, uint64_t hint = kCacheEvictNormal) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      ".L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5, %6;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask), "l"(hint)
       : "memory");
 }
 
@@ -182,6 +233,33 @@ DI_DEVICE uint64_t make_kmajor_desc(const void* ptr) {
   return desc;
 }
 
+// Descriptor of an MN-major tile with 128-byte swizzle (bf16: 64 elements of M or N per 128-byte row):
+// rows are consecutive K indices (8-row groups 1024 bytes apart), `mn_block_bytes` apart lie the
+// blocks of the next 64 M/N elements. A K step of 16 starts 2048 bytes further.
+DI_DEVICE uint64_t make_mn_major_desc_sw128(const void* ptr, uint32_t mn_block_bytes) {
+  const uint64_t addr = smem_addr(ptr);
+  uint64_t desc = 0;
+  desc |= (addr & 0x3FFFFull) >> 4;                          // start address
+  desc |= uint64_t((mn_block_bytes & 0x3FFFFu) >> 4) << 16;  // leading byte offset: next 64 M/N elements
+  desc |= uint64_t(1024 >> 4) << 32;                          // stride byte offset: next 8 K rows
+  desc |= uint64_t(1) << 62;                                  // 128B swizzle
+  return desc;
+}
+
+// ---------------------------------------------------------------- math
+DI_DEVICE float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats as bf16x2 (round to nearest even), `lo` in the low half.
+DI_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // ---------------------------------------------------------------- warpgroup registers
 template <uint32_t kRegs>
 DI_DEVICE void reg_alloc() {
@@ -196,6 +274,10 @@ DI_DEVICE void reg_dealloc() {
 // NOTES: id 0 is __syncthreads(); kernels number their own barriers from 1.
 DI_DEVICE void named_barrier_sync(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+// Arrive without waiting (the barrier completes when `num_threads` threads synced or arrived).
+DI_DEVICE void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
 // ---------------------------------------------------------------- pipeline state

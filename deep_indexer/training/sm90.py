@@ -1,0 +1,169 @@
+"""Hopper (SM90) fast path of the training ops: the warm-up loss's `mean` target and the indexer logits backward.
+
+Kernels (include/deep_indexer/training_*.cuh), per chunk of query rows (chunk buffers [rows, N] fp32 of at most
+`_CHUNK_BYTES`, written only at valid (row, key) pairs, never read elsewhere):
+
+  (no lse) training_target (lse)   the attention LSE per (row, head) when the caller passes none
+  forward   training_target         p = mean_h exp(scale q.k - lse) (bf16 WGMMA, q in registers, 2-CTA multicast
+                                    of the key tiles), and per row sum p log p, sum p
+            training_logits_stats   per row logsumexp_s I and sum_s p I (I recomputed from q_I, k_I, w)
+            loss[t] = sum p log p - sum p I + mass * lse_I   (the portable formula, reference.warmup_kl_fwd)
+  backward  training_target         p again
+            training_indexer_dk     I again, dI = g (mass softmax(I) - p) (written to a chunk buffer), dk_I
+                                    partials per row range (summed here, in a fixed order)
+            training_indexer_dq     dq_I and dw from dI
+
+Everything accumulates in fp32; the only rounding beyond fp32 is dS = dI w [S > 0] rounded to bf16 as the operand
+of the dq_I / dk_I WGMMAs (as in flash-attention backwards). No atomics: bitwise reproducible run to run.
+Supported (else the portable path runs): CUDA SM90, bf16 q_I, k_I, q, k; 128 attention heads with one key head of
+dim 64..576 (multiple of 64), 64 indexer heads of dim 64 or 128, target "mean".
+"""
+from __future__ import annotations
+
+import torch
+
+from ..reference import row_chunks
+
+_CHUNK_BYTES = 1 << 30  # one [rows, N] fp32 chunk buffer (the backward holds two)
+TARGET_HEADS = 128
+INDEXER_HEADS = 64
+INDEXER_DIMS = (64, 128)
+_SM90: dict = {}
+
+
+def _is_sm90(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM90:
+        _SM90[idx] = torch.cuda.get_device_capability(idx) == (9, 0)
+    return _SM90[idx]
+
+
+def logits_unsupported(q_i: torch.Tensor, k_i: torch.Tensor) -> str | None:
+    """Why the indexer logits backward cannot run on the SM90 kernels (None: it can)."""
+    if not _is_sm90(q_i.device):
+        return f"needs an SM90 (Hopper) CUDA device, got {q_i.device}"
+    if q_i.dtype != torch.bfloat16 or k_i.dtype != torch.bfloat16:
+        return f"needs bfloat16 q_I and k_I, got {q_i.dtype} and {k_i.dtype}"
+    if q_i.shape[1] != INDEXER_HEADS or q_i.shape[2] not in INDEXER_DIMS:
+        return (f"supports {INDEXER_HEADS} indexer heads of dim {' or '.join(map(str, INDEXER_DIMS))}, got "
+                f"{q_i.shape[1]} heads of dim {q_i.shape[2]}")
+    if q_i.shape[0] >= 1 << 24 or k_i.shape[0] >= (1 << 31) - 256:
+        return "supports fewer than 2^24 rows and 2^31 - 256 keys"
+    return None
+
+
+def mean_unsupported(q_i, k_i, q, k, per_head: bool) -> str | None:
+    """Why the warm-up loss cannot run on the SM90 kernels (None: it can)."""
+    if per_head:
+        return "supports target='mean' only"
+    why = logits_unsupported(q_i, k_i)
+    if why:
+        return why
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        return f"needs bfloat16 q and k, got {q.dtype} and {k.dtype}"
+    if k.dim() != 2:
+        return "needs one key head (k of shape [N, Dqk])"
+    dqk = q.shape[2]
+    if q.shape[1] != TARGET_HEADS or dqk % 64 != 0 or not 64 <= dqk <= 576:
+        return f"supports {TARGET_HEADS} attention heads of dim 64..576 (a multiple of 64), got {q.shape[1]} of dim {dqk}"
+    return None
+
+
+def _rows_per_chunk(rows: int, n_keys: int) -> int:
+    rc = max(2, min(rows, _CHUNK_BYTES // (4 * max(n_keys, 1))))
+    return rc + (rc & 1)
+
+
+def _chunk_buffer(rc: int, n_keys: int, device) -> torch.Tensor:
+    cols = max(4, (n_keys + 3) // 4 * 4)  # 16-byte aligned rows
+    return torch.empty((rc, cols), dtype=torch.float32, device=device)
+
+
+def _common(q_i, k_i, w, ks, ke):
+    from .. import _C
+
+    return (_C, q_i.contiguous(), k_i.contiguous(), w.float().contiguous(), ks.int().contiguous(),
+            ke.int().contiguous())
+
+
+def _safe(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def attention_lse(q, k, scale, ks, ke):
+    """lse [T, 128] fp32 of the attention logits over each row's valid keys (-inf for an empty row), on the target
+    kernel's structure (an online max / sum per (row, head)): for callers that pass no attn_lse."""
+    from .. import _C
+
+    q, k = q.contiguous(), k.contiguous()
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    _C.bf16_attention_lse(q, k, ks.int().contiguous(), ke.int().contiguous(), lse, 0, q.shape[0], scale)
+    return lse
+
+
+def mean_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, total_heads, partial):
+    """(per-token loss, indexer_lse, target_mass), fp32 [T] each: reference.warmup_kl_fwd for target="mean"."""
+    _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
+    q, k = q.contiguous(), k.contiguous()
+    rows, n_keys, dev = q.shape[0], k.shape[0], q.device
+    lse = _safe(lse_att.float()).contiguous()
+    plogp = torch.zeros(rows, dtype=torch.float32, device=dev)
+    mass = torch.zeros_like(plogp)
+    pi = torch.zeros_like(plogp)
+    lse_i = torch.full_like(plogp, float("-inf"))
+    rc = _rows_per_chunk(rows, n_keys)
+    p = None
+    for r0, r1, _lo, _hi in row_chunks(ks_cpu, ke_cpu, rc):
+        if p is None:
+            p = _chunk_buffer(rc, n_keys, dev)
+        _C.bf16_training_target(q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, 1.0 / total_heads)
+        _C.bf16_indexer_logits_stats(q_i, k_i, w, ks32, ke32, p, lse_i, pi, r0, r1)
+    entropy = torch.zeros_like(plogp) if partial else plogp
+    loss = entropy - pi + mass * _safe(lse_i)
+    return loss, lse_i, mass
+
+
+def mean_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, total_heads):
+    """(dq_I, dk_I, dw) in fp32 for the per-token loss gradient `grad` [T]: reference.warmup_kl_bwd for "mean"."""
+    _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
+    q, k = q.contiguous(), k.contiguous()
+    rows, n_keys, dev = q.shape[0], k.shape[0], q.device
+    lse = _safe(lse_att.float()).contiguous()
+    g = grad.float().contiguous()
+    lse_i = _safe(lse_i.float()).contiguous()
+    mass = mass.float().contiguous()
+    dq = torch.zeros(q_i.shape, dtype=torch.float32, device=dev)
+    dk = torch.zeros(k_i.shape, dtype=torch.float32, device=dev)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=dev)
+    rc = _rows_per_chunk(rows, n_keys)
+    p = di = None
+    for r0, r1, lo, hi in row_chunks(ks_cpu, ke_cpu, rc):
+        if p is None:
+            p, di = _chunk_buffer(rc, n_keys, dev), _chunk_buffer(rc, n_keys, dev)
+        _C.bf16_training_target(q, k, lse, ks32, ke32, p, None, None, r0, r1, scale, 1.0 / total_heads)
+        part = _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, p, r0, g, mass, lse_i, di, r0, r1, lo, hi)
+        dk[lo:hi] += part.sum(0)[: hi - lo]
+        _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, di, r0, dq, dw, r0, r1)
+    return dq, dk, dw
+
+
+def logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu):
+    """(dq_I, dk_I, dw) in fp32 of the indexer logits for the incoming gradient grad [T, N] (read at valid keys)."""
+    _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
+    rows, n_keys, dev = q_i.shape[0], k_i.shape[0], q_i.device
+    dq = torch.zeros(q_i.shape, dtype=torch.float32, device=dev)
+    dk = torch.zeros(k_i.shape, dtype=torch.float32, device=dev)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=dev)
+    live = ks_cpu < ke_cpu
+    if rows == 0 or n_keys == 0 or not bool(live.any()):
+        return dq, dk, dw
+    lo, hi = int(ks_cpu[live].min()), int(ke_cpu[live].max())
+    g = grad.float()
+    if g.stride(-1) != 1 or g.stride(0) < g.shape[1] or g.data_ptr() % 16:
+        g = g.contiguous()
+    part = _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, g, 0, None, None, None, None, 0, rows, lo, hi)
+    dk[lo:hi] = part.sum(0)[: hi - lo]
+    _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, g, 0, dq, dw, 0, rows)
+    return dq, dk, dw

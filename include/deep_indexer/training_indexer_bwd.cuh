@@ -1,0 +1,430 @@
+// Training: backward of the bf16 indexer logits I[t, s] = sum_h w[t, h] relu(q_I[t, h, :] . k_I[s, :])
+// (H_I = 64, D_I = 64 or 128) for dI = dL/dI, on SM90 (bf16 WGMMA, fp32 accumulation):
+//   dS[t, h, s] = dI[t, s] w[t, h] [S > 0],   dq_I[t] = sum_s dS k_I[s],   dk_I[s] = sum_t,h dS q_I[t, h],
+//   dw[t, h] = sum_s dI[t, s] relu(S[t, h, s])
+// over each row's valid keys max(ks[t], 0) <= s < min(ke[t], N). Deterministic: every output element is
+// summed by one thread in a fixed order (dk_I per row range into a partial buffer, summed by the host).
+//
+// training_indexer_dk_kernel<D, kLoss>: CTA (key block kb, row split) owns keys [key_begin + 128 kb, +128)
+// and rows [row_begin + split * rows_per_split, +rows_per_split) ∩ [.., row_end). dI comes from
+//   kLoss = false: dI[t, s] = vals[(t - vals_row0) * vals_stride + s] (the incoming gradient);
+//   kLoss = true:  the warm-up loss, dI = g[t] (mass[t] exp(I[t, s] - lse_i[t]) - p[t, s]) with
+//                  p = vals[...], I recomputed here (the head sum of the accumulator rows); dI is written
+//                  to di_out[(t - vals_row0) * di_stride + s] for the dq kernel.
+// Writes dk_part[(split * part_rows + s - key_begin) * D + d] for every key of its block below N.
+// training_indexer_dq_kernel<D>: CTA owns rows row_begin + 2 pair + {0, 1}; dI[t, s] =
+// di[(t - di_row0) * di_stride + s]; writes dq_out[t] (fp32 [64, D]) and dw_out[t] (fp32 [64]) of its rows.
+//
+// Structure and shared memory: training_indexer_bwd_layout.hpp. The producer streams items (a row's q_I
+// tile, or a 64-key tile of k_I) through a ring of stages; the dk kernel ends its stream with an item
+// whose header says -1. Layouts: S's accumulator acc[4 g + 2 i + c] is (row 16 warp + lane / 4 + 8 i,
+// column 8 g + 2 quad + c); the dS fragments for the second WGMMA are pairs of consecutive accumulators
+// (the A-fragment layout of m64k16 over S's columns).
+#pragma once
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <deep_indexer/ptx.cuh>
+#include <deep_indexer/training_indexer_bwd_layout.hpp>
+#include <deep_indexer/training_target.cuh>
+#include <deep_indexer/wgmma_bf16_rs.cuh>
+
+namespace deep_indexer {
+
+namespace training_detail {
+
+struct BwdInfoHeader {
+  int item;  // row t (dk kernel; -1 ends the stream) or the tile's first key (dq kernel)
+  int lo, hi;
+  float g, mass, lse;
+  int pad[2];
+};
+static_assert(sizeof(BwdInfoHeader) == TrainingIndexerBwdLayout::kInfoHeaderBytes, "info header size");
+
+// S = a x tile^T: tile rows are S's columns (K-major, 128-byte swizzle, D / 64 blocks).
+template <int kDim>
+DI_DEVICE void mma_s(float (&acc)[32], const uint32_t (&a)[kDim / 16][4], const uint8_t* tile) {
+  using Mma = ptx::WgmmaBf16RS<64, false>;
+  constexpr TrainingIndexerBwdLayout L{kDim};
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    const uint64_t desc =
+        ptx::make_kmajor_desc<TrainingIndexerBwdLayout::kSwizzleBytes>(tile + (kk / 4) * L.mn_block_bytes()) + 2 * (kk % 4);
+    Mma::mma(acc, a[kk], desc, kk > 0);
+  }
+  ptx::wgmma_commit();
+}
+
+// G += ds x tile: ds [64 x 64 tile rows] (4 K steps), tile rows are K, its D columns N (MN-major).
+template <int kDim>
+DI_DEVICE void mma_g(float (&g)[kDim / 2], const uint32_t (&ds)[4][4], const uint8_t* tile) {
+  using Mma = ptx::WgmmaBf16RS<kDim, true>;
+  constexpr TrainingIndexerBwdLayout L{kDim};
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t desc = ptx::make_mn_major_desc_sw128(tile + kk * 2048, L.mn_block_bytes());
+    Mma::mma(g, ds[kk], desc, true);
+  }
+  ptx::wgmma_commit();
+}
+
+// Stores G (64 rows x D, fp32) of one warpgroup: row 16 warp + lane / 4 + 8 i of `dst` (row stride D).
+template <int kDim>
+DI_DEVICE void store_g(float* dst, const float (&g)[kDim / 2], int warp_in_wg, int lane, int valid_rows) {
+  const int quad = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = 16 * warp_in_wg + lane / 4 + 8 * i;
+    if (row >= valid_rows) continue;
+#pragma unroll
+    for (int gg = 0; gg < kDim / 8; ++gg)
+      *reinterpret_cast<float2*>(dst + static_cast<int64_t>(row) * kDim + 8 * gg + 2 * quad) =
+          make_float2(g[4 * gg + 2 * i], g[4 * gg + 2 * i + 1]);
+  }
+}
+
+}  // namespace training_detail
+
+template <int kHeadDim, bool kLoss>
+__global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
+    training_indexer_dk_kernel(const __grid_constant__ CUtensorMap tmap_q, const __nv_bfloat16* __restrict__ k_i,
+                               const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
+                               const float* __restrict__ vals, int64_t vals_stride, int vals_row0,
+                               const float* __restrict__ g_in, const float* __restrict__ mass_in,
+                               const float* __restrict__ lse_in, float* __restrict__ di_out, int64_t di_stride,
+                               float* __restrict__ dk_part, int64_t part_rows, int row_begin, int row_end,
+                               int rows_per_split, int key_begin, int num_kblocks, int num_keys) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = TrainingIndexerBwdLayout;
+  constexpr L lay{kHeadDim};
+  static_assert(lay.valid(), "unsupported training_indexer_bwd configuration");
+  constexpr int kStages = lay.num_stages();
+  constexpr int H = L::kNumHeads;
+  using Info = training_detail::BwdInfoHeader;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((L::kAlign - (ptx::smem_addr(smem_raw) & (L::kAlign - 1))) & (L::kAlign - 1));
+  auto full = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_full(s)); };
+  auto empty = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_empty(s)); };
+  auto info = [&](int s) { return reinterpret_cast<Info*>(smem + lay.offset_info(s)); };
+  auto info_f = [&](int s) { return reinterpret_cast<float*>(smem + lay.offset_info(s) + L::kInfoHeaderBytes); };
+
+  const uint32_t warp = ptx::warp_idx();
+  const uint32_t lane = ptx::lane_idx();
+  const int kb = static_cast<int>(blockIdx.x) % num_kblocks;
+  const int split = static_cast<int>(blockIdx.x) / num_kblocks;
+  const int s0 = key_begin + L::kKeysPerCta * kb;
+  const int r_begin = row_begin + split * rows_per_split;
+  const int r_end = min(row_end, r_begin + rows_per_split);
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full(s), 32);
+      ptx::mbar_init(empty(s), L::kMathWarps);
+    }
+    ptx::fence_mbar_init();
+  }
+  if (warp == 0 && lane == 0) ptx::prefetch_tensor_map(&tmap_q);
+  __syncthreads();
+
+  if (warp < 4) {
+    // ===================================================================== producer
+    ptx::reg_dealloc<L::kProducerRegs>();
+    if (warp == 0) {
+      int n = 0;
+      auto next_stage = [&](int& s) {
+        s = n % kStages;
+        ptx::mbar_wait(empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
+        ++n;
+      };
+      for (int t = r_begin; t < r_end; ++t) {
+        const int lo = max(__ldg(ks + t), 0), hi = min(__ldg(ke + t), num_keys);
+        if (!(lo < hi && lo < s0 + L::kKeysPerCta && hi > s0)) continue;  // warp-uniform
+        int s;
+        next_stage(s);
+        float* f = info_f(s);
+        const float2 wv = __ldg(reinterpret_cast<const float2*>(w + static_cast<int64_t>(t) * H) + lane);
+        reinterpret_cast<float2*>(f)[lane] = wv;
+        const float* vrow = vals + static_cast<int64_t>(t - vals_row0) * vals_stride;
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const int c = 32 * c4 + static_cast<int>(lane);
+          const int key = s0 + c;
+          f[64 + c] = key >= lo && key < hi ? __ldg(vrow + key) : 0.0f;
+        }
+        if (lane == 0) {
+          Info* hd = info(s);
+          hd->item = t;
+          hd->lo = lo;
+          hd->hi = hi;
+          if constexpr (kLoss) {
+            hd->g = __ldg(g_in + t);
+            hd->mass = __ldg(mass_in + t);
+            hd->lse = __ldg(lse_in + t);
+          }
+          ptx::mbar_arrive_expect_tx(full(s), lay.tile_bytes());
+#pragma unroll
+          for (int b = 0; b < lay.num_kblocks(); ++b)
+            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_q, full(s), 64 * b, t * H);
+        } else {
+          ptx::mbar_arrive(full(s));
+        }
+      }
+      int s;
+      next_stage(s);
+      if (lane == 0) info(s)->item = -1;
+      ptx::mbar_arrive(full(s));
+    }
+  } else {
+    // ===================================================================== math
+    ptx::reg_alloc<L::kMathRegs>();
+    const int wg = static_cast<int>(warp / 4) - 1;  // keys [s0 + 64 wg, +64)
+    const int wi = static_cast<int>(warp % 4);
+    const int quad = static_cast<int>(lane & 3);
+    const int key_base = s0 + 64 * wg;
+    uint32_t a[kHeadDim / 16][4];
+    training_detail::load_a_fragments<kHeadDim>(a, k_i, key_base, num_keys, wi, static_cast<int>(lane));
+    const int row0 = 16 * wi + static_cast<int>(lane / 4);  // + 8 i: key key_base + row
+    float acc[32], g[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) g[i] = 0.0f;
+
+    for (int n = 0;; ++n) {
+      const int s = n % kStages;
+      ptx::mbar_wait(full(s), static_cast<uint32_t>(n / kStages) & 1u);
+      const Info hd = *info(s);
+      if (hd.item < 0) break;
+      const float* f = info_f(s);
+      const uint8_t* tile = smem + lay.offset_tile(s);
+      training_detail::mma_s<kHeadDim>(acc, a, tile);
+      // The row's weights of this thread's columns (heads 8 gg + 2 quad + c).
+      float wv[16];
+#pragma unroll
+      for (int gg = 0; gg < 8; ++gg) {
+        const float2 x = reinterpret_cast<const float2*>(f)[4 * gg + quad];
+        wv[2 * gg] = x.x;
+        wv[2 * gg + 1] = x.y;
+      }
+      ptx::wgmma_wait<0>();
+      ptx::fence_accum<32>(acc);
+      float di[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int key = key_base + row0 + 8 * i;
+        const bool valid = key >= hd.lo && key < hd.hi;
+        const float v = f[64 + 64 * wg + row0 + 8 * i];
+        if constexpr (kLoss) {
+          float x = 0.0f;
+#pragma unroll
+          for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) x = fmaf(wv[2 * gg + c], fmaxf(acc[4 * gg + 2 * i + c], 0.0f), x);
+          x += __shfl_xor_sync(0xffffffffu, x, 1);
+          x += __shfl_xor_sync(0xffffffffu, x, 2);
+          di[i] = valid ? hd.g * (hd.mass * expf(x - hd.lse) - v) : 0.0f;
+          if (valid && quad == 0) di_out[static_cast<int64_t>(hd.item - vals_row0) * di_stride + key] = di[i];
+        } else {
+          di[i] = valid ? v : 0.0f;
+        }
+      }
+      uint32_t ds[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int gg = 2 * kk + j / 2, i = j % 2;
+          const float x0 = acc[4 * gg + 2 * i], x1 = acc[4 * gg + 2 * i + 1];
+          const float d0 = x0 > 0.0f ? di[i] * wv[2 * gg] : 0.0f;
+          const float d1 = x1 > 0.0f ? di[i] * wv[2 * gg + 1] : 0.0f;
+          ds[kk][j] = ptx::pack_bf16x2(d0, d1);
+        }
+      }
+      training_detail::mma_g<kHeadDim>(g, ds, tile);
+      ptx::wgmma_wait<0>();
+      ptx::fence_accum<kHeadDim / 2>(g);
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(empty(s));
+    }
+    const int valid_rows = min(64, num_keys - key_base);
+    if (valid_rows > 0)
+      training_detail::store_g<kHeadDim>(dk_part + (static_cast<int64_t>(split) * part_rows + (key_base - key_begin)) * kHeadDim,
+                                         g, wi, static_cast<int>(lane), valid_rows);
+  }
+#else
+  asm volatile("trap;");
+#endif
+}
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
+    training_indexer_dq_kernel(const __grid_constant__ CUtensorMap tmap_k, const __nv_bfloat16* __restrict__ q_i,
+                               const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
+                               const float* __restrict__ di, int64_t di_stride, int di_row0, float* __restrict__ dq_out,
+                               float* __restrict__ dw_out, int row_begin, int row_end, int num_keys) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = TrainingIndexerBwdLayout;
+  constexpr L lay{kHeadDim};
+  static_assert(lay.valid(), "unsupported training_indexer_bwd configuration");
+  constexpr int kStages = lay.num_stages();
+  constexpr int H = L::kNumHeads;
+  constexpr int kTileKeys = L::kTileRows;
+  using Info = training_detail::BwdInfoHeader;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((L::kAlign - (ptx::smem_addr(smem_raw) & (L::kAlign - 1))) & (L::kAlign - 1));
+  auto full = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_full(s)); };
+  auto empty = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_empty(s)); };
+  auto info = [&](int s) { return reinterpret_cast<Info*>(smem + lay.offset_info(s)); };
+  auto info_f = [&](int s) { return reinterpret_cast<float*>(smem + lay.offset_info(s) + L::kInfoHeaderBytes); };
+
+  const uint32_t warp = ptx::warp_idx();
+  const uint32_t lane = ptx::lane_idx();
+  // Row pairs, the last (longest under causal bounds) first.
+  const int num_pairs = (row_end - row_begin + 1) / 2;
+  const int t_first = row_begin + 2 * (num_pairs - 1 - static_cast<int>(blockIdx.x));
+  int lo_r[2], hi_r[2], u_lo = INT_MAX, u_hi = INT_MIN;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = t_first + r;
+    lo_r[r] = t < row_end ? max(__ldg(ks + t), 0) : 0;
+    hi_r[r] = t < row_end ? min(__ldg(ke + t), num_keys) : 0;
+    if (lo_r[r] < hi_r[r]) u_lo = min(u_lo, lo_r[r]), u_hi = max(u_hi, hi_r[r]);
+  }
+  const int num_tiles = u_lo < u_hi ? (u_hi - u_lo + kTileKeys - 1) / kTileKeys : 0;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full(s), 32);
+      ptx::mbar_init(empty(s), L::kMathWarps);
+    }
+    ptx::fence_mbar_init();
+  }
+  if (warp == 0 && lane == 0) ptx::prefetch_tensor_map(&tmap_k);
+  __syncthreads();
+
+  if (warp < 4) {
+    // ===================================================================== producer
+    ptx::reg_dealloc<L::kProducerRegs>();
+    if (warp == 0) {
+      for (int j = 0; j < num_tiles; ++j) {
+        const int s = j % kStages;
+        ptx::mbar_wait(empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
+        const int key0 = u_lo + j * kTileKeys;
+        float* f = info_f(s);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float* drow = di + static_cast<int64_t>(t_first + r - di_row0) * di_stride;
+#pragma unroll
+          for (int c2 = 0; c2 < 2; ++c2) {
+            const int c = 32 * c2 + static_cast<int>(lane);
+            const int key = key0 + c;
+            f[64 * r + c] = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
+          }
+        }
+        if (lane == 0) {
+          info(s)->item = key0;
+          ptx::mbar_arrive_expect_tx(full(s), lay.tile_bytes());
+#pragma unroll
+          for (int b = 0; b < lay.num_kblocks(); ++b)
+            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_k, full(s), 64 * b, key0);
+        } else {
+          ptx::mbar_arrive(full(s));
+        }
+      }
+    }
+  } else {
+    // ===================================================================== math
+    ptx::reg_alloc<L::kMathRegs>();
+    const int wg = static_cast<int>(warp / 4) - 1;  // row t_first + wg
+    const int wi = static_cast<int>(warp % 4);
+    const int quad = static_cast<int>(lane & 3);
+    const int t = t_first + wg;
+    const int my_lo = wg == 0 ? lo_r[0] : lo_r[1], my_hi = wg == 0 ? hi_r[0] : hi_r[1];  // no dynamic indexing
+    const bool has_row = t < row_end && my_lo < my_hi;
+    const int own_first = has_row ? (my_lo - u_lo) / kTileKeys : 0;
+    const int own_end = has_row ? (my_hi - 1 - u_lo) / kTileKeys + 1 : 0;
+    uint32_t a[kHeadDim / 16][4];
+    float wr[2] = {0.0f, 0.0f};
+    const int row0 = 16 * wi + static_cast<int>(lane / 4);  // + 8 i: head
+    if (has_row) {
+      training_detail::load_a_fragments<kHeadDim>(a, q_i, static_cast<long long>(t) * H,
+                                                  static_cast<long long>(t) * H + H, wi, static_cast<int>(lane));
+      wr[0] = __ldg(w + static_cast<int64_t>(t) * H + row0);
+      wr[1] = __ldg(w + static_cast<int64_t>(t) * H + row0 + 8);
+    }
+    float acc[32], g[kHeadDim / 2], dw[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) g[i] = 0.0f;
+
+    for (int j = 0; j < num_tiles; ++j) {
+      const int s = j % kStages;
+      ptx::mbar_wait(full(s), static_cast<uint32_t>(j / kStages) & 1u);
+      if (j >= own_first && j < own_end) {
+        const uint8_t* tile = smem + lay.offset_tile(s);
+        training_detail::mma_s<kHeadDim>(acc, a, tile);
+        // dI of this thread's columns (keys key0 + 8 gg + 2 quad + c), 0 outside the row's range.
+        const float* f = info_f(s) + 64 * wg;
+        float dv[16];
+#pragma unroll
+        for (int gg = 0; gg < 8; ++gg) {
+          const float2 x = reinterpret_cast<const float2*>(f)[4 * gg + quad];
+          dv[2 * gg] = x.x;
+          dv[2 * gg + 1] = x.y;
+        }
+        ptx::wgmma_wait<0>();
+        ptx::fence_accum<32>(acc);
+#pragma unroll
+        for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) dw[i] = fmaf(dv[2 * gg + c], fmaxf(acc[4 * gg + 2 * i + c], 0.0f), dw[i]);
+        uint32_t ds[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int gg = 2 * kk + jj / 2, i = jj % 2;
+            const float x0 = acc[4 * gg + 2 * i], x1 = acc[4 * gg + 2 * i + 1];
+            const float d0 = x0 > 0.0f ? dv[2 * gg] * wr[i] : 0.0f;
+            const float d1 = x1 > 0.0f ? dv[2 * gg + 1] * wr[i] : 0.0f;
+            ds[kk][jj] = ptx::pack_bf16x2(d0, d1);
+          }
+        }
+        training_detail::mma_g<kHeadDim>(g, ds, tile);
+        ptx::wgmma_wait<0>();
+        ptx::fence_accum<kHeadDim / 2>(g);
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(empty(s));
+    }
+    if (t < row_end) {
+      training_detail::store_g<kHeadDim>(dq_out + static_cast<int64_t>(t) * H * kHeadDim, g, wi, static_cast<int>(lane), H);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        dw[i] += __shfl_xor_sync(0xffffffffu, dw[i], 1);
+        dw[i] += __shfl_xor_sync(0xffffffffu, dw[i], 2);
+      }
+      if (quad == 0) {
+        dw_out[static_cast<int64_t>(t) * H + row0] = dw[0];
+        dw_out[static_cast<int64_t>(t) * H + row0 + 8] = dw[1];
+      }
+    }
+  }
+#else
+  asm volatile("trap;");
+#endif
+}
+
+}  // namespace deep_indexer

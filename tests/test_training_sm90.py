@@ -1,0 +1,300 @@
+"""deep_indexer.training on the SM90 kernels (backend "sm90" / "auto"): the warm-up `mean` loss and the indexer
+logits backward against naive float64 math on the same bf16 inputs (GPU), dispatch and argument checks (CPU).
+
+Bars (inputs are bf16, every reference is float64 on the bf16 values):
+- the target p and the row statistics: the kernels accumulate in fp32 and take exp2 with ex2.approx (2 ulp): entry
+  errors ~1e-6 relative. P_REL_TOL = 1e-4 per entry; one bf16 rounding of the scores or of p would give >= 2e-3.
+- the loss: LOSS_TOL as in test_training (max abs error over max(1, |loss|)), fp32 sums over the keys.
+- gradients: the one rounding beyond fp32 is dS = dI w [S > 0] to bf16 (8 bits) as the operand of the dq_I / dk_I
+  WGMMAs, a relative error up to 2^-9 per term (calc_diff ~1e-6 on a sum of random-sign terms), and the returned
+  gradients' own rounding to bf16 (calc_diff ~1.5e-6, see test_training). GRAD_TOL = 1e-5 for both the fp32
+  gradients inside and the returned bf16 ones; an indexing error gives calc_diff of order 1.
+"""
+import pytest
+import torch
+
+from conftest import HAS_SM90, calc_diff
+from deep_indexer.training import indexer_kl_loss, indexer_logits, packed_bounds
+from deep_indexer.training import sm90 as fast
+
+F64 = torch.float64
+P_REL_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-5
+needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an SM90 GPU")
+
+
+def _inputs(t, n, di, dqk=576, seed=0, device="cuda"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, dtype=F64) * std).to(device=device, dtype=torch.bfloat16)
+
+    q_i = r(t, 64, di, std=di ** -0.25)
+    k_i = r(n, di, std=di ** -0.25)
+    w = (torch.randn(t, 64, generator=g, dtype=F64) * 0.25).float().to(device)
+    q, k = r(t, 128, dqk), r(n, dqk)
+    return q_i, k_i, w, q, k
+
+
+def _naive_mean_loss(q_i, k_i, w, q, k, scale, ks, ke):
+    """Per-token KL(mean_h softmax || softmax(I)) in float64 (rows with no key: 0), vectorised with masks."""
+    a = scale * torch.einsum("thd,sd->ths", q.double(), k.double())
+    cols = torch.arange(k.shape[0], device=q.device)
+    valid = (cols >= ks[:, None]) & (cols < ke[:, None])
+    a = a.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(a, -1, keepdim=True)
+    p = torch.exp(a - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))).mean(1)  # [T, N]
+    s = torch.einsum("thd,sd->ths", q_i, k_i).relu()
+    logits = torch.einsum("ths,th->ts", s, w).masked_fill(~valid, float("-inf"))
+    logp_i = torch.log_softmax(logits, -1)
+    term = torch.where(valid, torch.xlogy(p, p) - p * torch.where(valid, logp_i, torch.zeros_like(logp_i)),
+                       torch.zeros_like(p))
+    return term.sum(-1), p, valid, lse.squeeze(-1)
+
+
+def _grads64(fn, leaves, gout):
+    xs = [x.detach().double().requires_grad_(True) for x in leaves]
+    out = fn(*xs)
+    (out * gout).sum().backward()
+    return out.detach(), [x.grad for x in xs]
+
+
+CU = torch.tensor([0, 101, 101, 257, 300], dtype=torch.int32)  # odd lengths and an empty sequence
+
+
+def _random_bounds(t, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.randint(0, n, (t,), generator=g)
+    ke = (ks + torch.randint(-5, n, (t,), generator=g)).clamp(0, n)
+    ks[0], ke[0] = 3, 3  # empty
+    ks[1], ke[1] = 0, n
+    ks[2], ke[2] = n - 1, n  # one key at the end
+    return ks, ke
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@needs_sm90
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("bounds", ["packed", "random"])
+def test_target_kernel(cluster, bounds, monkeypatch):
+    """The raw target kernel into a NaN-poisoned chunk (rows [37, 300) of 300): valid entries written and within
+    P_REL_TOL of float64, nothing else touched; row statistics."""
+    from deep_indexer import _C
+
+    monkeypatch.setenv("DI_TRAINING_TARGET_CLUSTER", str(cluster))
+    t = n = 300
+    _, _, _, q, k = _inputs(t, n, 128, seed=11)
+    ks, ke = packed_bounds(CU) if bounds == "packed" else _random_bounds(t, n, 5)
+    ks, ke = ks.cuda(), ke.cuda()
+    scale = 0.07
+    q_i, k_i, w = (x.double() for x in _inputs(t, n, 128, seed=11)[:3])
+    _, p_ref, valid, lse = _naive_mean_loss(q_i, k_i, w, q, k, scale, ks, ke)
+    r0, r1 = 37, 300
+    p = torch.full((r1 - r0, n + 4), float("nan"), device="cuda")
+    plogp = torch.full((t,), 7.0, device="cuda")
+    mass = torch.full((t,), 7.0, device="cuda")
+    lse32 = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).float().expand(t, 128).contiguous()
+    _C.bf16_training_target(q, k, lse32, ks.int(), ke.int(), p, plogp, mass, r0, r1, scale, 1.0 / 128)
+    got, want, v = p[:, :n], p_ref[r0:r1], valid[r0:r1]
+    assert not torch.isnan(got[v]).any(), "valid entries not written"
+    assert torch.isnan(got[~v]).all() and torch.isnan(p[:, n:]).all(), "entries outside the ranges written"
+    rel = ((got[v].double() - want[v]).abs() / want[v].abs().clamp_min(1e-30)).max().item()
+    assert rel < P_REL_TOL, f"p: max relative error {rel:.3g}"
+    want_plogp = torch.where(valid, torch.xlogy(p_ref, p_ref), torch.zeros_like(p_ref)).sum(-1)
+    want_mass = torch.where(valid, p_ref, torch.zeros_like(p_ref)).sum(-1)
+    assert (plogp[:r0] == 7.0).all() and (mass[:r0] == 7.0).all(), "statistics of rows outside the call written"
+    torch.testing.assert_close(plogp[r0:].double(), want_plogp[r0:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass[r0:].double(), want_mass[r0:], rtol=1e-5, atol=1e-5)
+
+
+def _loss_case(di, bounds, seed, t=300):
+    x = _inputs(t, t, di, seed=seed)
+    if bounds == "packed":
+        ks, ke = packed_bounds(CU)
+        kw = dict(cu_seqlens=CU)
+    else:
+        ks, ke = _random_bounds(t, t, seed)
+        kw = dict(ks=ks, ke=ke)
+    return x, ks.cuda(), ke.cuda(), kw
+
+
+@needs_sm90
+@pytest.mark.parametrize("di", [64, 128])
+@pytest.mark.parametrize("bounds", ["packed", "random"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_mean_loss_against_fp64(di, bounds, chunked, monkeypatch):
+    """indexer_kl_loss(backend="sm90"): per-token loss and gradients against float64 (several row chunks when
+    `chunked`: chunk buffers of 64 rows, rows offset by the chunk start)."""
+    if chunked:
+        monkeypatch.setattr(fast, "_CHUNK_BYTES", 64 * 300 * 4)
+    (q_i, k_i, w, q, k), ks, ke, kw = _loss_case(di, bounds, seed=21 + di)
+    scale = 576 ** -0.5
+    gout = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(3), dtype=F64).cuda()
+    ref, g_ref = _grads64(lambda a, b, c: _naive_mean_loss(a, b, c, q, k, scale, ks, ke)[0], (q_i, k_i, w), gout)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+    res = indexer_kl_loss(*leaves, q, k, scale, backend="sm90", reduction="sum", **kw)
+    (res.per_token.double() * gout).sum().backward()
+    err = (res.per_token.double() - ref).abs().max().item()
+    assert err <= LOSS_TOL * max(1.0, ref.abs().max().item()), f"loss: max abs error {err:.3g}"
+    assert res.per_token.dtype == torch.float32
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), [x.grad for x in leaves], g_ref):
+        d = calc_diff(a.double(), b)
+        assert d < GRAD_TOL, f"{name}: calc_diff {d:.3g} vs float64"
+    # the fp32 gradients inside, before autograd rounds dq_I / dk_I to bf16
+    lse = indexer_kl_loss(q_i, k_i, w, q, k, scale, backend="torch", **kw).attn_lse
+    ks_c, ke_c = ks.cpu(), ke.cpu()
+    _, lse_i, mass = fast.mean_fwd(q_i, k_i, w, q, k, scale, lse, ks, ke, ks_c, ke_c, 128, False)
+    inner = fast.mean_bwd(gout.float(), q_i, k_i, w, q, k, scale, lse, lse_i, mass, ks, ke, ks_c, ke_c, 128)
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), inner, g_ref):
+        assert a.dtype == torch.float32
+        d = calc_diff(a.double(), b)
+        assert d < GRAD_TOL, f"{name} (fp32): calc_diff {d:.3g} vs float64"
+
+
+@needs_sm90
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_attention_lse_kernel(cluster, monkeypatch):
+    """attn_lse=None on the SM90 path: the kernel's LSE against float64 (fp32 sums, ex2.approx: ~1e-6), -inf for
+    empty rows, and the loss against float64 with it."""
+    monkeypatch.setenv("DI_TRAINING_TARGET_CLUSTER", str(cluster))
+    (q_i, k_i, w, q, k), ks, ke, kw = _loss_case(128, "random", seed=71)
+    scale = 0.05
+    ref_loss, _, valid, ref_lse = _naive_mean_loss(q_i.double(), k_i.double(), w.double(), q, k, scale, ks, ke)
+    res = indexer_kl_loss(q_i, k_i, w, q, k, scale, backend="sm90", **kw)
+    empty = ~valid.any(-1)
+    assert torch.isneginf(res.attn_lse[empty]).all()
+    err = (res.attn_lse[~empty].double() - ref_lse[~empty]).abs().max().item()
+    assert err < 1e-5 * max(1.0, ref_lse[~empty].abs().max().item()), f"lse: max abs error {err:.3g}"
+    err = (res.per_token.double() - ref_loss).abs().max().item()
+    assert err <= LOSS_TOL * max(1.0, ref_loss.abs().max().item()), f"loss: max abs error {err:.3g}"
+
+
+@needs_sm90
+def test_mean_loss_deterministic_and_clusters(monkeypatch):
+    """Bitwise identical loss and gradients run to run, and with clusters of 1 or 2 CTAs in the target kernel."""
+    (q_i, k_i, w, q, k), _, _, kw = _loss_case(128, "packed", seed=41)
+    runs = []
+    for cluster in ("2", "2", "1"):
+        monkeypatch.setenv("DI_TRAINING_TARGET_CLUSTER", cluster)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+        res = indexer_kl_loss(*leaves, q, k, backend="sm90", **kw)
+        res.loss.backward()
+        runs.append([res.per_token, res.indexer_lse, res.target_mass] + [x.grad for x in leaves])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@needs_sm90
+def test_mean_loss_masked_rows_and_auto_dispatch(monkeypatch):
+    """token_mask rows: loss 0, no gradient; every row masked: all zeros. "auto" takes the kernels here."""
+    (q_i, k_i, w, q, k), _, _, kw = _loss_case(128, "packed", seed=51)
+    calls = []
+    real = fast.mean_fwd
+    monkeypatch.setattr(fast, "mean_fwd", lambda *a: calls.append(1) or real(*a))
+    mask = torch.rand(q.shape[0], generator=torch.Generator().manual_seed(2)) > 0.3
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+    res = indexer_kl_loss(*leaves, q, k, token_mask=mask, **kw)
+    res.loss.backward()
+    assert calls, "backend='auto' did not take the SM90 path"
+    assert (res.per_token[~mask.cuda()] == 0).all()
+    assert (leaves[0].grad[~mask.cuda()] == 0).all() and (leaves[2].grad[~mask.cuda()] == 0).all()
+    ref = indexer_kl_loss(q_i, k_i, w, q, k, token_mask=mask, backend="torch", **kw)
+    err = (res.per_token - ref.per_token).abs().max().item()
+    assert err <= LOSS_TOL * max(1.0, ref.per_token.abs().max().item())
+    none = torch.zeros_like(mask)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+    res = indexer_kl_loss(*leaves, q, k, token_mask=none, **kw)
+    res.loss.backward()
+    assert res.loss.item() == 0 and all((x.grad == 0).all() for x in leaves)
+
+
+@needs_sm90
+@pytest.mark.parametrize("di", [64, 128])
+def test_logits_backward_against_fp64(di):
+    """indexer_logits(backend="sm90") backward (dk_I key-major, dq_I / dw row-major) against float64, random
+    bounds with empty and one-key rows; bitwise reproducible."""
+    t, n = 333, 517
+    q_i, k_i, w, _, _ = _inputs(t, n, di, dqk=64, seed=61 + di)
+    ks, ke = _random_bounds(t, n, 9)
+    gout = torch.randn(t, n, generator=torch.Generator().manual_seed(4), dtype=F64).cuda()
+
+    def naive(a, b, c):
+        cols = torch.arange(n, device=a.device)
+        valid = (cols >= ks.cuda()[:, None]) & (cols < ke.cuda()[:, None])
+        out = torch.einsum("ths,th->ts", torch.einsum("thd,sd->ths", a, b).relu(), c)
+        return torch.where(valid, out, torch.zeros_like(out))
+
+    _, g_ref = _grads64(naive, (q_i, k_i, w), gout)
+    runs = []
+    for _ in range(2):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+        out = indexer_logits(*leaves, ks=ks, ke=ke, backend="sm90")
+        (torch.where(torch.isfinite(out), out, torch.zeros_like(out)) * gout.float()).sum().backward()
+        runs.append([x.grad for x in leaves])
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), runs[0], g_ref):
+        d = calc_diff(a.double(), b)
+        assert d < GRAD_TOL, f"{name}: calc_diff {d:.3g} vs float64"
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+
+def test_backend_argument_and_cpu_fallback():
+    x = _inputs(40, 40, 64, dqk=64, seed=1, device="cpu")
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        indexer_kl_loss(*x, cu_seqlens=cu, backend="cuda")
+    with pytest.raises(ValueError, match="backend='sm90'.*SM90"):
+        indexer_kl_loss(*x, cu_seqlens=cu, backend="sm90")
+    auto = indexer_kl_loss(*x, cu_seqlens=cu)
+    torch_ = indexer_kl_loss(*x, cu_seqlens=cu, backend="torch")
+    assert torch.equal(auto.per_token, torch_.per_token)
+
+
+def test_unsupported_reasons():
+    q_i, k_i, _, q, k = _inputs(4, 4, 64, dqk=64, seed=1, device="cpu")
+    assert "SM90" in fast.mean_unsupported(q_i, k_i, q, k, False)
+    assert "mean" in fast.mean_unsupported(q_i, k_i, q, k, True)
+    assert "SM90" in fast.logits_unsupported(q_i, k_i)
+
+
+def test_kernel_entries_check_arguments_on_cpu():
+    """The kernel entries validate shapes and dtypes (before the device) with messages naming the argument."""
+    from deep_indexer import _C
+
+    bf = torch.bfloat16
+    t, n = 6, 9
+    q, k = torch.zeros(t, 128, 576, dtype=bf), torch.zeros(n, 576, dtype=bf)
+    lse, ks, ke = torch.zeros(t, 128), torch.zeros(t, dtype=torch.int32), torch.ones(t, dtype=torch.int32)
+    p = torch.zeros(t, n)
+    with pytest.raises(ValueError, match="q has 64 heads"):
+        _C.bf16_training_target(torch.zeros(t, 64, 576, dtype=bf), k, lse, ks, ke, p, None, None, 0, t, 0.1, 1 / 128)
+    with pytest.raises(ValueError, match="attn_lse"):
+        _C.bf16_training_target(q, k, lse[:, :4], ks, ke, p, None, None, 0, t, 0.1, 1 / 128)
+    with pytest.raises(ValueError, match=r"rows \[0, 7\)"):
+        _C.bf16_training_target(q, k, lse, ks, ke, p, None, None, 0, 7, 0.1, 1 / 128)
+    with pytest.raises(ValueError, match="p must have at least"):
+        _C.bf16_training_target(q, k, lse, ks, ke, p[:, :4], None, None, 0, t, 0.1, 1 / 128)
+    with pytest.raises(ValueError, match="CUDA"):
+        _C.bf16_training_target(q, k, lse, ks, ke, p, None, None, 0, t, 0.1, 1 / 128)
+    q_i, k_i, w = torch.zeros(t, 64, 128, dtype=bf), torch.zeros(n, 128, dtype=bf), torch.zeros(t, 64)
+    with pytest.raises(ValueError, match="64 heads of dim 64 or 128"):
+        _C.bf16_indexer_logits_bwd_dk(torch.zeros(t, 32, 128, dtype=bf), k_i, w, ks, ke, p, 0, None, None, None, None, 0, t,
+                                      0, n)
+    with pytest.raises(ValueError, match="given together"):
+        _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t), None, None, None, 0, t, 0, n)
+    with pytest.raises(ValueError, match="dq must have shape"):
+        _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t, 64, 64), torch.zeros(t, 64), 0, t)
+    with pytest.raises(ValueError, match="lse_out must have shape"):
+        _C.bf16_indexer_logits_stats(q_i, k_i, w, ks, ke, p, torch.zeros(t + 1), torch.zeros(t), 0, t)
+
+
+def test_new_variants_are_registered():
+    import deep_indexer.jit as jit
+
+    ops = {v.op for v in jit.variants()}
+    assert {"training_target", "training_logits_stats", "training_indexer_dk", "training_indexer_dq"} <= ops

@@ -1,0 +1,22 @@
+#!/bin/bash
+# One device call: build, the training GPU tests, per-kernel times and the training bench; logs into $OUT.
+# Run from the repository root (the device's working copy); expects PYTHONPATH with the carried wheels.
+set -u
+export PYTHONUNBUFFERED=1 DI_JIT_CACHE_DIR=/tmp/di_cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)
+echo "commit $commit" | tee "$OUT/summary.log"
+t0=$(date +%s)
+CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -q -e . --no-build-isolation --no-deps > "$OUT/build.log" 2>&1 \
+  || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+echo "build $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
+python3 -m deep_indexer precompile --ops training_target training_logits_stats training_indexer_dk training_indexer_dq \
+  training_logits > "$OUT/precompile.log" 2>&1; tail -2 "$OUT/precompile.log" | tee -a "$OUT/summary.log"
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/test_training_sm90.py tests/test_training.py -q -rf \
+  -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1; echo "tests rc $?" | tee -a "$OUT/summary.log"
+tail -25 "$OUT/tests.log" | tee -a "$OUT/summary.log"
+timeout ${KT_TIMEOUT:-120} python3 tools/training_kernel_times.py --tokens 16384 > "$OUT/kernels.log" 2>&1
+echo "kernel times rc $?" | tee -a "$OUT/summary.log"; cat "$OUT/kernels.log" | tail -12 | tee -a "$OUT/summary.log"
+timeout ${BENCH_TIMEOUT:-200} python3 -m deep_indexer.training.bench --case mean logits ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+echo "bench rc $?" | tee -a "$OUT/summary.log"; tail -14 "$OUT/bench.log" | tee -a "$OUT/summary.log"
+echo "total $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
