@@ -94,6 +94,19 @@ def kth_bin(hist: np.ndarray, k: int) -> tuple:
     return b, int(above[b]), int(hist[b])
 
 
+def radix_pass(keys: np.ndarray, st: dict, shift: int, bits: int) -> tuple:
+    """One radix pass over `keys` (the kernel's radix_pass): counts the digit of the keys matching the
+    prefix, finds the k_rem-th key's bin, refines st (prefix, mask, greater, k_rem); (keys above, in bin)."""
+    dm = (1 << bits) - 1
+    hist = np.bincount((keys[(keys & st["mask"]) == st["prefix"]] >> shift) & dm, minlength=2048)
+    b, above, cnt = kth_bin(hist, st["k_rem"])
+    st["prefix"] |= b << shift
+    st["mask"] |= dm << shift
+    st["greater"] += above
+    st["k_rem"] -= above
+    return above, cnt
+
+
 def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, elem_bytes: int, sorted_: bool,
                        ctas: int = 1, cap: int = CAND_CAP, window: int = WINDOW, stats: dict | None = None) -> list:
     """The kernel's algorithm on one row. `buf` holds the keys of the whole allocation (16-byte
@@ -125,15 +138,12 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         sk = np.array(sk, dtype=np.int64)
         rank = sample_rank(k, n, len(sv) * kvec, kvec)
         assert 1 <= rank <= len(sk)
-        prefix = mask = 0
+        st = dict(prefix=0, mask=0, greater=0, k_rem=rank)
         for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
-            dm = (1 << bits) - 1
-            hist = np.bincount((sk[(sk & mask) == prefix] >> shift) & dm, minlength=2048)
-            b, above, cnt = kth_bin(hist, rank)
-            prefix, mask, rank = prefix | (b << shift), mask | (dm << shift), rank - above
+            above, cnt = radix_pass(sk, st, shift, bits)
             if d == 0 and (above + cnt) * n <= (cap // 2) * len(sv) * kvec:  # the first digit's edge is enough
                 break
-        kmin = prefix
+        kmin = st["prefix"]
         path = "sample"
 
     def filt(kmin_):  # survivors of the whole row (the CTAs' shares together), in some order
@@ -150,39 +160,31 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
     take_eq, whole, eq_from_row = ns, True, False
     if ns < min(k, n) or ns > cap:
         path += "+fallback"
-        k_rem, count_ge = k, 0
+        st = dict(prefix=0, mask=0, greater=0, k_rem=k)
         for shift, bits in digits(elem_bytes):
-            dm = (1 << bits) - 1
-            hist = np.bincount((keys[(keys & mask) == prefix] >> shift) & dm, minlength=2048)
-            b, above, cnt = kth_bin(hist, k_rem)
-            prefix, mask = prefix | (b << shift), mask | (dm << shift)
-            greater, k_rem = greater + above, k_rem - above
-            count_ge = greater + cnt
+            _, cnt = radix_pass(keys, st, shift, bits)
+            count_ge = st["greater"] + cnt
             if count_ge <= cap:
                 break
         eq_from_row = count_ge > cap
-        bk, bc = filt(prefix + 1 if eq_from_row else prefix)
+        bk, bc = filt(st["prefix"] + 1 if eq_from_row else st["prefix"])
         ns = len(bk)
-        assert ns == (greater if eq_from_row else count_ge) and ns <= cap
+        assert ns == (st["greater"] if eq_from_row else count_ge) and ns <= cap
         if eq_from_row:
             path += "+eq_from_row"
-            assert mask == full_mask
-            take_eq, whole = k_rem, False
+            assert st["mask"] == full_mask
+            prefix, mask, greater = st["prefix"], st["mask"], st["greater"]
+            take_eq, whole = st["k_rem"], False
         else:
-            prefix = mask = greater = 0
             take_eq = ns
     if not eq_from_row and ns > k:
-        k_rem, whole = k, False
+        st = dict(prefix=0, mask=0, greater=0, k_rem=k)
         for shift, bits in digits(elem_bytes):
-            dm = (1 << bits) - 1
-            hist = np.bincount((bk[(bk & mask) == prefix] >> shift) & dm, minlength=2048)
-            b, above, cnt = kth_bin(hist, k_rem)
-            prefix, mask = prefix | (b << shift), mask | (dm << shift)
-            greater, k_rem = greater + above, k_rem - above
-            whole = k_rem == cnt
+            _, cnt = radix_pass(bk, st, shift, bits)
+            whole = st["k_rem"] == cnt
             if whole:
                 break
-        take_eq = k_rem
+        prefix, mask, greater, take_eq = st["prefix"], st["mask"], st["greater"], st["k_rem"]
     total = greater + take_eq
     assert total == min(k, n)
 

@@ -5,6 +5,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <climits>
 #include <cmath>
 
@@ -33,6 +34,25 @@ inline void check_chunk(const char* op, const at::Tensor& t, const char* name, i
   TensorCheck(op, t, name).dtype(at::kFloat).ndim(2).row_major_2d();
   DI_CHECK_ARG(t.size(0) >= rows && t.size(1) >= N, "{}: {} must have at least {} rows and {} columns, got {}", op,
                name, rows, N, shape_str(t.sizes()));
+}
+
+// The indexer backward kernels' common inputs: q_I [T, 64, D], k_I [N, D] bf16, weights [T, 64] fp32 (all
+// contiguous), ks/ke and the rows [row_begin, row_end). Returns {T, H, D, N}.
+inline std::array<int64_t, 4> check_indexer_bwd_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& weights, const at::Tensor& ks,
+                                                        const at::Tensor& ke, int64_t row_begin, int64_t row_end) {
+  TensorCheck(op, q, "q_I").dtype(at::kBFloat16).ndim(3).contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  DI_CHECK_ARG(TrainingIndexerBwdLayout::supported_shape(static_cast<int>(H), static_cast<int>(D)),
+               "{}: q_I has {} heads of dim {}; the sm90 backward supports 64 heads of dim 64 or 128", op, H, D);
+  TensorCheck(op, k, "k_I").dtype(at::kBFloat16).shape({TensorCheck::kAny, D}).contiguous();
+  const int64_t N = k.size(0);
+  DI_CHECK_ARG(N < INT_MAX - 256 && T < INT_MAX / 128, "{}: at most 2^31 - 256 keys and 2^24 rows, got {} and {}", op,
+               N, T);
+  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({T, H}).contiguous();
+  check_bounds(op, ks, ke, T);
+  check_rows(op, T, row_begin, row_end);
+  return {T, H, D, N};
 }
 
 }  // namespace training_api
@@ -161,17 +181,7 @@ inline at::Tensor bf16_indexer_logits_bwd_dk(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& di_out, int64_t row_begin,
                                              int64_t row_end, int64_t key_begin, int64_t key_end) {
   constexpr const char* op = "deep_indexer.training (sm90 indexer backward, dk_I)";
-  TensorCheck(op, q, "q_I").dtype(at::kBFloat16).ndim(3).contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  DI_CHECK_ARG(TrainingIndexerBwdLayout::supported_shape(static_cast<int>(H), static_cast<int>(D)),
-               "{}: q_I has {} heads of dim {}; the sm90 backward supports 64 heads of dim 64 or 128", op, H, D);
-  TensorCheck(op, k, "k_I").dtype(at::kBFloat16).shape({TensorCheck::kAny, D}).contiguous();
-  const int64_t N = k.size(0);
-  DI_CHECK_ARG(N < INT_MAX - 256 && T < INT_MAX / 128, "{}: at most 2^31 - 256 keys and 2^24 rows, got {} and {}", op,
-               N, T);
-  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({T, H}).contiguous();
-  training_api::check_bounds(op, ks, ke, T);
-  training_api::check_rows(op, T, row_begin, row_end);
+  const auto [T, H, D, N] = training_api::check_indexer_bwd_inputs(op, q, k, weights, ks, ke, row_begin, row_end);
   DI_CHECK_ARG(0 <= vals_row0 && vals_row0 <= row_begin, "{}: vals_row0 must be in [0, row_begin = {}], got {}", op,
                row_begin, vals_row0);
   training_api::check_chunk(op, vals, "vals", row_end - vals_row0, N);
@@ -217,17 +227,7 @@ inline void bf16_indexer_logits_bwd_dq(const at::Tensor& q, const at::Tensor& k,
                                        int64_t di_row0, const at::Tensor& dq, const at::Tensor& dw, int64_t row_begin,
                                        int64_t row_end) {
   constexpr const char* op = "deep_indexer.training (sm90 indexer backward, dq_I)";
-  TensorCheck(op, q, "q_I").dtype(at::kBFloat16).ndim(3).contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  DI_CHECK_ARG(TrainingIndexerBwdLayout::supported_shape(static_cast<int>(H), static_cast<int>(D)),
-               "{}: q_I has {} heads of dim {}; the sm90 backward supports 64 heads of dim 64 or 128", op, H, D);
-  TensorCheck(op, k, "k_I").dtype(at::kBFloat16).shape({TensorCheck::kAny, D}).contiguous();
-  const int64_t N = k.size(0);
-  DI_CHECK_ARG(N < INT_MAX - 256 && T < INT_MAX / 128, "{}: at most 2^31 - 256 keys and 2^24 rows, got {} and {}", op,
-               N, T);
-  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({T, H}).contiguous();
-  training_api::check_bounds(op, ks, ke, T);
-  training_api::check_rows(op, T, row_begin, row_end);
+  const auto [T, H, D, N] = training_api::check_indexer_bwd_inputs(op, q, k, weights, ks, ke, row_begin, row_end);
   DI_CHECK_ARG(0 <= di_row0 && di_row0 <= row_begin, "{}: di_row0 must be in [0, row_begin = {}], got {}", op,
                row_begin, di_row0);
   training_api::check_chunk(op, di, "dI", row_end - di_row0, N);

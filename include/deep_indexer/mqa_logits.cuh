@@ -56,23 +56,6 @@ DI_DEVICE void store_out(__nv_bfloat16* ptr, float v) {
   asm volatile("st.global.cs.b16 [%0], %1;" ::"l"(ptr), "h"(bits) : "memory");
 }
 
-// One reduce-scatter step across lane pairs (lane ^ kLaneMask). `in` holds kN partial sums; the
-// pair (i0, i1) differs in index bit kBit. The lane with `upper` set keeps i1 and sends i0, its
-// partner keeps i0 and sends i1. out[k] (k = index with bit kBit removed) is the pair's total.
-template <int kN, int kBit, int kLaneMask>
-DI_DEVICE void reduce_scatter_step(const float (&in)[kN], float (&out)[kN / 2], bool upper) {
-  static_assert(kN >= 2 && (1 << kBit) < kN, "bad reduce-scatter step");
-#pragma unroll
-  for (int k = 0; k < kN / 2; ++k) {
-    constexpr int kLow = (1 << kBit) - 1;
-    const int i0 = ((k & ~kLow) << 1) | (k & kLow);
-    const int i1 = i0 | (1 << kBit);
-    const float keep = upper ? in[i1] : in[i0];
-    const float send = upper ? in[i0] : in[i1];
-    out[k] = keep + __shfl_xor_sync(0xffffffffu, send, kLaneMask);
-  }
-}
-
 // One warp writes -inf to elements [a, b) of `row`: scalar head up to a 16-byte boundary, 16-byte
 // streaming stores, scalar tail.
 template <typename OutT>
@@ -459,14 +442,14 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           float res[kNumRes];
           if constexpr (T >= 4) {
             float half[V / 2];
-            mqa_detail::reduce_scatter_step<V, 1, 1>(part, half, (quad & 1) != 0);
-            mqa_detail::reduce_scatter_step<V / 2, 1, 2>(half, res, (quad & 2) != 0);
+            ptx::reduce_scatter_step<V, 1, 1>(part, half, (quad & 1) != 0);
+            ptx::reduce_scatter_step<V / 2, 1, 2>(half, res, (quad & 2) != 0);
           } else if constexpr (T == 2) {
             float half[2];
-            mqa_detail::reduce_scatter_step<4, 1, 1>(part, half, (quad & 1) != 0);
-            mqa_detail::reduce_scatter_step<2, 0, 2>(half, res, (quad & 2) != 0);
+            ptx::reduce_scatter_step<4, 1, 1>(part, half, (quad & 1) != 0);
+            ptx::reduce_scatter_step<2, 0, 2>(half, res, (quad & 2) != 0);
           } else {
-            mqa_detail::reduce_scatter_step<2, 0, 1>(part, res, (quad & 1) != 0);
+            ptx::reduce_scatter_step<2, 0, 1>(part, res, (quad & 1) != 0);
             res[0] += __shfl_xor_sync(0xffffffffu, res[0], 2);
           }
           const int kv0 = u_lo + t * kBlockKV + row_in_tile;

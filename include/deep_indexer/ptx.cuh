@@ -1,5 +1,5 @@
 // Thin wrappers over the SM90 PTX that every deep_indexer kernel uses: mbarriers, TMA, WGMMA
-// fences and descriptors, register reconfiguration, named barriers, pipeline state.
+// fences and descriptors, register reconfiguration, named barriers, pipeline state; warp reductions.
 #pragma once
 #include <cstdint>
 #include <cuda.h>
@@ -15,6 +15,23 @@ DI_DEVICE uint32_t smem_addr(const void* ptr) {
 }
 
 DI_DEVICE uint32_t lane_idx() { return threadIdx.x & 31u; }
+
+// One reduce-scatter step across lane pairs (lane ^ kLaneMask). `in` holds kN partial sums; the
+// pair (i0, i1) differs in index bit kBit. The lane with `upper` set keeps i1 and sends i0, its
+// partner keeps i0 and sends i1. out[k] (k = index with bit kBit removed) is the pair's total.
+template <int kN, int kBit, int kLaneMask>
+DI_DEVICE void reduce_scatter_step(const float (&in)[kN], float (&out)[kN / 2], bool upper) {
+  static_assert(kN >= 2 && (1 << kBit) < kN, "bad reduce-scatter step");
+#pragma unroll
+  for (int k = 0; k < kN / 2; ++k) {
+    constexpr int kLow = (1 << kBit) - 1;
+    const int i0 = ((k & ~kLow) << 1) | (k & kLow);
+    const int i1 = i0 | (1 << kBit);
+    const float keep = upper ? in[i1] : in[i0];
+    const float send = upper ? in[i0] : in[i1];
+    out[k] = keep + __shfl_xor_sync(0xffffffffu, send, kLaneMask);
+  }
+}
 
 // Warp-uniform warp index (keeps the compiler from treating role branches as divergent).
 DI_DEVICE uint32_t warp_idx() { return __shfl_sync(0xffffffffu, threadIdx.x / 32u, 0); }

@@ -45,16 +45,7 @@
 namespace deep_indexer {
 namespace topk_detail {
 
-// The value of element c of a 16-byte vector as a float (bfloat16 widened exactly).
-template <int kElemBytes>
-__device__ __forceinline__ float value_at(const uint4& v, int c) {
-  const uint32_t w = c < 4 / kElemBytes * 1   ? v.x
-                     : c < 4 / kElemBytes * 2 ? v.y
-                     : c < 4 / kElemBytes * 3 ? v.z
-                                              : v.w;
-  if constexpr (kElemBytes == 4) return __uint_as_float(w);
-  else return __uint_as_float((c & 1) ? (w & 0xFFFF0000u) : (w << 16));
-}
+// The raw bits of element c (a compile-time constant after unrolling) of a 16-byte vector.
 template <int kElemBytes>
 __device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
   const uint32_t w = c < 4 / kElemBytes * 1   ? v.x
@@ -63,6 +54,11 @@ __device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
                                               : v.w;
   if constexpr (kElemBytes == 4) return w;
   else return (c & 1) ? (w >> 16) : (w & 0xFFFFu);
+}
+// Its value as a float (bfloat16 widened exactly).
+template <int kElemBytes>
+__device__ __forceinline__ float value_at(const uint4& v, int c) {
+  return __uint_as_float(raw_at<kElemBytes>(v, c) << (kElemBytes == 4 ? 0 : 16));
 }
 
 // Element c (0 <= c < 2 * kVec) of two 16-byte vectors, its raw bits (c is not a compile-time constant).
@@ -139,6 +135,29 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   uint32_t* plane_gt = reinterpret_cast<uint32_t*>(smem + L.plane_offset());
   uint32_t* plane_eq = plane_gt + TopkLayout::kWindowWords;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
+  // A radix select's state: the resolved bits `mask` of the k-th key (`prefix`), the keys above it
+  // so far and the rank still wanted among the keys that match the prefix.
+  struct RadixState {
+    uint32_t prefix = 0, mask = 0, greater = 0, k_rem = 0;
+  };
+  // One radix pass (digit `pass`): `count(add)` calls add(key, valid) for its keys; those valid and
+  // matching the prefix are counted by their digit. Returns the k_rem-th key's bin; refines `st`.
+  auto radix_pass = [&](int pass, RadixState& st, auto&& count) -> radix::KthBin {
+    const int shift = L.digit_shift(pass);
+    const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
+    for (int b = threadIdx.x; b < kBins; b += kThreads) hist_next[b] = 0;
+    count([&](uint32_t key, bool valid) {
+      if (valid && (key & st.mask) == st.prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+    });
+    const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, st.k_rem,
+                                                                  warp_sums, scalars);
+    next_hist_pass();
+    st.prefix |= kb.bin << shift;
+    st.mask |= digit_mask << shift;
+    st.greater += kb.above;
+    st.k_rem -= kb.above;
+    return kb;
+  };
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;  // C
@@ -286,33 +305,24 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       }
       tr.mark<0>(static_cast<int>(sample[0].x));
       const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
-      uint32_t prefix = 0, mask = 0, k_rem = j;
+      RadixState st;
+      st.k_rem = j;
 #pragma unroll 1
       for (int pass = 0; pass < 2; ++pass) {
-        const int shift = L.digit_shift(pass);
-        const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-        for (int b = tid; b < kBins; b += kThreads) hist_next[b] = 0;
+        const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
 #pragma unroll
-        for (int t = 0; t < kSampleVecs; ++t) {
+          for (int t = 0; t < kSampleVecs; ++t) {
 #pragma unroll
-          for (int c = 0; c < kVec; ++c) {
-            const uint32_t key = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c));
-            if (((sample_valid >> (t * kVec + c)) & 1u) && (key & mask) == prefix)
-              atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+            for (int c = 0; c < kVec; ++c)
+              add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)), (sample_valid >> (t * kVec + c)) & 1u);
           }
-        }
-        const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
-                                                                      warp_sums, scalars);
-        next_hist_pass();
-        prefix |= kb.bin << shift;
-        mask |= digit_mask << shift;
-        k_rem -= kb.above;
+        });
         // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
         // that is at most half the buffer (decode-sized rows), else refine by a second digit.
         if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
           break;
       }
-      kmin = prefix;
+      kmin = st.prefix;
       tr.mark<1>();
     }
 
@@ -336,31 +346,21 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       const uint64_t fallback_t0 = tr.now();
       if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
         // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
-        uint32_t k_rem = static_cast<uint32_t>(k), count_ge = 0;
+        RadixState st;
+        st.k_rem = static_cast<uint32_t>(k);
+        uint32_t count_ge = 0;
 #pragma unroll 1
         for (int pass = 0; pass < kPasses; ++pass) {
-          const int shift = L.digit_shift(pass);
-          const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-          for (int b = tid; b < kBins; b += kThreads) hist_next[b] = 0;
-          for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
-            const int v = vb + lane;
-            const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-            const uint32_t valid = v < num_vecs ? valid_bits(v) : 0u;
+          const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+            for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
+              const int v = vb + lane;
+              const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+              const uint32_t valid = v < num_vecs ? valid_bits(v) : 0u;
 #pragma unroll
-            for (int c = 0; c < kVec; ++c) {
-              const uint32_t key = radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c));
-              if (((valid >> c) & 1u) && (key & mask) == prefix)
-                atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+              for (int c = 0; c < kVec; ++c) add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)), (valid >> c) & 1u);
             }
-          }
-          const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
-                                                                        warp_sums, scalars);
-          next_hist_pass();
-          prefix |= kb.bin << shift;
-          mask |= digit_mask << shift;
-          greater += kb.above;
-          k_rem -= kb.above;
-          count_ge = greater + kb.count;
+          });
+          count_ge = st.greater + kb.count;
           if (count_ge <= static_cast<uint32_t>(kCap)) break;
         }
         // NOTES: count_ge > kCap only after the last digit: more keys equal the threshold key than
@@ -369,51 +369,43 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         if (tid == 0) *count = 0;
         __syncthreads();
         prefetch(0, num_vecs);
-        filter(0, num_vecs, eq_from_row ? prefix + 1u : prefix, count, cand_key, cand_col);
+        filter(0, num_vecs, eq_from_row ? st.prefix + 1u : st.prefix, count, cand_key, cand_col);
         __syncthreads();
         ns = *count;
-        DI_TOPK_ASSERT(ns == (eq_from_row ? greater : count_ge));
+        DI_TOPK_ASSERT(ns == (eq_from_row ? st.greater : count_ge));
         if (eq_from_row) {
-          DI_TOPK_ASSERT(mask == kFullKeyMask);
-          take_eq = k_rem;
+          DI_TOPK_ASSERT(st.mask == kFullKeyMask);
+          prefix = st.prefix;
+          mask = st.mask;
+          greater = st.greater;
+          take_eq = st.k_rem;
           whole = false;
         } else {
-          prefix = mask = greater = 0;
           take_eq = ns;
         }
         tr.add_since<7>(fallback_t0);
       }
       if (!eq_from_row && ns > static_cast<uint32_t>(k)) {
-        // Radix select of the k-th key over the buffer; stops once the k-th key's bin is taken whole.
-        uint32_t k_rem = static_cast<uint32_t>(k);
+        // Radix select of the k-th key over the buffer (its first pass turns the raw bits into keys,
+        // in place); stops once the k-th key's bin is taken whole.
+        RadixState st;
+        st.k_rem = static_cast<uint32_t>(k);
         whole = false;
 #pragma unroll 1
         for (int pass = 0; pass < kPasses && !whole; ++pass) {
-          const int shift = L.digit_shift(pass);
-          const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-          for (int b = tid; b < kBins; b += kThreads) hist_next[b] = 0;
-          if (pass == 0) {
-            for (uint32_t i = tid; i < ns; i += kThreads) {  // raw bits -> keys, in place
-              const uint32_t key = radix::to_key<kElemBytes>(cand_key[i]);
-              cand_key[i] = key;
-              atomicAdd(hist + (key >> shift), 1u);
-            }
-          } else {
+          const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
             for (uint32_t i = tid; i < ns; i += kThreads) {
-              const uint32_t key = cand_key[i];
-              if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
+              uint32_t key = cand_key[i];
+              if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
+              add(key, true);
             }
-          }
-          const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, k_rem,
-                                                                        warp_sums, scalars);
-          next_hist_pass();
-          prefix |= kb.bin << shift;
-          mask |= digit_mask << shift;
-          greater += kb.above;
-          k_rem -= kb.above;
-          whole = k_rem == kb.count;
+          });
+          whole = st.k_rem == kb.count;
         }
-        take_eq = k_rem;
+        prefix = st.prefix;
+        mask = st.mask;
+        greater = st.greater;
+        take_eq = st.k_rem;
       } else {
         for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
         __syncthreads();

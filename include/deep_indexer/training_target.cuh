@@ -30,23 +30,6 @@ namespace deep_indexer {
 
 namespace training_detail {
 
-// One reduce-scatter step across lane pairs (lane ^ kLaneMask) of kN partial sums: the pair (i0, i1)
-// differs in index bit kBit; the lane with `upper` keeps i1 and sends i0. out[k] (k = the index without
-// bit kBit) is the pair's total.
-template <int kN, int kBit, int kLaneMask>
-DI_DEVICE void rs_step(const float (&in)[kN], float (&out)[kN / 2], bool upper) {
-  static_assert(kN >= 2 && (1 << kBit) < kN, "bad reduce-scatter step");
-#pragma unroll
-  for (int k = 0; k < kN / 2; ++k) {
-    constexpr int kLow = (1 << kBit) - 1;
-    const int i0 = ((k & ~kLow) << 1) | (k & kLow);
-    const int i1 = i0 | (1 << kBit);
-    const float keep = upper ? in[i1] : in[i0];
-    const float send = upper ? in[i0] : in[i1];
-    out[k] = keep + __shfl_xor_sync(0xffffffffu, send, kLaneMask);
-  }
-}
-
 // The A fragments of rows [row0, row0 + 64) of a row-major bf16 matrix with kDim columns (one warpgroup,
 // WGMMA m64k16 register layout): a[kk] = {(r, 16 kk + c), (r + 8, 16 kk + c), (r, 16 kk + 8 + c),
 // (r + 8, 16 kk + 8 + c)} with r = row0 + 16 warp + lane / 4, c = 2 (lane % 4) (pairs of bf16).
@@ -308,9 +291,9 @@ __global__ void __launch_bounds__(TrainingTargetLayout::kThreads, 1)
         }
         // Sum over the warp's 8 row groups (lane bits 2..4): lane l ends with columns 2 l, 2 l + 1.
         float v8[8], v4[4], v2[2];
-        training_detail::rs_step<16, 3, 16>(v, v8, (lane & 16) != 0);
-        training_detail::rs_step<8, 2, 8>(v8, v4, (lane & 8) != 0);
-        training_detail::rs_step<4, 1, 4>(v4, v2, (lane & 4) != 0);
+        ptx::reduce_scatter_step<16, 3, 16>(v, v8, (lane & 16) != 0);
+        ptx::reduce_scatter_step<8, 2, 8>(v8, v4, (lane & 8) != 0);
+        ptx::reduce_scatter_step<4, 1, 4>(v4, v2, (lane & 4) != 0);
         const int r = n % L::kRedStages;
         ptx::mbar_wait(red_empty(r), (static_cast<uint32_t>(n / L::kRedStages) & 1u) ^ 1u);
         reinterpret_cast<float2*>(red(r) + (4 * wg + wi) * kBlockKV)[lane] = make_float2(v2[0], v2[1]);
