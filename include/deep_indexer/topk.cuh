@@ -126,9 +126,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     hist_next = t;
   };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
-  uint32_t* warp_sums2 = warp_sums + kWarps;                                     // [kWarps]
   // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's)
-  uint32_t* scalars = warp_sums2 + kWarps;
+  uint32_t* scalars = warp_sums + 2 * kWarps;
   uint32_t* count = scalars + 4;
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
   uint32_t* cand_col = reinterpret_cast<uint32_t*>(smem + L.cand_col_offset());
