@@ -5,7 +5,6 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include <array>
 #include <climits>
 #include <cmath>
 
@@ -14,48 +13,10 @@
 #include "../impls/training_target.hpp"
 #include "../utils/checks.hpp"
 #include "device.hpp"
+#include "training_logits.hpp"
 
 namespace deep_indexer {
 
-namespace training_api {
-
-inline void check_rows(const char* op, int64_t T, int64_t row_begin, int64_t row_end) {
-  DI_CHECK_ARG(0 <= row_begin && row_begin <= row_end && row_end <= T, "{}: rows [{}, {}) must lie in [0, {}]", op,
-               row_begin, row_end, T);
-}
-
-inline void check_bounds(const char* op, const at::Tensor& ks, const at::Tensor& ke, int64_t T) {
-  TensorCheck(op, ks, "ks").dtype(at::kInt).shape({T}).contiguous();
-  TensorCheck(op, ke, "ke").dtype(at::kInt).shape({T}).contiguous();
-}
-
-// A chunk buffer [rows, >= N] fp32 (unit inner stride) covering rows [row_begin, row_end).
-inline void check_chunk(const char* op, const at::Tensor& t, const char* name, int64_t rows, int64_t N) {
-  TensorCheck(op, t, name).dtype(at::kFloat).ndim(2).row_major_2d();
-  DI_CHECK_ARG(t.size(0) >= rows && t.size(1) >= N, "{}: {} must have at least {} rows and {} columns, got {}", op,
-               name, rows, N, shape_str(t.sizes()));
-}
-
-// The indexer backward kernels' common inputs: q_I [T, 64, D], k_I [N, D] bf16, weights [T, 64] fp32 (all
-// contiguous), ks/ke and the rows [row_begin, row_end). Returns {T, H, D, N}.
-inline std::array<int64_t, 4> check_indexer_bwd_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                                        const at::Tensor& weights, const at::Tensor& ks,
-                                                        const at::Tensor& ke, int64_t row_begin, int64_t row_end) {
-  TensorCheck(op, q, "q_I").dtype(at::kBFloat16).ndim(3).contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  DI_CHECK_ARG(TrainingIndexerBwdLayout::supported_shape(static_cast<int>(H), static_cast<int>(D)),
-               "{}: q_I has {} heads of dim {}; the sm90 backward supports 64 heads of dim 64 or 128", op, H, D);
-  TensorCheck(op, k, "k_I").dtype(at::kBFloat16).shape({TensorCheck::kAny, D}).contiguous();
-  const int64_t N = k.size(0);
-  DI_CHECK_ARG(N < INT_MAX - 256 && T < INT_MAX / 128, "{}: at most 2^31 - 256 keys and 2^24 rows, got {} and {}", op,
-               N, T);
-  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({T, H}).contiguous();
-  check_bounds(op, ks, ke, T);
-  check_rows(op, T, row_begin, row_end);
-  return {T, H, D, N};
-}
-
-}  // namespace training_api
 
 // p[t - row_begin, s] (valid keys only) and, when given, plogp[t], mass[t] of the rows [row_begin, row_end).
 // q [T, 128, D] bf16, k [N, D] bf16, lse [T, 128] fp32 (finite), ks/ke [T] int32, p [rows, >= N] fp32.
@@ -138,15 +99,8 @@ inline void bf16_indexer_logits_stats(const at::Tensor& q, const at::Tensor& k, 
                                       const at::Tensor& lse_out, const at::Tensor& pi_out, int64_t row_begin,
                                       int64_t row_end) {
   constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 indexer statistics)";
-  TensorCheck(op, q, "q_I").dtype(at::kBFloat16).ndim(3).contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  DI_CHECK_ARG(TrainingLogitsLayout::supported_shape(static_cast<int>(H), static_cast<int>(D)),
-               "{}: q_I has {} heads of dim {}; the sm90 kernel supports heads 16/32/64/128, dims 64/128", op, H, D);
-  TensorCheck(op, k, "k_I").dtype(at::kBFloat16).shape({TensorCheck::kAny, D}).contiguous();
-  const int64_t N = k.size(0);
-  DI_CHECK_ARG(N < INT_MAX - 64 && T < INT_MAX / 128, "{}: at most 2^31 - 64 keys and 2^24 rows, got {} and {}", op,
-               N, T);
-  TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({T, H}).row_major_2d();
+  const auto [T, H, D, N] = training_api::check_indexer_inputs<TrainingLogitsLayout>(
+      op, q, k, weights, "heads 16/32/64/128, dims 64/128", 64);
   training_api::check_bounds(op, ks, ke, T);
   training_api::check_rows(op, T, row_begin, row_end);
   training_api::check_chunk(op, p, "p", row_end - row_begin, N);
@@ -181,7 +135,11 @@ inline at::Tensor bf16_indexer_logits_bwd_dk(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& di_out, int64_t row_begin,
                                              int64_t row_end, int64_t key_begin, int64_t key_end) {
   constexpr const char* op = "deep_indexer.training (sm90 indexer backward, dk_I)";
-  const auto [T, H, D, N] = training_api::check_indexer_bwd_inputs(op, q, k, weights, ks, ke, row_begin, row_end);
+  const auto [T, H, D, N] = training_api::check_indexer_inputs<TrainingIndexerBwdLayout>(
+      op, q, k, weights, "64 heads of dim 64 or 128", 256);
+  TensorCheck(op, weights, "weights").contiguous();
+  training_api::check_bounds(op, ks, ke, T);
+  training_api::check_rows(op, T, row_begin, row_end);
   DI_CHECK_ARG(0 <= vals_row0 && vals_row0 <= row_begin, "{}: vals_row0 must be in [0, row_begin = {}], got {}", op,
                row_begin, vals_row0);
   training_api::check_chunk(op, vals, "vals", row_end - vals_row0, N);
@@ -227,7 +185,11 @@ inline void bf16_indexer_logits_bwd_dq(const at::Tensor& q, const at::Tensor& k,
                                        int64_t di_row0, const at::Tensor& dq, const at::Tensor& dw, int64_t row_begin,
                                        int64_t row_end) {
   constexpr const char* op = "deep_indexer.training (sm90 indexer backward, dq_I)";
-  const auto [T, H, D, N] = training_api::check_indexer_bwd_inputs(op, q, k, weights, ks, ke, row_begin, row_end);
+  const auto [T, H, D, N] = training_api::check_indexer_inputs<TrainingIndexerBwdLayout>(
+      op, q, k, weights, "64 heads of dim 64 or 128", 256);
+  TensorCheck(op, weights, "weights").contiguous();
+  training_api::check_bounds(op, ks, ke, T);
+  training_api::check_rows(op, T, row_begin, row_end);
   DI_CHECK_ARG(0 <= di_row0 && di_row0 <= row_begin, "{}: di_row0 must be in [0, row_begin = {}], got {}", op,
                row_begin, di_row0);
   training_api::check_chunk(op, di, "dI", row_end - di_row0, N);

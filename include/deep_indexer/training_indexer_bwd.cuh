@@ -44,6 +44,23 @@ struct BwdInfoHeader {
 };
 static_assert(sizeof(BwdInfoHeader) == TrainingIndexerBwdLayout::kInfoHeaderBytes, "info header size");
 
+// Both backward kernels' shared memory: the dynamic buffer aligned to kAlign, the stages' barriers
+// and row / tile information (a header, then floats).
+template <int kHeadDim>
+struct BwdSmem {
+  using L = TrainingIndexerBwdLayout;
+  static constexpr L lay() { return L{kHeadDim}; }
+  uint8_t* base;
+  DI_DEVICE explicit BwdSmem(uint8_t* raw)
+      : base(raw + ((L::kAlign - (ptx::smem_addr(raw) & (L::kAlign - 1))) & (L::kAlign - 1))) {}
+  DI_DEVICE uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + lay().offset_full(s)); }
+  DI_DEVICE uint64_t* empty(int s) const { return reinterpret_cast<uint64_t*>(base + lay().offset_empty(s)); }
+  DI_DEVICE BwdInfoHeader* info(int s) const { return reinterpret_cast<BwdInfoHeader*>(base + lay().offset_info(s)); }
+  DI_DEVICE float* info_f(int s) const {
+    return reinterpret_cast<float*>(base + lay().offset_info(s) + L::kInfoHeaderBytes);
+  }
+};
+
 // S = a x tile^T: tile rows are S's columns (K-major, 128-byte swizzle, D / 64 blocks).
 template <int kDim>
 DI_DEVICE void mma_s(float (&acc)[32], const uint32_t (&a)[kDim / 16][4], const uint8_t* tile) {
@@ -108,11 +125,8 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   using Info = training_detail::BwdInfoHeader;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((L::kAlign - (ptx::smem_addr(smem_raw) & (L::kAlign - 1))) & (L::kAlign - 1));
-  auto full = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_full(s)); };
-  auto empty = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_empty(s)); };
-  auto info = [&](int s) { return reinterpret_cast<Info*>(smem + lay.offset_info(s)); };
-  auto info_f = [&](int s) { return reinterpret_cast<float*>(smem + lay.offset_info(s) + L::kInfoHeaderBytes); };
+  const training_detail::BwdSmem<kHeadDim> sm{smem_raw};
+  uint8_t* smem = sm.base;
 
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
@@ -125,8 +139,8 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full(s), 32);
-      ptx::mbar_init(empty(s), L::kMathWarps);
+      ptx::mbar_init(sm.full(s), 32);
+      ptx::mbar_init(sm.empty(s), L::kMathWarps);
     }
     ptx::fence_mbar_init();
   }
@@ -140,7 +154,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       int n = 0;
       auto next_stage = [&](int& s) {
         s = n % kStages;
-        ptx::mbar_wait(empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
+        ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
         ++n;
       };
       for (int t = r_begin; t < r_end; ++t) {
@@ -148,7 +162,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         if (!(lo < hi && lo < s0 + L::kKeysPerCta && hi > s0)) continue;  // warp-uniform
         int s;
         next_stage(s);
-        float* f = info_f(s);
+        float* f = sm.info_f(s);
         const float2 wv = __ldg(reinterpret_cast<const float2*>(w + static_cast<int64_t>(t) * H) + lane);
         reinterpret_cast<float2*>(f)[lane] = wv;
         const float* vrow = vals + static_cast<int64_t>(t - vals_row0) * vals_stride;
@@ -159,7 +173,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
           f[64 + c] = key >= lo && key < hi ? __ldg(vrow + key) : 0.0f;
         }
         if (lane == 0) {
-          Info* hd = info(s);
+          Info* hd = sm.info(s);
           hd->item = t;
           hd->lo = lo;
           hd->hi = hi;
@@ -168,18 +182,18 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
             hd->mass = __ldg(mass_in + t);
             hd->lse = __ldg(lse_in + t);
           }
-          ptx::mbar_arrive_expect_tx(full(s), lay.tile_bytes());
+          ptx::mbar_arrive_expect_tx(sm.full(s), lay.tile_bytes());
 #pragma unroll
           for (int b = 0; b < lay.num_kblocks(); ++b)
-            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_q, full(s), 64 * b, t * H);
+            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_q, sm.full(s), 64 * b, t * H);
         } else {
-          ptx::mbar_arrive(full(s));
+          ptx::mbar_arrive(sm.full(s));
         }
       }
       int s;
       next_stage(s);
-      if (lane == 0) info(s)->item = -1;
-      ptx::mbar_arrive(full(s));
+      if (lane == 0) sm.info(s)->item = -1;
+      ptx::mbar_arrive(sm.full(s));
     }
   } else {
     // ===================================================================== math
@@ -199,10 +213,10 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
 
     for (int n = 0;; ++n) {
       const int s = n % kStages;
-      ptx::mbar_wait(full(s), static_cast<uint32_t>(n / kStages) & 1u);
-      const Info hd = *info(s);
+      ptx::mbar_wait(sm.full(s), static_cast<uint32_t>(n / kStages) & 1u);
+      const Info hd = *sm.info(s);
       if (hd.item < 0) break;
-      const float* f = info_f(s);
+      const float* f = sm.info_f(s);
       const uint8_t* tile = smem + lay.offset_tile(s);
       training_detail::mma_s<kHeadDim>(acc, a, tile);
       // The row's weights of this thread's columns (heads 8 gg + 2 quad + c).
@@ -251,7 +265,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       ptx::wgmma_wait<0>();
       ptx::fence_accum<kHeadDim / 2>(g);
       __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(empty(s));
+      if (lane == 0) ptx::mbar_arrive(sm.empty(s));
     }
     const int valid_rows = min(64, num_keys - key_base);
     if (valid_rows > 0)
@@ -279,11 +293,8 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   using Info = training_detail::BwdInfoHeader;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((L::kAlign - (ptx::smem_addr(smem_raw) & (L::kAlign - 1))) & (L::kAlign - 1));
-  auto full = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_full(s)); };
-  auto empty = [&](int s) { return reinterpret_cast<uint64_t*>(smem + lay.offset_empty(s)); };
-  auto info = [&](int s) { return reinterpret_cast<Info*>(smem + lay.offset_info(s)); };
-  auto info_f = [&](int s) { return reinterpret_cast<float*>(smem + lay.offset_info(s) + L::kInfoHeaderBytes); };
+  const training_detail::BwdSmem<kHeadDim> sm{smem_raw};
+  uint8_t* smem = sm.base;
 
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
@@ -303,8 +314,8 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(full(s), 32);
-      ptx::mbar_init(empty(s), L::kMathWarps);
+      ptx::mbar_init(sm.full(s), 32);
+      ptx::mbar_init(sm.empty(s), L::kMathWarps);
     }
     ptx::fence_mbar_init();
   }
@@ -317,9 +328,9 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     if (warp == 0) {
       for (int j = 0; j < num_tiles; ++j) {
         const int s = j % kStages;
-        ptx::mbar_wait(empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
+        ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
         const int key0 = u_lo + j * kTileKeys;
-        float* f = info_f(s);
+        float* f = sm.info_f(s);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float* drow = di + static_cast<int64_t>(t_first + r - di_row0) * di_stride;
@@ -331,13 +342,13 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
           }
         }
         if (lane == 0) {
-          info(s)->item = key0;
-          ptx::mbar_arrive_expect_tx(full(s), lay.tile_bytes());
+          sm.info(s)->item = key0;
+          ptx::mbar_arrive_expect_tx(sm.full(s), lay.tile_bytes());
 #pragma unroll
           for (int b = 0; b < lay.num_kblocks(); ++b)
-            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_k, full(s), 64 * b, key0);
+            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_k, sm.full(s), 64 * b, key0);
         } else {
-          ptx::mbar_arrive(full(s));
+          ptx::mbar_arrive(sm.full(s));
         }
       }
     }
@@ -369,12 +380,12 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
 
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
-      ptx::mbar_wait(full(s), static_cast<uint32_t>(j / kStages) & 1u);
+      ptx::mbar_wait(sm.full(s), static_cast<uint32_t>(j / kStages) & 1u);
       if (j >= own_first && j < own_end) {
         const uint8_t* tile = smem + lay.offset_tile(s);
         training_detail::mma_s<kHeadDim>(acc, a, tile);
         // dI of this thread's columns (keys key0 + 8 gg + 2 quad + c), 0 outside the row's range.
-        const float* f = info_f(s) + 64 * wg;
+        const float* f = sm.info_f(s) + 64 * wg;
         float dv[16];
 #pragma unroll
         for (int gg = 0; gg < 8; ++gg) {
@@ -407,7 +418,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         ptx::fence_accum<kHeadDim / 2>(g);
       }
       __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(empty(s));
+      if (lane == 0) ptx::mbar_arrive(sm.empty(s));
     }
     if (t < row_end) {
       training_detail::store_g<kHeadDim>(dq_out + static_cast<int64_t>(t) * H * kHeadDim, g, wi, static_cast<int>(lane), H);
