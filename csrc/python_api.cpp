@@ -95,10 +95,21 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       training_indexer_bwd_layout(p.head_dim);  // validates
       py::gil_scoped_release release;
       r = TrainingIndexerDqRuntime::precompile(p, arch);
+    } else if (op == "training_per_head_rows") {
+      TrainingPerHeadRowsRuntime::Params p{param(params, "qk_dim"), param(params, "head_dim"), param(params, "bwd") != 0};
+      training_per_head_layout(p.qk_dim, p.head_dim);  // validates
+      py::gil_scoped_release release;
+      r = TrainingPerHeadRowsRuntime::precompile(p, arch);
+    } else if (op == "training_per_head_dk") {
+      TrainingPerHeadDkRuntime::Params p{param(params, "qk_dim"), param(params, "head_dim")};
+      training_per_head_layout(p.qk_dim, p.head_dim);  // validates
+      py::gil_scoped_release release;
+      r = TrainingPerHeadDkRuntime::precompile(p, arch);
     } else {
       throw DIValueError(fmt::format(
           "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata, "
-          "topk, training_logits, training_logits_stats, training_target, training_indexer_dk, training_indexer_dq)",
+          "topk, training_logits, training_logits_stats, training_target, training_indexer_dk, training_indexer_dq, "
+          "training_per_head_rows, training_per_head_dk)",
           op));
     }
   }
@@ -191,4 +202,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_indexer_logits_bwd_dq", &bf16_indexer_logits_bwd_dq, py::arg("q"), py::arg("k"), py::arg("weights"),
         py::arg("ks"), py::arg("ke"), py::arg("di"), py::arg("di_row0"), py::arg("dq"), py::arg("dw"),
         py::arg("row_begin"), py::arg("row_end"));
+  m.def("bf16_per_head_rows", &bf16_per_head_rows, py::arg("q"), py::arg("k"), py::arg("q_i"), py::arg("k_i"),
+        py::arg("info"), py::arg("tile_lo"), py::arg("tile_hi"), py::arg("out_a"), py::arg("out_b"), py::arg("out_c"),
+        py::arg("softmax_scale"), py::arg("backward"));
+  m.def("bf16_per_head_dk", &bf16_per_head_dk, py::arg("q"), py::arg("k"), py::arg("q_i"), py::arg("k_i"),
+        py::arg("info"), py::arg("tile_lo"), py::arg("tile_hi"), py::arg("kb_first"), py::arg("kb_last"),
+        py::arg("softmax_scale"));
+  m.def("training_per_head_supported", [](int qk_dim, int head_dim) {
+    return TrainingPerHeadLayout{qk_dim, head_dim}.valid();
+  }, py::arg("qk_dim"), py::arg("head_dim"), "Whether the sm90 per_head kernels support attention dim qk_dim with "
+        "indexer dim head_dim.");
 }

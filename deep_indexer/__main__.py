@@ -71,7 +71,7 @@ def main(argv=None) -> int:
 
     pc = sub.add_parser("precompile", help="compile kernel variants into the disk cache (no GPU needed with --arch)")
     pc.add_argument("--arch", default=None, help="target architecture (sm_90a); default: the current GPU's")
-    pc.add_argument("--ops", nargs="+", default=None, help="clean_logits mqa_logits paged_mqa_logits paged_mqa_logits_metadata topk training_logits training_logits_stats training_target training_indexer_dk training_indexer_dq")
+    pc.add_argument("--ops", nargs="+", default=None, help="clean_logits mqa_logits paged_mqa_logits paged_mqa_logits_metadata topk training_logits training_logits_stats training_target training_indexer_dk training_indexer_dq training_per_head_rows training_per_head_dk")
     pc.add_argument("--heads", nargs="+", type=int, default=None)
     pc.add_argument("--head-dims", nargs="+", type=int, default=None)
     pc.add_argument("--next-n", nargs="+", type=int, default=None)

@@ -30,7 +30,10 @@ BLOCK_KV = (32, 64)
 LOGITS_DTYPES = ("float32", "bfloat16")
 TRAINING_TARGET_HEAD_DIMS = (128, 192, 576)  # attention q.k dims precompiled for the warm-up target (any multiple of 64 up to 576 compiles on use)
 OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk", "training_logits",
-       "training_logits_stats", "training_target", "training_indexer_dk", "training_indexer_dq")
+       "training_logits_stats", "training_target", "training_indexer_dk", "training_indexer_dq",
+       "training_per_head_rows", "training_per_head_dk")
+# (attention q.k dim, indexer dim) pairs precompiled for the warm-up loss's per_head target (others compile on use)
+TRAINING_PER_HEAD_DIMS = ((64, 64), (128, 64), (192, 64))  # every pair within the register budget
 _ELEM_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -115,6 +118,15 @@ def variants(
                         add(op, head_dim=d, loss=loss)
                 else:
                     add(op, head_dim=d)
+        elif op in ("training_per_head_rows", "training_per_head_dk"):
+            for qk, d in TRAINING_PER_HEAD_DIMS:
+                if head_dims and d not in head_dims:
+                    continue
+                if op == "training_per_head_rows":
+                    for bwd in (0, 1):
+                        add(op, qk_dim=qk, head_dim=d, bwd=bwd)
+                else:
+                    add(op, qk_dim=qk, head_dim=d)
     return out
 
 

@@ -210,6 +210,126 @@ def test_mean_loss_masked_rows_and_auto_dispatch(monkeypatch):
     assert res.loss.item() == 0 and all((x.grad == 0).all() for x in leaves)
 
 
+def _per_head_inputs(t, n, heads, kv_heads, dqk, seed, di=64):
+    """per_head inputs: kv_heads = 0 gives one key head as k [N, Dqk]; else k [N, kv_heads, Dqk]."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, dtype=F64) * std).to(device="cuda", dtype=torch.bfloat16)
+
+    q_i = r(t, heads, di, std=di ** -0.25)
+    k_i = r(n, di, std=di ** -0.25)
+    w = (torch.randn(t, heads, generator=g, dtype=F64) * 0.5).float().cuda()
+    q = r(t, heads, dqk)
+    k = r(n, dqk) if kv_heads == 0 else r(n, kv_heads, dqk)
+    return q_i, k_i, w, q, k
+
+
+def _naive_per_head_loss(q_i, k_i, w, q, k, scale, ks, ke):
+    """Per-token mean over heads of KL(softmax(A_h) || softmax(I_h)) in float64, and the attention LSE [T, H]."""
+    heads = q.shape[1]
+    kk = k.double().unsqueeze(1) if k.dim() == 2 else k.double()
+    kk = kk.repeat_interleave(heads // kk.shape[1], dim=1)  # [N, H, Dqk]
+    a = scale * torch.einsum("thd,shd->ths", q.double(), kk)
+    cols = torch.arange(k.shape[0], device=q.device)
+    valid = ((cols >= ks[:, None]) & (cols < ke[:, None]))[:, None, :]
+    a = a.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(a, -1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(a - safe[..., None])
+    logits = (torch.einsum("thd,sd->ths", q_i, k_i).relu() * w[..., None]).masked_fill(~valid, float("-inf"))
+    logp_i = torch.log_softmax(logits, -1)
+    term = torch.where(valid, torch.xlogy(p, p) - p * torch.where(valid, logp_i, torch.zeros_like(logp_i)),
+                       torch.zeros_like(p))
+    return term.sum(-1).mean(-1), lse
+
+
+PER_HEAD_CASES = [  # (heads, kv_heads, dqk): the seeds' MHA shape, GQA, MQA, odd head counts, every attention dim
+    (64, 64, 128), (64, 16, 128), (64, 0, 128), (12, 12, 64), (6, 3, 192), (5, 0, 64)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("heads,kv_heads,dqk", PER_HEAD_CASES)
+@pytest.mark.parametrize("bounds", ["packed", "random"])
+def test_per_head_loss_against_fp64(heads, kv_heads, dqk, bounds, monkeypatch):
+    """indexer_kl_loss(target="per_head", backend="sm90"): loss, statistics and gradients against float64, with
+    the heads of the dk_I kernel in 1 group or in uneven groups."""
+    t = 300
+    q_i, k_i, w, q, k = _per_head_inputs(t, t, heads, kv_heads, dqk, seed=heads + dqk)
+    if bounds == "packed":
+        ks, ke = packed_bounds(CU)
+        kw = dict(cu_seqlens=CU)
+    else:
+        ks, ke = _random_bounds(t, t, seed=dqk)
+        kw = dict(ks=ks, ke=ke)
+    ks, ke = ks.cuda(), ke.cuda()
+    scale = dqk ** -0.5
+    gout = torch.randn(t, generator=torch.Generator().manual_seed(5), dtype=F64).cuda()
+    ref_lse = _naive_per_head_loss(q_i, k_i, w, q, k, scale, ks, ke)[1]
+    ref, g_ref = _grads64(lambda a, b, c: _naive_per_head_loss(a, b, c, q, k, scale, ks, ke)[0], (q_i, k_i, w), gout)
+    for groups in ("1", "5"):
+        monkeypatch.setenv("DI_TRAINING_PER_HEAD_GROUPS", groups)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+        res = indexer_kl_loss(*leaves, q, k, scale, attn_lse=ref_lse.float(), target="per_head", backend="sm90",
+                              reduction="sum", **kw)
+        (res.per_token.double() * gout).sum().backward()
+        err = (res.per_token.double() - ref).abs().max().item()
+        assert err <= LOSS_TOL * max(1.0, ref.abs().max().item()), f"loss: max abs error {err:.3g}"
+        assert res.indexer_lse.shape == (t, heads) and res.target_mass.shape == (t, heads)
+        empty = ke <= ks
+        assert torch.isneginf(res.indexer_lse[empty]).all() and (res.target_mass[empty] == 0).all()
+        torch.testing.assert_close(res.target_mass[~empty].double(), torch.ones_like(res.target_mass[~empty].double()),
+                                   rtol=0, atol=1e-5)
+        for name, a, b in zip(("dq_I", "dk_I", "dw"), [x.grad for x in leaves], g_ref):
+            d = calc_diff(a.double(), b)
+            assert d < GRAD_TOL, f"{name} (groups {groups}): calc_diff {d:.3g} vs float64"
+    # the statistics and the fp32 gradients inside, against the portable path / float64
+    lse_i_ref = indexer_kl_loss(q_i, k_i, w, q, k, scale, attn_lse=ref_lse.float(), target="per_head",
+                                backend="torch", **kw).indexer_lse
+    loss, lse_i, mass = fast.per_head_fwd(q_i, k_i, w, q, k, scale, ref_lse.float(), ks, ke, heads)
+    live = torch.isfinite(lse_i_ref)
+    assert torch.equal(live, torch.isfinite(lse_i))
+    torch.testing.assert_close(lse_i[live], lse_i_ref[live].float(), rtol=1e-5, atol=1e-5)
+    inner = fast.per_head_bwd(gout.float(), q_i, k_i, w, q, k, scale, ref_lse.float(), lse_i, mass, ks, ke, heads)
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), inner, g_ref):
+        assert a.dtype == torch.float32
+        d = calc_diff(a.double(), b)
+        assert d < GRAD_TOL, f"{name} (fp32): calc_diff {d:.3g} vs float64"
+
+
+@needs_sm90
+def test_per_head_deterministic_long_rows_and_auto(monkeypatch):
+    """Several key blocks and row pairs (T = 1000 causal in two sequences), rows without keys, no attn_lse (computed
+    by the portable path); bitwise identical run to run; "auto" takes the kernels."""
+    t = 1000
+    q_i, k_i, w, q, k = _per_head_inputs(t, t, 8, 8, 128, seed=9)
+    cu = torch.tensor([0, 37, 1000], dtype=torch.int32)
+    mask = torch.rand(t, generator=torch.Generator().manual_seed(4)) > 0.2
+    calls = []
+    real = fast.per_head_fwd
+    monkeypatch.setattr(fast, "per_head_fwd", lambda *a: calls.append(1) or real(*a))
+    runs = []
+    for _ in range(2):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+        res = indexer_kl_loss(*leaves, q, k, 0.1, cu_seqlens=cu, target="per_head", token_mask=mask)
+        res.loss.backward()
+        runs.append([res.per_token, res.indexer_lse, res.target_mass] + [x.grad for x in leaves])
+    assert len(calls) == 2, "backend='auto' did not take the SM90 path"
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    ks, ke = packed_bounds(cu)
+    ke = torch.where(mask, ke, ks)
+    ks, ke = ks.cuda(), ke.cuda()
+    gout = torch.ones(t, dtype=F64, device="cuda") / mask.sum().item()
+    ref, g_ref = _grads64(lambda a, b, c: _naive_per_head_loss(a, b, c, q, k, 0.1, ks, ke)[0], (q_i, k_i, w), gout)
+    err = (runs[0][0].double() - ref).abs().max().item()
+    assert err <= LOSS_TOL * max(1.0, ref.abs().max().item()), f"loss: max abs error {err:.3g}"
+    assert (runs[0][0][~mask.cuda()] == 0).all()
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), runs[0][3:], g_ref):
+        d = calc_diff(a.double(), b)
+        assert d < GRAD_TOL, f"{name}: calc_diff {d:.3g} vs float64"
+
+
 @needs_sm90
 @pytest.mark.parametrize("di", [64, 128])
 def test_logits_backward_against_fp64(di):
@@ -257,9 +377,10 @@ def test_backend_argument_and_cpu_fallback():
 
 def test_unsupported_reasons():
     q_i, k_i, _, q, k = _inputs(4, 4, 64, dqk=64, seed=1, device="cpu")
-    assert "SM90" in fast.mean_unsupported(q_i, k_i, q, k, False)
-    assert "mean" in fast.mean_unsupported(q_i, k_i, q, k, True)
+    assert "SM90" in fast.loss_unsupported(q_i, k_i, q, k, False)
+    assert "SM90" in fast.loss_unsupported(q_i, k_i, q, k, True)
     assert "SM90" in fast.logits_unsupported(q_i, k_i)
+    assert "SM90" in fast.lse_unsupported(q, k)
 
 
 def test_kernel_entries_check_arguments_on_cpu():
@@ -291,10 +412,57 @@ def test_kernel_entries_check_arguments_on_cpu():
         _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t, 64, 64), torch.zeros(t, 64), 0, t)
     with pytest.raises(ValueError, match="lse_out must have shape"):
         _C.bf16_indexer_logits_stats(q_i, k_i, w, ks, ke, p, torch.zeros(t + 1), torch.zeros(t), 0, t)
+    # per_head entries
+    qh, kh, qih, kih = (torch.zeros(t, 8, 128, dtype=bf), torch.zeros(n, 8, 128, dtype=bf), torch.zeros(t, 8, 64, dtype=bf),
+                        torch.zeros(n, 64, dtype=bf))
+    info, tl = torch.zeros(8, 128, 8), torch.zeros(2, dtype=torch.int32)
+    kl = torch.zeros(t, 8)
+    with pytest.raises(ValueError, match="attention dim 128 with indexer dim 128"):
+        _C.bf16_per_head_rows(qh, kh, torch.zeros(t, 8, 128, dtype=bf), torch.zeros(n, 128, dtype=bf), info, tl, tl,
+                              kl, kl, kl, 0.1, False)
+    with pytest.raises(ValueError, match="3 key heads"):
+        _C.bf16_per_head_rows(qh, torch.zeros(n, 3, 128, dtype=bf), qih, kih, info, tl, tl, kl, kl, kl, 0.1, False)
+    with pytest.raises(ValueError, match="info must have shape"):
+        _C.bf16_per_head_rows(qh, kh, qih, kih, info[:, :64], tl, tl, kl, kl, kl, 0.1, False)
+    with pytest.raises(ValueError, match="dq must have shape"):
+        _C.bf16_per_head_rows(qh, kh, qih, kih, info, tl, tl, kl, kl, None, 0.1, True)
+    with pytest.raises(ValueError, match="kb_first must have shape"):
+        _C.bf16_per_head_dk(qh, kh, qih, kih, info, tl, tl, tl[:0], tl[:1], 0.1)
+    with pytest.raises(ValueError, match="CUDA"):
+        _C.bf16_per_head_rows(qh, kh, qih, kih, info, tl, tl, kl, kl, kl, 0.1, False)
+
+
+def test_per_head_plan_on_cpu():
+    """The per_head host plan: row tiles' hulls and, per 128-key block, the first / last row tile meeting it,
+    against brute force (ragged T, empty rows, rows past N, a block no row reaches)."""
+    t, n = 333, 700
+    ks, ke = _random_bounds(t, 500, seed=3)
+    ke[5] = 10 ** 6  # clamped to N
+    lo, hi, t_pad, tlo, thi, first, last = fast._per_head_plan(ks, ke, t, n)
+    assert t_pad == 384 and tlo.shape == (6,) and first.shape == (6,)
+    live = ks.clamp(0, n) < ke.clamp(0, n)
+    assert torch.equal(lo[~live], torch.zeros_like(lo[~live])) and torch.equal(hi[~live], torch.zeros_like(hi[~live]))
+    assert int(hi.max()) <= n
+    for rt in range(t_pad // 64):
+        rows = [r for r in range(64 * rt, min(t, 64 * rt + 64)) if live[r]]
+        if rows:
+            assert tlo[rt] == min(int(lo[r]) for r in rows) and thi[rt] == max(int(hi[r]) for r in rows)
+        else:
+            assert tlo[rt] >= thi[rt]
+    for kb in range(first.numel()):
+        meet = [rt for rt in range(t_pad // 64) if tlo[rt] < thi[rt] and tlo[rt] < 128 * kb + 128 and thi[rt] > 128 * kb]
+        assert (int(first[kb]), int(last[kb])) == ((meet[0], meet[-1]) if meet else (0, -1))
+    assert int(last[5]) == -1 or int(thi.max()) > 640  # keys >= 500 are met only through the clamped row 5
 
 
 def test_new_variants_are_registered():
     import deep_indexer.jit as jit
 
     ops = {v.op for v in jit.variants()}
-    assert {"training_target", "training_logits_stats", "training_indexer_dk", "training_indexer_dq"} <= ops
+    assert {"training_target", "training_logits_stats", "training_indexer_dk", "training_indexer_dq",
+            "training_per_head_rows", "training_per_head_dk"} <= ops
+    from deep_indexer import _C
+
+    for qk, d in jit.TRAINING_PER_HEAD_DIMS:
+        assert _C.training_per_head_supported(qk, d)
+    assert not _C.training_per_head_supported(128, 128)  # over the register budget (spills)

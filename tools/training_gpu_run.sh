@@ -11,7 +11,7 @@ CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -q -e . --no-build-isola
   || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
 echo "build $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.log"
 python3 -m deep_indexer precompile --ops training_target training_logits_stats training_indexer_dk training_indexer_dq \
-  training_logits > "$OUT/precompile.log" 2>&1; tail -2 "$OUT/precompile.log" | tee -a "$OUT/summary.log"
+  training_logits training_per_head_rows training_per_head_dk > "$OUT/precompile.log" 2>&1; tail -2 "$OUT/precompile.log" | tee -a "$OUT/summary.log"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/test_training_sm90.py tests/test_training.py -q -rf \
   -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1; echo "tests rc $?" | tee -a "$OUT/summary.log"
 tail -25 "$OUT/tests.log" | tee -a "$OUT/summary.log"

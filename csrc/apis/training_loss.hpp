@@ -10,6 +10,7 @@
 
 #include "../impls/training_indexer_bwd.hpp"
 #include "../impls/training_logits.hpp"
+#include "../impls/training_per_head.hpp"
 #include "../impls/training_target.hpp"
 #include "../utils/checks.hpp"
 #include "device.hpp"
@@ -208,6 +209,120 @@ inline void bf16_indexer_logits_bwd_dq(const at::Tensor& q, const at::Tensor& k,
                                     static_cast<int>(di_row0), dq.data_ptr<float>(), dw.data_ptr<float>(),
                                     static_cast<int>(row_begin), static_cast<int>(row_end), static_cast<int>(N)},
                                    dev.stream, dev.device);
+}
+
+namespace training_api {
+
+// The per_head kernels' inputs: q [T, H, Dqk], k [N, Dqk] or [N, Hkv, Dqk] (Hkv | H), q_I [T, H, D], k_I [N, D]
+// (bf16, contiguous), info [H, t_pad, 8] fp32 (RowInfo, t_pad = T rounded up to 128), tile_lo / tile_hi
+// [t_pad / 64] int32. Returns {T, H, Hkv, Dqk, D, N, t_pad}.
+inline std::array<int64_t, 7> check_per_head_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& q_i, const at::Tensor& k_i,
+                                                    const at::Tensor& info, const at::Tensor& tile_lo,
+                                                    const at::Tensor& tile_hi) {
+  TensorCheck(op, q, "q").dtype(at::kBFloat16).ndim(3).contiguous();
+  const int64_t T = q.size(0), H = q.size(1), Dqk = q.size(2);
+  TensorCheck(op, q_i, "q_I").dtype(at::kBFloat16).ndim(3).contiguous();
+  const int64_t D = q_i.size(2);
+  TensorCheck(op, q_i, "q_I").shape({T, H, D});
+  const TrainingPerHeadLayout layout{static_cast<int>(Dqk), static_cast<int>(D)};
+  DI_CHECK_ARG(layout.valid(),
+               "{}: attention dim {} with indexer dim {} is not supported by the sm90 per_head kernels", op, Dqk, D);
+  TensorCheck(op, k, "k").dtype(at::kBFloat16).contiguous();
+  DI_CHECK_ARG((k.dim() == 2 || k.dim() == 3) && k.size(-1) == Dqk,
+               "{}: k must be [N, {}] or [N, H_kv, {}], got {}", op, Dqk, Dqk, shape_str(k.sizes()));
+  const int64_t N = k.size(0), Hkv = k.dim() == 3 ? k.size(1) : 1;
+  DI_CHECK_ARG(Hkv >= 1 && H % Hkv == 0, "{}: k has {} key heads, which must divide the {} heads of q", op, Hkv, H);
+  TensorCheck(op, k_i, "k_I").dtype(at::kBFloat16).shape({N, D}).contiguous();
+  DI_CHECK_ARG(N < INT_MAX - 256 && T < (1 << 24) && H <= 1024, "{}: at most 2^31 - 256 keys, 2^24 rows and 1024 heads, "
+               "got {}, {} and {}", op, N, T, H);
+  const int64_t t_pad = (T + 127) / 128 * 128;
+  TensorCheck(op, info, "info").dtype(at::kFloat).shape({H, t_pad, 8}).contiguous();
+  TensorCheck(op, tile_lo, "tile_lo").dtype(at::kInt).shape({t_pad / 64}).contiguous();
+  TensorCheck(op, tile_hi, "tile_hi").dtype(at::kInt).shape({t_pad / 64}).contiguous();
+  return {T, H, Hkv, Dqk, D, N, t_pad};
+}
+
+// After the shape checks: every input on q's CUDA device, the TMA sources 16-byte aligned.
+inline void check_per_head_device(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i,
+                                  const at::Tensor& k_i, const at::Tensor& info, const at::Tensor& tile_lo,
+                                  const at::Tensor& tile_hi) {
+  TensorCheck(op, q, "q").cuda();
+  for (auto [t, name] : {std::pair{&k, "k"}, {&q_i, "q_I"}, {&k_i, "k_I"}, {&info, "info"}, {&tile_lo, "tile_lo"},
+                         {&tile_hi, "tile_hi"}})
+    TensorCheck(op, *t, name).on(q.device());
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&q_i, "q_I"}, {&k_i, "k_I"}, {&info, "info"}})
+    TensorCheck(op, *t, name).aligned(16);
+}
+
+}  // namespace training_api
+
+// per_head target, row-major kernel. Forward (`backward` false): out_a = kl, out_b = lse_I, out_c = mass, each
+// [T, H] fp32. Backward: out_a = dq_I [T, H, D] fp32, out_b = dw [T, H] fp32 (out_c unused). Every row < T is
+// written. info holds the rows' values (RowInfo in training_per_head.cuh), tile_lo / tile_hi the row tiles' hulls.
+inline void bf16_per_head_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i, const at::Tensor& k_i,
+                               const at::Tensor& info, const at::Tensor& tile_lo, const at::Tensor& tile_hi,
+                               const at::Tensor& out_a, const at::Tensor& out_b, const c10::optional<at::Tensor>& out_c,
+                               double softmax_scale, bool backward) {
+  constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 per_head rows)";
+  const auto [T, H, Hkv, Dqk, D, N, t_pad] = training_api::check_per_head_inputs(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
+  if (backward) {
+    TensorCheck(op, out_a, "dq").dtype(at::kFloat).shape({T, H, D}).contiguous();
+  } else {
+    TensorCheck(op, out_a, "kl").dtype(at::kFloat).shape({T, H}).contiguous();
+    DI_CHECK_ARG(out_c.has_value(), "{}: the forward needs out_c (mass)", op);
+    TensorCheck(op, *out_c, "mass").dtype(at::kFloat).shape({T, H}).contiguous();
+  }
+  TensorCheck(op, out_b, backward ? "dw" : "lse_I").dtype(at::kFloat).shape({T, H}).contiguous();
+  DI_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale > 0, "{}: softmax_scale must be positive, got {}", op,
+               softmax_scale);
+  training_api::check_per_head_device(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
+  TensorCheck(op, out_a, "out_a").on(q.device());
+  TensorCheck(op, out_b, "out_b").on(q.device());
+  if (!backward) TensorCheck(op, *out_c, "mass").on(q.device());
+  if (T == 0 || N == 0) return;
+  const OpDevice dev = op_device(q);
+  TrainingPerHeadRowsRuntime::launch(
+      {{static_cast<int>(Dqk), static_cast<int>(D), backward}, q.data_ptr(), k.data_ptr(), q_i.data_ptr(),
+       k_i.data_ptr(), info.data_ptr(), tile_lo.data_ptr<int>(), tile_hi.data_ptr<int>(), out_a.data_ptr<float>(),
+       out_b.data_ptr<float>(), backward ? nullptr : out_c->data_ptr<float>(), static_cast<int>(T),
+       static_cast<int>(H), static_cast<int>(Hkv), static_cast<int>(N), static_cast<int>(t_pad),
+       static_cast<float>(softmax_scale * 1.4426950408889634)},
+      dev.stream, dev.device);
+}
+
+// per_head target, key-major kernel: dk_I partials [groups, ceil(N / 128) * 128, D] fp32 (sum over dim 0; rows
+// past N unspecified). kb_first / kb_last [ceil(N / 128)] int32: per 128-key block the first and last row tile
+// whose hull meets it (first > last: none).
+inline at::Tensor bf16_per_head_dk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i,
+                                   const at::Tensor& k_i, const at::Tensor& info, const at::Tensor& tile_lo,
+                                   const at::Tensor& tile_hi, const at::Tensor& kb_first, const at::Tensor& kb_last,
+                                   double softmax_scale) {
+  constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 per_head dk_I)";
+  const auto [T, H, Hkv, Dqk, D, N, t_pad] = training_api::check_per_head_inputs(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
+  const int64_t kblocks = (N + TrainingPerHeadLayout::kKeysPerCta - 1) / TrainingPerHeadLayout::kKeysPerCta;
+  TensorCheck(op, kb_first, "kb_first").dtype(at::kInt).shape({kblocks}).contiguous();
+  TensorCheck(op, kb_last, "kb_last").dtype(at::kInt).shape({kblocks}).contiguous();
+  DI_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale > 0, "{}: softmax_scale must be positive, got {}", op,
+               softmax_scale);
+  training_api::check_per_head_device(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
+  TensorCheck(op, kb_first, "kb_first").on(q.device());
+  TensorCheck(op, kb_last, "kb_last").on(q.device());
+  const int64_t part_rows = kblocks * TrainingPerHeadLayout::kKeysPerCta;
+  if (T == 0 || kblocks == 0) return at::zeros({1, part_rows, D}, q.options().dtype(at::kFloat));
+  const OpDevice dev = op_device(q);
+  const int per_group = sm90::training_per_head_dk_heads_per_group(static_cast<int>(kblocks), static_cast<int>(H),
+                                                                    dev.num_sms);
+  const int groups = static_cast<int>((H + per_group - 1) / per_group);
+  at::Tensor part = at::empty({groups, part_rows, D}, q.options().dtype(at::kFloat));
+  TrainingPerHeadDkRuntime::launch(
+      {{static_cast<int>(Dqk), static_cast<int>(D)}, q.data_ptr(), k.data_ptr(), q_i.data_ptr(), k_i.data_ptr(),
+       info.data_ptr(), tile_lo.data_ptr<int>(), tile_hi.data_ptr<int>(), kb_first.data_ptr<int>(),
+       kb_last.data_ptr<int>(), part.data_ptr<float>(), part_rows, static_cast<int>(kblocks), per_group, groups,
+       static_cast<int>(T), static_cast<int>(H), static_cast<int>(Hkv), static_cast<int>(N), static_cast<int>(t_pad),
+       static_cast<float>(softmax_scale * 1.4426950408889634)},
+      dev.stream, dev.device);
+  return part;
 }
 
 }  // namespace deep_indexer

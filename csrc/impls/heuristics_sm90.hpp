@@ -199,4 +199,18 @@ inline int training_dk_splits(int num_kblocks, int rows, int num_sms) {
   return splits;
 }
 
+// per_head dk kernel (training_per_head.cuh): a CTA owns 128 keys and a group of heads; groups are chosen
+// for about 4 CTAs per SM (causal key blocks differ in work), at most 16 (each adds an [N, D_I] fp32 partial
+// the host sums). DI_TRAINING_PER_HEAD_GROUPS forces the group count.
+inline int training_per_head_dk_heads_per_group(int num_kblocks, int heads, int num_sms) {
+  const int forced = env::get_int("DI_TRAINING_PER_HEAD_GROUPS");
+  int groups = forced > 0 ? forced : (4 * num_sms + std::max(1, num_kblocks) - 1) / std::max(1, num_kblocks);
+  groups = std::max(1, std::min({groups, heads, 16}));
+  const int per_group = (heads + groups - 1) / groups;
+  print_choice([&] {
+    return fmt::format("training_per_head_dk kblocks={} heads={}: {} heads per group", num_kblocks, heads, per_group);
+  });
+  return per_group;
+}
+
 }  // namespace deep_indexer::sm90

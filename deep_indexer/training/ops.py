@@ -376,6 +376,8 @@ def warmup_forward(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, pe
                    chunk_keys, backend):
     """(per_token, indexer_lse, target_mass): the SM90 kernels for backend "sm90" (resolved by _loss_backend),
     else reference.warmup_kl_fwd."""
+    if backend == "sm90" and per_head:
+        return sm90.per_head_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, total)
     if backend == "sm90":
         return sm90.mean_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, total, partial)
     return ref.warmup_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head, total, partial,
@@ -384,6 +386,8 @@ def warmup_forward(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, pe
 
 def warmup_backward(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, per_head, total,
                     chunk_rows, chunk_keys, backend):
+    if backend == "sm90" and per_head:
+        return sm90.per_head_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, total)
     if backend == "sm90":
         return sm90.mean_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, total)
     return ref.warmup_kl_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu, per_head,
@@ -392,7 +396,7 @@ def warmup_backward(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke
 
 def attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend):
     """The attention's LSE [T, H] when the caller gives none: on the SM90 kernel for backend "sm90"."""
-    if backend == "sm90":
+    if backend == "sm90" and sm90.lse_unsupported(q, k) is None:
         return sm90.attention_lse(q, k, scale, ks, ke)
     return ref.attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
 
@@ -406,7 +410,7 @@ def _loss_backend(backend, q_i, k_i, q, k, per_head) -> str:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return backend
-    why = sm90.mean_unsupported(q_i, k_i, q, k, per_head)
+    why = sm90.loss_unsupported(q_i, k_i, q, k, per_head)
     if why is None:
         return "sm90"
     if backend == "sm90":

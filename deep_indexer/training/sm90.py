@@ -15,8 +15,15 @@ Kernels (include/deep_indexer/training_*.cuh), per chunk of query rows (chunk bu
 
 Everything accumulates in fp32; the only rounding beyond fp32 is dS = dI w [S > 0] rounded to bf16 as the operand
 of the dq_I / dk_I WGMMAs (as in flash-attention backwards). No atomics: bitwise reproducible run to run.
-Supported (else the portable path runs): CUDA SM90, bf16 q_I, k_I, q, k; 128 attention heads with one key head of
-dim 64..576 (multiple of 64), 64 indexer heads of dim 64 or 128, target "mean".
+Supported (else the portable path runs): CUDA SM90, bf16 q_I, k_I, q, k; target "mean": 128 attention heads with
+one key head of dim 64..576 (multiple of 64), 64 indexer heads of dim 64 or 128. Target "per_head" (below): any
+head count, one or H_kv key heads, attention dims 64 / 128 / 192 with indexer dim 64.
+
+per_head (training_per_head.cuh), flash-attention style, no chunk buffers:
+  forward   training_per_head_rows   per (row tile, head): P and I_h recomputed per key tile, the loss term, the
+                                     indexer LSE and the target mass per (row, head)
+  backward  training_per_head_rows   dq_I and dw (row-major, P and I_h again)
+            training_per_head_dk     dk_I partials per head group (key-major, P and I_h again), summed here
 """
 from __future__ import annotations
 
@@ -54,10 +61,29 @@ def logits_unsupported(q_i: torch.Tensor, k_i: torch.Tensor) -> str | None:
     return None
 
 
-def mean_unsupported(q_i, k_i, q, k, per_head: bool) -> str | None:
+def loss_unsupported(q_i, k_i, q, k, per_head: bool) -> str | None:
     """Why the warm-up loss cannot run on the SM90 kernels (None: it can)."""
-    if per_head:
-        return "supports target='mean' only"
+    return per_head_unsupported(q_i, k_i, q, k) if per_head else mean_unsupported(q_i, k_i, q, k)
+
+
+def per_head_unsupported(q_i, k_i, q, k) -> str | None:
+    """Why the `per_head` warm-up loss cannot run on the SM90 kernels (None: it can)."""
+    if not _is_sm90(q_i.device):
+        return f"needs an SM90 (Hopper) CUDA device, got {q_i.device}"
+    if any(x.dtype != torch.bfloat16 for x in (q_i, k_i, q, k)):
+        return f"needs bfloat16 q_I, k_I, q and k, got {q_i.dtype}, {k_i.dtype}, {q.dtype} and {k.dtype}"
+    from .. import _C
+
+    if not _C.training_per_head_supported(q.shape[2], q_i.shape[2]):
+        return (f"per_head supports indexer dim 64 with attention dims 64, 128 or 192, got indexer dim "
+                f"{q_i.shape[2]} and attention dim {q.shape[2]}")
+    if q.shape[0] >= 1 << 24 or k.shape[0] >= (1 << 31) - 256 or q.shape[1] > 1024:
+        return "supports fewer than 2^24 rows, 2^31 - 256 keys and at most 1024 heads"
+    return None
+
+
+def mean_unsupported(q_i, k_i, q, k) -> str | None:
+    """Why the `mean` warm-up loss cannot run on the SM90 kernels (None: it can)."""
     why = logits_unsupported(q_i, k_i)
     if why:
         return why
@@ -68,6 +94,17 @@ def mean_unsupported(q_i, k_i, q, k, per_head: bool) -> str | None:
     dqk = q.shape[2]
     if q.shape[1] != TARGET_HEADS or dqk % 64 != 0 or not 64 <= dqk <= 576:
         return f"supports {TARGET_HEADS} attention heads of dim 64..576 (a multiple of 64), got {q.shape[1]} of dim {dqk}"
+    return None
+
+
+def lse_unsupported(q, k) -> str | None:
+    """Why the attention LSE kernel cannot run (None: it can): it is the `mean` target kernel's layout."""
+    if not _is_sm90(q.device):
+        return f"needs an SM90 (Hopper) CUDA device, got {q.device}"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or k.dim() != 2:
+        return "needs bfloat16 q and one bfloat16 key head"
+    if q.shape[1] != TARGET_HEADS or q.shape[2] % 64 != 0 or not 64 <= q.shape[2] <= 576:
+        return f"supports {TARGET_HEADS} heads of dim 64..576 (a multiple of 64)"
     return None
 
 
@@ -167,3 +204,86 @@ def logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu):
     dk[lo:hi] = part.sum(0)[: hi - lo]
     _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, g, 0, dq, dw, 0, rows)
     return dq, dk, dw
+
+
+# ---------------------------------------------------------------------------------------------- per_head
+_LOG2E = 1.4426950408889634
+_ROWS_PER_CTA = 128  # rows of a row-major CTA (two tiles of 64)
+_KEYS_PER_CTA = 128  # keys of a key-major CTA
+
+
+def _per_head_plan(ks, ke, rows, n_keys):
+    """Row bounds clamped to [0, N] (empty rows -> [0, 0)), the 64-row tiles' hulls, and per 128-key block the
+    first / last row tile whose hull meets it (first > last: none)."""
+    dev = ks.device
+    t_pad = (rows + _ROWS_PER_CTA - 1) // _ROWS_PER_CTA * _ROWS_PER_CTA
+    lo, hi = ks.long().clamp(0, n_keys), ke.long().clamp(0, n_keys)
+    live = lo < hi
+    lo, hi = torch.where(live, lo, 0), torch.where(live, hi, 0)
+    lo_p = torch.full((t_pad,), n_keys, dtype=torch.long, device=dev)
+    hi_p = torch.zeros((t_pad,), dtype=torch.long, device=dev)
+    lo_p[:rows] = torch.where(live, lo, n_keys)
+    hi_p[:rows] = hi
+    tile_lo = lo_p.view(-1, 64).amin(1)
+    tile_hi = hi_p.view(-1, 64).amax(1)
+    n_tiles = tile_lo.numel()
+    kblocks = (n_keys + _KEYS_PER_CTA - 1) // _KEYS_PER_CTA
+    first = torch.zeros(kblocks, dtype=torch.int32, device=dev)
+    last = torch.full((kblocks,), -1, dtype=torch.int32, device=dev)
+    step = max(1, (1 << 24) // max(n_tiles, 1))  # [step, n_tiles] masks of at most 16M entries
+    tile_live = tile_lo < tile_hi
+    for b0 in range(0, kblocks, step):
+        s0 = torch.arange(b0, min(kblocks, b0 + step), device=dev).unsqueeze(1) * _KEYS_PER_CTA
+        meet = (tile_live & (tile_lo < s0 + _KEYS_PER_CTA) & (tile_hi > s0)).to(torch.uint8)
+        any_ = meet.amax(1) > 0
+        f = meet.argmax(1)
+        l_ = n_tiles - 1 - meet.flip(1).argmax(1)
+        first[b0:b0 + step] = torch.where(any_, f, 0).int()
+        last[b0:b0 + step] = torch.where(any_, l_, -1).int()
+    return (lo.int(), hi.int(), t_pad, tile_lo.int().contiguous(), tile_hi.int().contiguous(), first, last)
+
+
+def _per_head_info(plan, heads, lse_att, w, lse_i=None, mass=None, g=None):
+    """RowInfo [H, t_pad, 8] fp32 (training_per_head.cuh): lse2, lsei2, gm, gq, wl, w, lo, hi (ints)."""
+    lo, hi, t_pad = plan[0], plan[1], plan[2]
+    rows = lo.shape[0]
+    info = torch.zeros((heads, t_pad, 8), dtype=torch.float32, device=w.device)
+    info[:, :rows, 0] = (_safe(lse_att.float()) * _LOG2E).t()
+    info[:, :rows, 4] = (w.float() * _LOG2E).t()
+    if g is not None:
+        info[:, :rows, 1] = (_safe(lse_i.float()) * _LOG2E).t()
+        info[:, :rows, 2] = (g.unsqueeze(1) * mass.float()).t()
+        info[:, :rows, 3] = g.unsqueeze(0)
+        info[:, :rows, 5] = w.float().t()
+    info.view(torch.int32)[:, :rows, 6:8] = torch.stack([lo, hi], 1).unsqueeze(0)
+    return info
+
+
+def per_head_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, total_heads):
+    """(per-token loss [T], indexer_lse [T, H], target_mass [T, H]): reference.warmup_kl_fwd for "per_head"."""
+    from .. import _C
+
+    q_i, k_i, q, k = (x.contiguous() for x in (q_i, k_i, q, k))
+    rows, heads, n_keys, dev = q.shape[0], q.shape[1], k.shape[0], q.device
+    plan = _per_head_plan(ks, ke, rows, n_keys)
+    info = _per_head_info(plan, heads, lse_att, w)
+    kl = torch.zeros((rows, heads), dtype=torch.float32, device=dev)
+    lse_i = torch.full_like(kl, float("-inf"))
+    mass = torch.zeros_like(kl)
+    _C.bf16_per_head_rows(q, k, q_i, k_i, info, plan[3], plan[4], kl, lse_i, mass, scale, False)
+    return kl.sum(-1) / total_heads, lse_i, mass
+
+
+def per_head_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, total_heads):
+    """(dq_I, dk_I, dw) in fp32: reference.warmup_kl_bwd for "per_head"."""
+    from .. import _C
+
+    q_i, k_i, q, k = (x.contiguous() for x in (q_i, k_i, q, k))
+    rows, heads, n_keys, dev = q.shape[0], q.shape[1], k.shape[0], q.device
+    plan = _per_head_plan(ks, ke, rows, n_keys)
+    info = _per_head_info(plan, heads, lse_att, w, lse_i, mass, grad.float() / total_heads)
+    dq = torch.zeros(q_i.shape, dtype=torch.float32, device=dev)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=dev)
+    _C.bf16_per_head_rows(q, k, q_i, k_i, info, plan[3], plan[4], dq, dw, None, scale, True)
+    part = _C.bf16_per_head_dk(q, k, q_i, k_i, info, plan[3], plan[4], plan[5], plan[6], scale)
+    return dq, part.sum(0)[:n_keys], dw

@@ -90,9 +90,10 @@ DI_DEVICE void mma_g(float (&g)[kDim / 2], const uint32_t (&ds)[4][4], const uin
   ptx::wgmma_commit();
 }
 
-// Stores G (64 rows x D, fp32) of one warpgroup: row 16 warp + lane / 4 + 8 i of `dst` (row stride D).
+// Stores G (64 rows x D, fp32) of one warpgroup: row 16 warp + lane / 4 + 8 i of `dst` (rows `row_stride` apart).
 template <int kDim>
-DI_DEVICE void store_g(float* dst, const float (&g)[kDim / 2], int warp_in_wg, int lane, int valid_rows) {
+DI_DEVICE void store_g(float* dst, const float (&g)[kDim / 2], int warp_in_wg, int lane, int valid_rows,
+                       int64_t row_stride = kDim) {
   const int quad = lane & 3;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -100,7 +101,7 @@ DI_DEVICE void store_g(float* dst, const float (&g)[kDim / 2], int warp_in_wg, i
     if (row >= valid_rows) continue;
 #pragma unroll
     for (int gg = 0; gg < kDim / 8; ++gg)
-      *reinterpret_cast<float2*>(dst + static_cast<int64_t>(row) * kDim + 8 * gg + 2 * quad) =
+      *reinterpret_cast<float2*>(dst + static_cast<int64_t>(row) * row_stride + 8 * gg + 2 * quad) =
           make_float2(g[4 * gg + 2 * i], g[4 * gg + 2 * i + 1]);
   }
 }

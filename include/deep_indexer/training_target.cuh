@@ -33,14 +33,14 @@ namespace training_detail {
 // The A fragments of rows [row0, row0 + 64) of a row-major bf16 matrix with kDim columns (one warpgroup,
 // WGMMA m64k16 register layout): a[kk] = {(r, 16 kk + c), (r + 8, 16 kk + c), (r, 16 kk + 8 + c),
 // (r + 8, 16 kk + 8 + c)} with r = row0 + 16 warp + lane / 4, c = 2 (lane % 4) (pairs of bf16).
-// Rows >= num_rows read as zeros.
+// Rows >= num_rows read as zeros. Rows are `row_stride` elements apart (kDim: a dense matrix).
 template <int kDim>
 DI_DEVICE void load_a_fragments(uint32_t (&a)[kDim / 16][4], const __nv_bfloat16* __restrict__ src, long long row0,
-                                long long num_rows, int warp_in_wg, int lane) {
+                                long long num_rows, int warp_in_wg, int lane, long long row_stride = kDim) {
   const long long r0 = row0 + 16 * warp_in_wg + lane / 4;
   const long long r1 = r0 + 8;
-  const uint32_t* p0 = reinterpret_cast<const uint32_t*>(src + r0 * kDim) + (lane % 4);
-  const uint32_t* p1 = reinterpret_cast<const uint32_t*>(src + r1 * kDim) + (lane % 4);
+  const uint32_t* p0 = reinterpret_cast<const uint32_t*>(src + r0 * row_stride) + (lane % 4);
+  const uint32_t* p1 = reinterpret_cast<const uint32_t*>(src + r1 * row_stride) + (lane % 4);
   const bool ok0 = r0 < num_rows, ok1 = r1 < num_rows;
 #pragma unroll
   for (int kk = 0; kk < kDim / 16; ++kk) {
