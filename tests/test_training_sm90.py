@@ -453,6 +453,21 @@ def test_per_head_plan_on_cpu():
         meet = [rt for rt in range(t_pad // 64) if tlo[rt] < thi[rt] and tlo[rt] < 128 * kb + 128 and thi[rt] > 128 * kb]
         assert (int(first[kb]), int(last[kb])) == ((meet[0], meet[-1]) if meet else (0, -1))
     assert int(last[5]) == -1 or int(thi.max()) > 640  # keys >= 500 are met only through the clamped row 5
+    # the packed row values (RowInfo): head-major, log2 units, ints in the last two slots, zeros past T
+    h = 3
+    lse, w, lse_i, mass, g = torch.randn(t, h), torch.randn(t, h), torch.randn(t, h), torch.rand(t, h), torch.randn(t)
+    lse[7, 1] = float("-inf")
+    info = fast._per_head_info((lo, hi, t_pad), h, lse, w, lse_i, mass, g)
+    log2e = 1.4426950408889634
+    assert info.shape == (h, t_pad, 8) and (info[:, t:] == 0).all()
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    torch.testing.assert_close(info[:, :t, 0], safe.t() * log2e)
+    torch.testing.assert_close(info[:, :t, 1], lse_i.t() * log2e)
+    torch.testing.assert_close(info[:, :t, 2], (g[:, None] * mass).t())
+    assert torch.equal(info[:, :t, 3], g.expand(h, t)) and torch.equal(info[:, :t, 5], w.t())
+    torch.testing.assert_close(info[:, :t, 4], w.t() * log2e)
+    assert torch.equal(info.view(torch.int32)[:, :t, 6], lo.expand(h, t))
+    assert torch.equal(info.view(torch.int32)[:, :t, 7], hi.expand(h, t))
 
 
 def test_new_variants_are_registered():

@@ -244,18 +244,21 @@ def _per_head_plan(ks, ke, rows, n_keys):
 
 
 def _per_head_info(plan, heads, lse_att, w, lse_i=None, mass=None, g=None):
-    """RowInfo [H, t_pad, 8] fp32 (training_per_head.cuh): lse2, lsei2, gm, gq, wl, w, lo, hi (ints)."""
+    """RowInfo [H, t_pad, 8] fp32 (training_per_head.cuh): lse2, lsei2, gm, gq, wl, w, lo, hi (ints), zeros past T."""
     lo, hi, t_pad = plan[0], plan[1], plan[2]
     rows = lo.shape[0]
-    info = torch.zeros((heads, t_pad, 8), dtype=torch.float32, device=w.device)
-    info[:, :rows, 0] = (_safe(lse_att.float()) * _LOG2E).t()
-    info[:, :rows, 4] = (w.float() * _LOG2E).t()
+    info = torch.empty((heads, t_pad, 8), dtype=torch.float32, device=w.device)
+    info[:, rows:].zero_()
+    wt = w.float().t()
+    zero = torch.zeros((1, 1), dtype=torch.float32, device=w.device).expand(heads, rows)
+    cols = [_safe(lse_att.float()).t() * _LOG2E, zero, zero, zero, wt * _LOG2E, zero]
     if g is not None:
-        info[:, :rows, 1] = (_safe(lse_i.float()) * _LOG2E).t()
-        info[:, :rows, 2] = (g.unsqueeze(1) * mass.float()).t()
-        info[:, :rows, 3] = g.unsqueeze(0)
-        info[:, :rows, 5] = w.float().t()
-    info.view(torch.int32)[:, :rows, 6:8] = torch.stack([lo, hi], 1).unsqueeze(0)
+        cols[1] = _safe(lse_i.float()).t() * _LOG2E
+        cols[2] = (g.unsqueeze(1) * mass.float()).t()
+        cols[3] = g.float().unsqueeze(0).expand(heads, rows)
+        cols[5] = wt
+    cols += [x.view(torch.float32).unsqueeze(0).expand(heads, rows) for x in (lo, hi)]
+    info[:, :rows] = torch.stack(cols, -1)
     return info
 
 
