@@ -202,12 +202,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_indexer_logits_bwd_dq", &bf16_indexer_logits_bwd_dq, py::arg("q"), py::arg("k"), py::arg("weights"),
         py::arg("ks"), py::arg("ke"), py::arg("di"), py::arg("di_row0"), py::arg("dq"), py::arg("dw"),
         py::arg("row_begin"), py::arg("row_end"));
-  m.def("bf16_per_head_rows", &bf16_per_head_rows, py::arg("q"), py::arg("k"), py::arg("q_i"), py::arg("k_i"),
-        py::arg("info"), py::arg("tile_lo"), py::arg("tile_hi"), py::arg("out_a"), py::arg("out_b"), py::arg("out_c"),
-        py::arg("softmax_scale"), py::arg("backward"));
-  m.def("bf16_per_head_dk", &bf16_per_head_dk, py::arg("q"), py::arg("k"), py::arg("q_i"), py::arg("k_i"),
-        py::arg("info"), py::arg("tile_lo"), py::arg("tile_hi"), py::arg("kb_first"), py::arg("kb_last"),
+  m.def("bf16_per_head_fwd", &bf16_per_head_fwd, py::arg("q"), py::arg("k"), py::arg("q_i"), py::arg("k_i"),
+        py::arg("ks"), py::arg("ke"), py::arg("lse"), py::arg("w"), py::arg("kl"), py::arg("lse_i"), py::arg("mass"),
         py::arg("softmax_scale"));
+  m.def("bf16_per_head_bwd", &bf16_per_head_bwd, py::arg("q"), py::arg("k"), py::arg("q_i"), py::arg("k_i"),
+        py::arg("ks"), py::arg("ke"), py::arg("lse"), py::arg("w"), py::arg("lse_i"), py::arg("mass"), py::arg("g"),
+        py::arg("dq"), py::arg("dw"), py::arg("softmax_scale"));
   m.def("training_per_head_supported", [](int qk_dim, int head_dim) {
     return TrainingPerHeadLayout{qk_dim, head_dim}.valid();
   }, py::arg("qk_dim"), py::arg("head_dim"), "Whether the sm90 per_head kernels support attention dim qk_dim with "

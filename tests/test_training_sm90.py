@@ -415,59 +415,23 @@ def test_kernel_entries_check_arguments_on_cpu():
     # per_head entries
     qh, kh, qih, kih = (torch.zeros(t, 8, 128, dtype=bf), torch.zeros(n, 8, 128, dtype=bf), torch.zeros(t, 8, 64, dtype=bf),
                         torch.zeros(n, 64, dtype=bf))
-    info, tl = torch.zeros(8, 128, 8), torch.zeros(2, dtype=torch.int32)
-    kl = torch.zeros(t, 8)
+    lh, wh, kl = torch.zeros(t, 8), torch.zeros(t, 8), torch.zeros(t, 8)
     with pytest.raises(ValueError, match="attention dim 128 with indexer dim 128"):
-        _C.bf16_per_head_rows(qh, kh, torch.zeros(t, 8, 128, dtype=bf), torch.zeros(n, 128, dtype=bf), info, tl, tl,
-                              kl, kl, kl, 0.1, False)
+        _C.bf16_per_head_fwd(qh, kh, torch.zeros(t, 8, 128, dtype=bf), torch.zeros(n, 128, dtype=bf), ks, ke, lh, wh,
+                             kl, kl, kl, 0.1)
     with pytest.raises(ValueError, match="3 key heads"):
-        _C.bf16_per_head_rows(qh, torch.zeros(n, 3, 128, dtype=bf), qih, kih, info, tl, tl, kl, kl, kl, 0.1, False)
-    with pytest.raises(ValueError, match="info must have shape"):
-        _C.bf16_per_head_rows(qh, kh, qih, kih, info[:, :64], tl, tl, kl, kl, kl, 0.1, False)
+        _C.bf16_per_head_fwd(qh, torch.zeros(n, 3, 128, dtype=bf), qih, kih, ks, ke, lh, wh, kl, kl, kl, 0.1)
+    with pytest.raises(ValueError, match="attn_lse must have shape"):
+        _C.bf16_per_head_fwd(qh, kh, qih, kih, ks, ke, lh[:, :4], wh, kl, kl, kl, 0.1)
+    with pytest.raises(ValueError, match="mass must have shape"):
+        _C.bf16_per_head_fwd(qh, kh, qih, kih, ks, ke, lh, wh, kl, kl, kl[1:], 0.1)
     with pytest.raises(ValueError, match="dq must have shape"):
-        _C.bf16_per_head_rows(qh, kh, qih, kih, info, tl, tl, kl, kl, None, 0.1, True)
-    with pytest.raises(ValueError, match="kb_first must have shape"):
-        _C.bf16_per_head_dk(qh, kh, qih, kih, info, tl, tl, tl[:0], tl[:1], 0.1)
+        _C.bf16_per_head_bwd(qh, kh, qih, kih, ks, ke, lh, wh, lh, lh, torch.zeros(t), kl, kl, 0.1)
+    with pytest.raises(ValueError, match="g must have shape"):
+        _C.bf16_per_head_bwd(qh, kh, qih, kih, ks, ke, lh, wh, lh, lh, torch.zeros(t + 1), torch.zeros(t, 8, 64), kl, 0.1)
     with pytest.raises(ValueError, match="CUDA"):
-        _C.bf16_per_head_rows(qh, kh, qih, kih, info, tl, tl, kl, kl, kl, 0.1, False)
+        _C.bf16_per_head_fwd(qh, kh, qih, kih, ks, ke, lh, wh, kl, kl, kl, 0.1)
 
-
-def test_per_head_plan_on_cpu():
-    """The per_head host plan: row tiles' hulls and, per 128-key block, the first / last row tile meeting it,
-    against brute force (ragged T, empty rows, rows past N, a block no row reaches)."""
-    t, n = 333, 700
-    ks, ke = _random_bounds(t, 500, seed=3)
-    ke[5] = 10 ** 6  # clamped to N
-    lo, hi, t_pad, tlo, thi, first, last = fast._per_head_plan(ks, ke, t, n)
-    assert t_pad == 384 and tlo.shape == (6,) and first.shape == (6,)
-    live = ks.clamp(0, n) < ke.clamp(0, n)
-    assert torch.equal(lo[~live], torch.zeros_like(lo[~live])) and torch.equal(hi[~live], torch.zeros_like(hi[~live]))
-    assert int(hi.max()) <= n
-    for rt in range(t_pad // 64):
-        rows = [r for r in range(64 * rt, min(t, 64 * rt + 64)) if live[r]]
-        if rows:
-            assert tlo[rt] == min(int(lo[r]) for r in rows) and thi[rt] == max(int(hi[r]) for r in rows)
-        else:
-            assert tlo[rt] >= thi[rt]
-    for kb in range(first.numel()):
-        meet = [rt for rt in range(t_pad // 64) if tlo[rt] < thi[rt] and tlo[rt] < 128 * kb + 128 and thi[rt] > 128 * kb]
-        assert (int(first[kb]), int(last[kb])) == ((meet[0], meet[-1]) if meet else (0, -1))
-    assert int(last[5]) == -1 or int(thi.max()) > 640  # keys >= 500 are met only through the clamped row 5
-    # the packed row values (RowInfo): head-major, log2 units, ints in the last two slots, zeros past T
-    h = 3
-    lse, w, lse_i, mass, g = torch.randn(t, h), torch.randn(t, h), torch.randn(t, h), torch.rand(t, h), torch.randn(t)
-    lse[7, 1] = float("-inf")
-    info = fast._per_head_info((lo, hi, t_pad), h, lse, w, lse_i, mass, g)
-    log2e = 1.4426950408889634
-    assert info.shape == (h, t_pad, 8) and (info[:, t:] == 0).all()
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    torch.testing.assert_close(info[:, :t, 0], safe.t() * log2e)
-    torch.testing.assert_close(info[:, :t, 1], lse_i.t() * log2e)
-    torch.testing.assert_close(info[:, :t, 2], (g[:, None] * mass).t())
-    assert torch.equal(info[:, :t, 3], g.expand(h, t)) and torch.equal(info[:, :t, 5], w.t())
-    torch.testing.assert_close(info[:, :t, 4], w.t() * log2e)
-    assert torch.equal(info.view(torch.int32)[:, :t, 6], lo.expand(h, t))
-    assert torch.equal(info.view(torch.int32)[:, :t, 7], hi.expand(h, t))
 
 
 def test_new_variants_are_registered():

@@ -1,5 +1,5 @@
 """Times of the SM90 `per_head` warm-up loss path (training/sm90.py) at the seeds' sizes (H = H_I = 64, Dqk = 128,
-D_I = 64, packed causal sequences of 2048): the host plan and row values, each kernel, and the whole ops, against
+D_I = 64, packed causal sequences of 2048): the two C++ entries (forward kernel; backward: both kernels), and the whole ops, against
 torch SDPA flash attention forward / backward on the same q / k / v.
 
     python tools/per_head_times.py [--seqs 4 16] [--iters 10]
@@ -34,8 +34,8 @@ def main():
 
     h, dqk, di, seq = 64, 128, 64, 2048
     print(f"# {torch.cuda.get_device_name()}, H = H_I = {h}, Dqk = {dqk}, D_I = {di}, sequences of {seq} (ms)")
-    print("| seqs | plan | info fwd | rows fwd | info bwd | rows bwd | dk | loss fwd | loss bwd | SDPA fwd | SDPA bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| seqs | fwd entry | bwd entry (both kernels) | loss fwd | loss bwd | SDPA fwd | SDPA bwd |")
+    print("|---|---|---|---|---|---|---|")
     for n in args.seqs:
         t = n * seq
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,21 +49,14 @@ def main():
         scale = dqk ** -0.5
         out = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, True, False, scale=scale)
         lse = out[1].permute(0, 2, 1).reshape(t, h).float().contiguous()
-        plan = fast._per_head_plan(ks, ke, t, t)
-        row = {"plan": timed(lambda: fast._per_head_plan(ks, ke, t, t)),
-               "info fwd": timed(lambda: fast._per_head_info(plan, h, lse, w))}
-        info = fast._per_head_info(plan, h, lse, w)
+        ks32, ke32 = ks.int(), ke.int()
         kl, lse_i, mass = (torch.zeros(t, h, device="cuda") for _ in range(3))
-        row["rows fwd"] = timed(lambda: _C.bf16_per_head_rows(q, k, q_i, k_i, info, plan[3], plan[4], kl, lse_i, mass,
-                                                              scale, False))
-        _C.bf16_per_head_rows(q, k, q_i, k_i, info, plan[3], plan[4], kl, lse_i, mass, scale, False)
-        gv = torch.full((t,), 1.0 / t, device="cuda")
-        row["info bwd"] = timed(lambda: fast._per_head_info(plan, h, lse, w, lse_i, mass, gv / h))
-        info_b = fast._per_head_info(plan, h, lse, w, lse_i, mass, gv / h)
+        row = {"fwd entry": timed(lambda: _C.bf16_per_head_fwd(q, k, q_i, k_i, ks32, ke32, lse, w, kl, lse_i, mass,
+                                                               scale))}
+        gv = torch.full((t,), 1.0 / t / h, device="cuda")
         dq, dw = torch.zeros(t, h, di, device="cuda"), torch.zeros(t, h, device="cuda")
-        row["rows bwd"] = timed(lambda: _C.bf16_per_head_rows(q, k, q_i, k_i, info_b, plan[3], plan[4], dq, dw, None,
-                                                              scale, True))
-        row["dk"] = timed(lambda: _C.bf16_per_head_dk(q, k, q_i, k_i, info_b, plan[3], plan[4], plan[5], plan[6], scale))
+        row["bwd entry"] = timed(lambda: _C.bf16_per_head_bwd(q, k, q_i, k_i, ks32, ke32, lse, w, lse_i, mass, gv, dq, dw,
+                                                              scale))
         leaves = [x.clone().requires_grad_(True) for x in (q_i, k_i, w)]
 
         def fwd():
@@ -85,10 +78,12 @@ def main():
                 with torch.no_grad():
                     torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale)
 
+            gout = torch.randn_like(q4)
+
             def sdpa_fb():
                 for x in (qa, ka, va):
                     x.grad = None
-                torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale).float().sum().backward()
+                torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale).backward(gout)
 
             row["SDPA fwd"] = timed(sdpa_f)
             row["SDPA bwd"] = timed(sdpa_fb) - row["SDPA fwd"]

@@ -213,21 +213,23 @@ inline void bf16_indexer_logits_bwd_dq(const at::Tensor& q, const at::Tensor& k,
 
 namespace training_api {
 
+struct PerHeadShape {
+  int64_t T, H, Hkv, Dqk, D, N;
+};
+
 // The per_head kernels' inputs: q [T, H, Dqk], k [N, Dqk] or [N, Hkv, Dqk] (Hkv | H), q_I [T, H, D], k_I [N, D]
-// (bf16, contiguous), info [H, t_pad, 8] fp32 (RowInfo, t_pad = T rounded up to 128), tile_lo / tile_hi
-// [t_pad / 64] int32. Returns {T, H, Hkv, Dqk, D, N, t_pad}.
-inline std::array<int64_t, 7> check_per_head_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                                    const at::Tensor& q_i, const at::Tensor& k_i,
-                                                    const at::Tensor& info, const at::Tensor& tile_lo,
-                                                    const at::Tensor& tile_hi) {
+// (bf16, contiguous), ks / ke [T] int32, lse / weights [T, H] fp32 (contiguous).
+inline PerHeadShape check_per_head_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& q_i, const at::Tensor& k_i, const at::Tensor& ks,
+                                          const at::Tensor& ke, const at::Tensor& lse, const at::Tensor& w) {
   TensorCheck(op, q, "q").dtype(at::kBFloat16).ndim(3).contiguous();
   const int64_t T = q.size(0), H = q.size(1), Dqk = q.size(2);
   TensorCheck(op, q_i, "q_I").dtype(at::kBFloat16).ndim(3).contiguous();
   const int64_t D = q_i.size(2);
   TensorCheck(op, q_i, "q_I").shape({T, H, D});
   const TrainingPerHeadLayout layout{static_cast<int>(Dqk), static_cast<int>(D)};
-  DI_CHECK_ARG(layout.valid(),
-               "{}: attention dim {} with indexer dim {} is not supported by the sm90 per_head kernels", op, Dqk, D);
+  DI_CHECK_ARG(layout.valid(), "{}: attention dim {} with indexer dim {} is not supported by the sm90 per_head kernels "
+               "(indexer dim 64 with attention dim 64, 128 or 192)", op, Dqk, D);
   TensorCheck(op, k, "k").dtype(at::kBFloat16).contiguous();
   DI_CHECK_ARG((k.dim() == 2 || k.dim() == 3) && k.size(-1) == Dqk,
                "{}: k must be [N, {}] or [N, H_kv, {}], got {}", op, Dqk, Dqk, shape_str(k.sizes()));
@@ -236,93 +238,117 @@ inline std::array<int64_t, 7> check_per_head_inputs(const char* op, const at::Te
   TensorCheck(op, k_i, "k_I").dtype(at::kBFloat16).shape({N, D}).contiguous();
   DI_CHECK_ARG(N < INT_MAX - 256 && T < (1 << 24) && H <= 1024, "{}: at most 2^31 - 256 keys, 2^24 rows and 1024 heads, "
                "got {}, {} and {}", op, N, T, H);
-  const int64_t t_pad = (T + 127) / 128 * 128;
-  TensorCheck(op, info, "info").dtype(at::kFloat).shape({H, t_pad, 8}).contiguous();
-  TensorCheck(op, tile_lo, "tile_lo").dtype(at::kInt).shape({t_pad / 64}).contiguous();
-  TensorCheck(op, tile_hi, "tile_hi").dtype(at::kInt).shape({t_pad / 64}).contiguous();
-  return {T, H, Hkv, Dqk, D, N, t_pad};
+  check_bounds(op, ks, ke, T);
+  TensorCheck(op, lse, "attn_lse").dtype(at::kFloat).shape({T, H}).contiguous();
+  TensorCheck(op, w, "weights").dtype(at::kFloat).shape({T, H}).contiguous();
+  return {T, H, Hkv, Dqk, D, N};
 }
 
-// After the shape checks: every input on q's CUDA device, the TMA sources 16-byte aligned.
-inline void check_per_head_device(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i,
-                                  const at::Tensor& k_i, const at::Tensor& info, const at::Tensor& tile_lo,
-                                  const at::Tensor& tile_hi) {
+// After the shape checks: every tensor on q's CUDA device, the TMA sources 16-byte aligned.
+inline void check_per_head_device(const char* op, std::initializer_list<std::pair<const at::Tensor*, const char*>> ts) {
+  const at::Tensor& q = *ts.begin()->first;
   TensorCheck(op, q, "q").cuda();
-  for (auto [t, name] : {std::pair{&k, "k"}, {&q_i, "q_I"}, {&k_i, "k_I"}, {&info, "info"}, {&tile_lo, "tile_lo"},
-                         {&tile_hi, "tile_hi"}})
-    TensorCheck(op, *t, name).on(q.device());
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&q_i, "q_I"}, {&k_i, "k_I"}, {&info, "info"}})
-    TensorCheck(op, *t, name).aligned(16);
+  for (auto [t, name] : ts) TensorCheck(op, *t, name).on(q.device());
+  for (auto [t, name] : ts)
+    if (t->scalar_type() == at::kBFloat16) TensorCheck(op, *t, name).aligned(16);
+}
+
+inline PerHeadRowsArgs per_head_rows_args(const at::Tensor& q, const at::Tensor& q_i, const at::Tensor& ks,
+                                          const at::Tensor& ke, const at::Tensor& lse, const at::Tensor& w) {
+  return {q.data_ptr(), q_i.data_ptr(), ks.data_ptr<int>(), ke.data_ptr<int>(), lse.data_ptr<float>(),
+          w.data_ptr<float>(), nullptr, nullptr, nullptr};
 }
 
 }  // namespace training_api
 
-// per_head target, row-major kernel. Forward (`backward` false): out_a = kl, out_b = lse_I, out_c = mass, each
-// [T, H] fp32. Backward: out_a = dq_I [T, H, D] fp32, out_b = dw [T, H] fp32 (out_c unused). Every row < T is
-// written. info holds the rows' values (RowInfo in training_per_head.cuh), tile_lo / tile_hi the row tiles' hulls.
-inline void bf16_per_head_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i, const at::Tensor& k_i,
-                               const at::Tensor& info, const at::Tensor& tile_lo, const at::Tensor& tile_hi,
-                               const at::Tensor& out_a, const at::Tensor& out_b, const c10::optional<at::Tensor>& out_c,
-                               double softmax_scale, bool backward) {
-  constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 per_head rows)";
-  const auto [T, H, Hkv, Dqk, D, N, t_pad] = training_api::check_per_head_inputs(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
-  if (backward) {
-    TensorCheck(op, out_a, "dq").dtype(at::kFloat).shape({T, H, D}).contiguous();
-  } else {
-    TensorCheck(op, out_a, "kl").dtype(at::kFloat).shape({T, H}).contiguous();
-    DI_CHECK_ARG(out_c.has_value(), "{}: the forward needs out_c (mass)", op);
-    TensorCheck(op, *out_c, "mass").dtype(at::kFloat).shape({T, H}).contiguous();
-  }
-  TensorCheck(op, out_b, backward ? "dw" : "lse_I").dtype(at::kFloat).shape({T, H}).contiguous();
+// per_head target forward: kl, lse_I, mass [T, H] fp32, every row written (0, -inf, 0 for a row without keys):
+// kl[t, h] = KL(P[t, h] || softmax(I_h[t])) with P = exp(scale q.k - attn_lse) over the row's keys
+// max(ks, 0) <= s < min(ke, N); attn_lse non-finite means an empty row.
+inline void bf16_per_head_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i, const at::Tensor& k_i,
+                              const at::Tensor& ks, const at::Tensor& ke, const at::Tensor& lse, const at::Tensor& w,
+                              const at::Tensor& kl, const at::Tensor& lse_i, const at::Tensor& mass,
+                              double softmax_scale) {
+  constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 per_head forward)";
+  const auto sh = training_api::check_per_head_inputs(op, q, k, q_i, k_i, ks, ke, lse, w);
+  for (auto [t, name] : {std::pair{&kl, "kl"}, {&lse_i, "lse_I"}, {&mass, "mass"}})
+    TensorCheck(op, *t, name).dtype(at::kFloat).shape({sh.T, sh.H}).contiguous();
   DI_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale > 0, "{}: softmax_scale must be positive, got {}", op,
                softmax_scale);
-  training_api::check_per_head_device(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
-  TensorCheck(op, out_a, "out_a").on(q.device());
-  TensorCheck(op, out_b, "out_b").on(q.device());
-  if (!backward) TensorCheck(op, *out_c, "mass").on(q.device());
-  if (T == 0 || N == 0) return;
+  training_api::check_per_head_device(op, {{&q, "q"}, {&k, "k"}, {&q_i, "q_I"}, {&k_i, "k_I"}, {&ks, "ks"}, {&ke, "ke"},
+                                           {&lse, "attn_lse"}, {&w, "weights"}, {&kl, "kl"}, {&lse_i, "lse_I"},
+                                           {&mass, "mass"}});
+  if (sh.T == 0) return;
+  if (sh.N == 0) {
+    kl.zero_();
+    lse_i.fill_(-INFINITY);
+    mass.zero_();
+    return;
+  }
   const OpDevice dev = op_device(q);
   TrainingPerHeadRowsRuntime::launch(
-      {{static_cast<int>(Dqk), static_cast<int>(D), backward}, q.data_ptr(), k.data_ptr(), q_i.data_ptr(),
-       k_i.data_ptr(), info.data_ptr(), tile_lo.data_ptr<int>(), tile_hi.data_ptr<int>(), out_a.data_ptr<float>(),
-       out_b.data_ptr<float>(), backward ? nullptr : out_c->data_ptr<float>(), static_cast<int>(T),
-       static_cast<int>(H), static_cast<int>(Hkv), static_cast<int>(N), static_cast<int>(t_pad),
+      {{static_cast<int>(sh.Dqk), static_cast<int>(sh.D), false}, k.data_ptr(), k_i.data_ptr(),
+       training_api::per_head_rows_args(q, q_i, ks, ke, lse, w), PerHeadBwdOut{}, kl.data_ptr<float>(),
+       lse_i.data_ptr<float>(), mass.data_ptr<float>(), static_cast<int>(sh.T), static_cast<int>(sh.H),
+       static_cast<int>(sh.Hkv), static_cast<int>(sh.N), static_cast<int>((sh.T + 127) / 128 * 128),
        static_cast<float>(softmax_scale * 1.4426950408889634)},
       dev.stream, dev.device);
 }
 
-// per_head target, key-major kernel: dk_I partials [groups, ceil(N / 128) * 128, D] fp32 (sum over dim 0; rows
-// past N unspecified). kb_first / kb_last [ceil(N / 128)] int32: per 128-key block the first and last row tile
-// whose hull meets it (first > last: none).
-inline at::Tensor bf16_per_head_dk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i,
-                                   const at::Tensor& k_i, const at::Tensor& info, const at::Tensor& tile_lo,
-                                   const at::Tensor& tile_hi, const at::Tensor& kb_first, const at::Tensor& kb_last,
-                                   double softmax_scale) {
-  constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 per_head dk_I)";
-  const auto [T, H, Hkv, Dqk, D, N, t_pad] = training_api::check_per_head_inputs(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
-  const int64_t kblocks = (N + TrainingPerHeadLayout::kKeysPerCta - 1) / TrainingPerHeadLayout::kKeysPerCta;
-  TensorCheck(op, kb_first, "kb_first").dtype(at::kInt).shape({kblocks}).contiguous();
-  TensorCheck(op, kb_last, "kb_last").dtype(at::kInt).shape({kblocks}).contiguous();
+// per_head target backward for the per-token loss gradient divided by total_heads, g [T]: writes dq_I [T, H, D]
+// and dw [T, H] (fp32, every row) and returns dk_I [N, D] fp32. lse_i, mass [T, H]: the forward's statistics.
+inline at::Tensor bf16_per_head_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_i,
+                                    const at::Tensor& k_i, const at::Tensor& ks, const at::Tensor& ke,
+                                    const at::Tensor& lse, const at::Tensor& w, const at::Tensor& lse_i,
+                                    const at::Tensor& mass, const at::Tensor& g, const at::Tensor& dq,
+                                    const at::Tensor& dw, double softmax_scale) {
+  constexpr const char* op = "deep_indexer.training.indexer_kl_loss (sm90 per_head backward)";
+  const auto sh = training_api::check_per_head_inputs(op, q, k, q_i, k_i, ks, ke, lse, w);
+  TensorCheck(op, lse_i, "lse_I").dtype(at::kFloat).shape({sh.T, sh.H}).contiguous();
+  TensorCheck(op, mass, "mass").dtype(at::kFloat).shape({sh.T, sh.H}).contiguous();
+  TensorCheck(op, g, "g").dtype(at::kFloat).shape({sh.T}).contiguous();
+  TensorCheck(op, dq, "dq").dtype(at::kFloat).shape({sh.T, sh.H, sh.D}).contiguous();
+  TensorCheck(op, dw, "dw").dtype(at::kFloat).shape({sh.T, sh.H}).contiguous();
   DI_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale > 0, "{}: softmax_scale must be positive, got {}", op,
                softmax_scale);
-  training_api::check_per_head_device(op, q, k, q_i, k_i, info, tile_lo, tile_hi);
-  TensorCheck(op, kb_first, "kb_first").on(q.device());
-  TensorCheck(op, kb_last, "kb_last").on(q.device());
-  const int64_t part_rows = kblocks * TrainingPerHeadLayout::kKeysPerCta;
-  if (T == 0 || kblocks == 0) return at::zeros({1, part_rows, D}, q.options().dtype(at::kFloat));
+  training_api::check_per_head_device(op, {{&q, "q"}, {&k, "k"}, {&q_i, "q_I"}, {&k_i, "k_I"}, {&ks, "ks"}, {&ke, "ke"},
+                                           {&lse, "attn_lse"}, {&w, "weights"}, {&lse_i, "lse_I"}, {&mass, "mass"},
+                                           {&g, "g"}, {&dq, "dq"}, {&dw, "dw"}});
+  const auto f32 = q.options().dtype(at::kFloat), i32 = q.options().dtype(at::kInt);
+  const int64_t kblocks = (sh.N + TrainingPerHeadLayout::kKeysPerCta - 1) / TrainingPerHeadLayout::kKeysPerCta;
+  if (sh.T == 0 || sh.N == 0) {
+    dq.zero_();
+    dw.zero_();
+    return at::zeros({sh.N, sh.D}, f32);
+  }
+  const int64_t t_pad = (sh.T + 127) / 128 * 128;
+  at::Tensor info = at::empty({sh.H, t_pad, TrainingPerHeadLayout::kInfoFloats}, f32);
+  at::Tensor tiles = at::empty({2, t_pad / 64}, i32);
+  at::Tensor kb_first = at::full({kblocks}, INT_MAX, i32), kb_last = at::full({kblocks}, -1, i32);
+  PerHeadRowsArgs rows = training_api::per_head_rows_args(q, q_i, ks, ke, lse, w);
+  rows.lse_i = lse_i.data_ptr<float>();
+  rows.mass = mass.data_ptr<float>();
+  rows.g = g.data_ptr<float>();
+  const PerHeadBwdOut bo{reinterpret_cast<RowInfo*>(info.data_ptr<float>()), tiles.data_ptr<int>(),
+                         tiles.data_ptr<int>() + t_pad / 64, kb_first.data_ptr<int>(), kb_last.data_ptr<int>()};
   const OpDevice dev = op_device(q);
-  const int per_group = sm90::training_per_head_dk_heads_per_group(static_cast<int>(kblocks), static_cast<int>(H),
-                                                                    dev.num_sms);
-  const int groups = static_cast<int>((H + per_group - 1) / per_group);
-  at::Tensor part = at::empty({groups, part_rows, D}, q.options().dtype(at::kFloat));
-  TrainingPerHeadDkRuntime::launch(
-      {{static_cast<int>(Dqk), static_cast<int>(D)}, q.data_ptr(), k.data_ptr(), q_i.data_ptr(), k_i.data_ptr(),
-       info.data_ptr(), tile_lo.data_ptr<int>(), tile_hi.data_ptr<int>(), kb_first.data_ptr<int>(),
-       kb_last.data_ptr<int>(), part.data_ptr<float>(), part_rows, static_cast<int>(kblocks), per_group, groups,
-       static_cast<int>(T), static_cast<int>(H), static_cast<int>(Hkv), static_cast<int>(N), static_cast<int>(t_pad),
-       static_cast<float>(softmax_scale * 1.4426950408889634)},
+  const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  TrainingPerHeadRowsRuntime::launch(
+      {{static_cast<int>(sh.Dqk), static_cast<int>(sh.D), true}, k.data_ptr(), k_i.data_ptr(), rows, bo,
+       dq.data_ptr<float>(), dw.data_ptr<float>(), nullptr, static_cast<int>(sh.T), static_cast<int>(sh.H),
+       static_cast<int>(sh.Hkv), static_cast<int>(sh.N), static_cast<int>(t_pad), scale_log2},
       dev.stream, dev.device);
-  return part;
+  const int per_group = sm90::training_per_head_dk_heads_per_group(static_cast<int>(kblocks), static_cast<int>(sh.H),
+                                                                    dev.num_sms);
+  const int groups = static_cast<int>((sh.H + per_group - 1) / per_group);
+  const int64_t part_rows = kblocks * TrainingPerHeadLayout::kKeysPerCta;
+  at::Tensor part = at::empty({groups, part_rows, sh.D}, f32);
+  TrainingPerHeadDkRuntime::launch(
+      {{static_cast<int>(sh.Dqk), static_cast<int>(sh.D)}, q.data_ptr(), k.data_ptr(), q_i.data_ptr(), k_i.data_ptr(),
+       info.data_ptr(), bo.tile_lo, bo.tile_hi, bo.kb_first, bo.kb_last, part.data_ptr<float>(), part_rows,
+       static_cast<int>(kblocks), per_group, groups, static_cast<int>(sh.T), static_cast<int>(sh.H),
+       static_cast<int>(sh.Hkv), static_cast<int>(sh.N), static_cast<int>(t_pad), scale_log2},
+      dev.stream, dev.device);
+  return groups == 1 ? part[0].narrow(0, 0, sh.N) : part.sum(0).narrow(0, 0, sh.N);
 }
 
 }  // namespace deep_indexer

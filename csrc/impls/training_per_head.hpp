@@ -41,16 +41,17 @@ struct TrainingPerHeadRowsRuntime : jit::KernelRuntime<TrainingPerHeadRowsRuntim
 
   struct Args {
     Params params;
-    const void *q, *k, *q_i, *k_i;  // [T, H, Dqk], [N, Hkv, Dqk], [T, H, D], [N, D] bf16
-    const void* info;               // RowInfo [H, t_pad]
-    const int *tile_lo, *tile_hi;   // [t_pad / 64]
+    const void* k;    // [N, Hkv, Dqk] bf16
+    const void* k_i;  // [N, D] bf16
+    PerHeadRowsArgs rows;
+    PerHeadBwdOut bwd_out;  // backward only
     float *out_a, *out_b, *out_c;
     int num_rows, num_heads, num_kv_heads, num_keys, t_pad;
     float scale_log2;
   };
 
   static void launch(const Args& a, CUstream stream, int device) {
-    if (a.num_rows == 0 || a.num_keys == 0) return;
+    if (a.num_rows == 0) return;
     const TrainingPerHeadLayout l = training_per_head_layout(a.params.qk_dim, a.params.head_dim);
     const CUfunction f = function(a.params, device, stream);
     const CUtensorMap tmap_k = make_bf16_head_rows_map(a.k, static_cast<uint64_t>(a.num_keys),
@@ -63,8 +64,8 @@ struct TrainingPerHeadRowsRuntime : jit::KernelRuntime<TrainingPerHeadRowsRuntim
     cfg.grid = static_cast<unsigned>(a.t_pad / TrainingPerHeadLayout::kRowsPerCta * a.num_heads);
     cfg.block = TrainingPerHeadLayout::kThreads;
     cfg.smem = l.rows_smem_bytes();
-    jit::launch(f, cfg, stream, tmap_k, tmap_ki, a.q, a.q_i, a.info, a.tile_lo, a.tile_hi, a.out_a, a.out_b, a.out_c,
-                a.num_rows, a.num_heads, a.num_heads / a.num_kv_heads, a.t_pad, a.scale_log2);
+    jit::launch(f, cfg, stream, tmap_k, tmap_ki, a.rows, a.bwd_out, a.out_a, a.out_b, a.out_c, a.num_rows, a.num_heads,
+                a.num_heads / a.num_kv_heads, a.num_keys, a.t_pad, a.scale_log2);
   }
 };
 

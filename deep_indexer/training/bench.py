@@ -5,7 +5,8 @@
 Cases (CUDA, bf16 inputs; one causal sequence per `--tokens` value, or `--seqs` packed sequences of 2048):
   per_head  H = H_I = 64, Dqk = 128, D_I = 64, n packed sequences of 2048 tokens: forward / backward time of
             indexer_kl_loss(target="per_head") against torch SDPA's flash-attention forward / backward on
-            the same q, k (v = k-sized) as [n, 64, 2048, 128].
+            the same q, k (v = k-sized) as [n, 64, 2048, 128] (the attention alone; its backward takes a
+            random output gradient).
   mean      H = 128, Dqk = 576 (one key head), H_I = 64, D_I = 128, causal: TFLOP/s counting per valid (t, s)
             pair 2 (H Dqk + H_I D_I) forward and 2 (H Dqk + 3 H_I D_I) backward, against the bf16 GEMM
             rate measured in the same run.
@@ -54,18 +55,19 @@ def _rand(*shape, dev, std=1.0, gen=None):
     return (torch.randn(*shape, device=dev, generator=gen) * std).bfloat16()
 
 
-def _fwd_bwd(make_loss, leaves, timer, iters):
-    """(forward seconds, backward seconds) of make_loss() then loss.backward()."""
+def _fwd_bwd(make_loss, leaves, timer, iters, loss_fn=False):
+    """(forward seconds, backward seconds) of make_loss() then loss.backward() (loss_fn: make_loss(backward) runs its
+    own backward when `backward` is true)."""
     def fwd():
         with torch.no_grad():
-            make_loss()
+            make_loss(False) if loss_fn else make_loss()
 
     t_f = timer(fwd, iters)
 
     def fwd_bwd():
         for x in leaves:
             x.grad = None
-        make_loss().backward()
+        make_loss(True) if loss_fn else make_loss().backward()
 
     t_fb = timer(fwd_bwd, iters)
     return t_f, max(t_fb - t_f, 0.0)
@@ -93,8 +95,14 @@ def bench_per_head(dev, seqs, seq_len, timer, iters):
 
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             qa, ka, va = (x.clone().requires_grad_(True) for x in (q4, k4, v4))
-            sdpa_f, sdpa_b = _fwd_bwd(lambda: torch.nn.functional.scaled_dot_product_attention(
-                qa, ka, va, is_causal=True, scale=scale).float().sum(), (qa, ka, va), timer, iters)
+            gout = torch.randn_like(q4)
+
+            def sdpa(backward):  # the attention alone: no reduction of its output in the timed forward
+                out = torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale)
+                if backward:
+                    out.backward(gout)
+
+            sdpa_f, sdpa_b = _fwd_bwd(sdpa, (qa, ka, va), timer, iters, loss_fn=True)
         out = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, True, False, scale=scale)
         lse = out[1].permute(0, 2, 1).reshape(t, h).float()  # [B, H, S] -> [T, H]
     # the per_head operator's own layout: keys per head ([T, H_kv = H, Dqk])

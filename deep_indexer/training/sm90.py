@@ -207,86 +207,22 @@ def logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu):
 
 
 # ---------------------------------------------------------------------------------------------- per_head
-_LOG2E = 1.4426950408889634
-_ROWS_PER_CTA = 128  # rows of a row-major CTA (two tiles of 64)
-_KEYS_PER_CTA = 128  # keys of a key-major CTA
-
-
-def _per_head_plan(ks, ke, rows, n_keys):
-    """Row bounds clamped to [0, N] (empty rows -> [0, 0)), the 64-row tiles' hulls, and per 128-key block the
-    first / last row tile whose hull meets it (first > last: none)."""
-    dev = ks.device
-    t_pad = (rows + _ROWS_PER_CTA - 1) // _ROWS_PER_CTA * _ROWS_PER_CTA
-    lo, hi = ks.long().clamp(0, n_keys), ke.long().clamp(0, n_keys)
-    live = lo < hi
-    lo, hi = torch.where(live, lo, 0), torch.where(live, hi, 0)
-    lo_p = torch.full((t_pad,), n_keys, dtype=torch.long, device=dev)
-    hi_p = torch.zeros((t_pad,), dtype=torch.long, device=dev)
-    lo_p[:rows] = torch.where(live, lo, n_keys)
-    hi_p[:rows] = hi
-    tile_lo = lo_p.view(-1, 64).amin(1)
-    tile_hi = hi_p.view(-1, 64).amax(1)
-    n_tiles = tile_lo.numel()
-    kblocks = (n_keys + _KEYS_PER_CTA - 1) // _KEYS_PER_CTA
-    first = torch.zeros(kblocks, dtype=torch.int32, device=dev)
-    last = torch.full((kblocks,), -1, dtype=torch.int32, device=dev)
-    step = max(1, (1 << 24) // max(n_tiles, 1))  # [step, n_tiles] masks of at most 16M entries
-    tile_live = tile_lo < tile_hi
-    for b0 in range(0, kblocks, step):
-        s0 = torch.arange(b0, min(kblocks, b0 + step), device=dev).unsqueeze(1) * _KEYS_PER_CTA
-        meet = (tile_live & (tile_lo < s0 + _KEYS_PER_CTA) & (tile_hi > s0)).to(torch.uint8)
-        any_ = meet.amax(1) > 0
-        f = meet.argmax(1)
-        l_ = n_tiles - 1 - meet.flip(1).argmax(1)
-        first[b0:b0 + step] = torch.where(any_, f, 0).int()
-        last[b0:b0 + step] = torch.where(any_, l_, -1).int()
-    return (lo.int(), hi.int(), t_pad, tile_lo.int().contiguous(), tile_hi.int().contiguous(), first, last)
-
-
-def _per_head_info(plan, heads, lse_att, w, lse_i=None, mass=None, g=None):
-    """RowInfo [H, t_pad, 8] fp32 (training_per_head.cuh): lse2, lsei2, gm, gq, wl, w, lo, hi (ints), zeros past T."""
-    lo, hi, t_pad = plan[0], plan[1], plan[2]
-    rows = lo.shape[0]
-    info = torch.empty((heads, t_pad, 8), dtype=torch.float32, device=w.device)
-    info[:, rows:].zero_()
-    wt = w.float().t()
-    zero = torch.zeros((1, 1), dtype=torch.float32, device=w.device).expand(heads, rows)
-    cols = [_safe(lse_att.float()).t() * _LOG2E, zero, zero, zero, wt * _LOG2E, zero]
-    if g is not None:
-        cols[1] = _safe(lse_i.float()).t() * _LOG2E
-        cols[2] = (g.unsqueeze(1) * mass.float()).t()
-        cols[3] = g.float().unsqueeze(0).expand(heads, rows)
-        cols[5] = wt
-    cols += [x.view(torch.float32).unsqueeze(0).expand(heads, rows) for x in (lo, hi)]
-    info[:, :rows] = torch.stack(cols, -1)
-    return info
-
-
 def per_head_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, total_heads):
     """(per-token loss [T], indexer_lse [T, H], target_mass [T, H]): reference.warmup_kl_fwd for "per_head"."""
-    from .. import _C
-
-    q_i, k_i, q, k = (x.contiguous() for x in (q_i, k_i, q, k))
-    rows, heads, n_keys, dev = q.shape[0], q.shape[1], k.shape[0], q.device
-    plan = _per_head_plan(ks, ke, rows, n_keys)
-    info = _per_head_info(plan, heads, lse_att, w)
-    kl = torch.zeros((rows, heads), dtype=torch.float32, device=dev)
-    lse_i = torch.full_like(kl, float("-inf"))
-    mass = torch.zeros_like(kl)
-    _C.bf16_per_head_rows(q, k, q_i, k_i, info, plan[3], plan[4], kl, lse_i, mass, scale, False)
+    _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
+    q, k = q.contiguous(), k.contiguous()
+    rows, heads = q.shape[0], q.shape[1]
+    kl, lse_i, mass = (torch.empty((rows, heads), dtype=torch.float32, device=q.device) for _ in range(3))
+    _C.bf16_per_head_fwd(q, k, q_i, k_i, ks32, ke32, lse_att.float().contiguous(), w, kl, lse_i, mass, scale)
     return kl.sum(-1) / total_heads, lse_i, mass
 
 
 def per_head_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, total_heads):
     """(dq_I, dk_I, dw) in fp32: reference.warmup_kl_bwd for "per_head"."""
-    from .. import _C
-
-    q_i, k_i, q, k = (x.contiguous() for x in (q_i, k_i, q, k))
-    rows, heads, n_keys, dev = q.shape[0], q.shape[1], k.shape[0], q.device
-    plan = _per_head_plan(ks, ke, rows, n_keys)
-    info = _per_head_info(plan, heads, lse_att, w, lse_i, mass, grad.float() / total_heads)
-    dq = torch.zeros(q_i.shape, dtype=torch.float32, device=dev)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=dev)
-    _C.bf16_per_head_rows(q, k, q_i, k_i, info, plan[3], plan[4], dq, dw, None, scale, True)
-    part = _C.bf16_per_head_dk(q, k, q_i, k_i, info, plan[3], plan[4], plan[5], plan[6], scale)
-    return dq, part.sum(0)[:n_keys], dw
+    _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
+    q, k = q.contiguous(), k.contiguous()
+    dq = torch.empty(q_i.shape, dtype=torch.float32, device=q.device)
+    dw = torch.empty(w.shape, dtype=torch.float32, device=q.device)
+    dk = _C.bf16_per_head_bwd(q, k, q_i, k_i, ks32, ke32, lse_att.float().contiguous(), w, lse_i.float().contiguous(),
+                              mass.float().contiguous(), (grad.float() / total_heads).contiguous(), dq, dw, scale)
+    return dq, dk, dw

@@ -7,9 +7,11 @@
 //   backward: dI = gm exp2(I2 - lseI2) - gq P   (gq = g[t] / total_heads, gm = gq mass[t, h]),
 //             dw[t, h] = sum_s dI relu(S), dS = dI w [S > 0] (bf16), dq_I[t, h] = sum_s dS k_I[s],
 //             dk_I[s] = sum_(t, h) dS q_I[t, h]
-// Rows' values come packed (RowInfo [H, t_pad], written by the host, zeros past T); row tiles' key hulls
-// (tile_lo, tile_hi: union of the 64 rows' ranges, lo >= hi when empty) bound the walks. No atomics: every
-// output element is written by one thread (dk_I per head group into a partial buffer the host sums).
+// The row-major kernel reads the rows' bounds and values from the caller's tensors and reduces its row tiles'
+// key hulls itself; its backward form also writes them (RowInfo [H, t_pad], zeros past T; the tiles' hulls; per
+// key block the hull of the row tiles meeting it) for the key-major kernel that runs next. No float atomics:
+// every output element is written by one thread (dk_I per head group into a partial buffer summed in a fixed
+// order); the key-block hulls are integer atomicMin / atomicMax (order-independent).
 //
 // Structure, shared memory, registers: training_per_head_layout.hpp. Accumulator layout (m64n64):
 // acc[4 gg + 2 i + c] is (row 16 warp + lane / 4 + 8 i, column 8 gg + 2 quad + c).
@@ -26,18 +28,6 @@
 #include <deep_indexer/wgmma_bf16.cuh>
 
 namespace deep_indexer {
-
-// The values of one (head, row); lo / hi are the row's key range (ints in float slots).
-struct RowInfo {
-  float lse2;   // attention LSE x log2 e (0 for an empty row)
-  float lsei2;  // indexer LSE x log2 e (backward)
-  float gm;     // gq x mass (backward)
-  float gq;     // g[t] / total_heads (backward)
-  float wl;     // w x log2 e
-  float w;      // w (backward)
-  int lo, hi;
-};
-static_assert(sizeof(RowInfo) == TrainingPerHeadLayout::kInfoFloats * 4, "RowInfo size");
 
 namespace per_head_detail {
 
@@ -83,17 +73,40 @@ DI_DEVICE void pack_ds(uint32_t (&ds)[4][4], const float (&x)[32]) {
 
 }  // namespace per_head_detail
 
+namespace per_head_detail {
+
+DI_DEVICE RowInfo row_info(const PerHeadRowsArgs& a, int t, int h, int num_rows, int num_heads, int num_keys,
+                           bool bwd) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  RowInfo r{0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0, 0};
+  if (t >= num_rows) return r;
+  const int lo = min(max(__ldg(a.ks + t), 0), num_keys), hi = min(max(__ldg(a.ke + t), 0), num_keys);
+  if (lo < hi) r.lo = lo, r.hi = hi;
+  const int64_t o = static_cast<int64_t>(t) * num_heads + h;
+  const float lse = __ldg(a.lse + o), w = __ldg(a.w + o);
+  r.lse2 = isfinite(lse) ? lse * kLog2e : 0.0f;
+  r.wl = w * kLog2e;
+  if (bwd) {
+    const float li = __ldg(a.lse_i + o);
+    r.lsei2 = isfinite(li) ? li * kLog2e : 0.0f;
+    r.gq = __ldg(a.g + t);
+    r.gm = r.gq * __ldg(a.mass + o);
+    r.w = w;
+  }
+  return r;
+}
+
+}  // namespace per_head_detail
+
 // Row-major: CTA (row pair rp, head h) with rp counted from the last (the longest rows under causal bounds).
 // kBwd = false: out_a = kl [T, H], out_b = lse_I [T, H], out_c = mass [T, H].
-// kBwd = true:  out_a = dq_I [T, H, D_I] (fp32), out_b = dw [T, H].
+// kBwd = true:  out_a = dq_I [T, H, D_I] (fp32), out_b = dw [T, H]; and `bo` (PerHeadBwdOut).
 template <int kQkDim, int kHeadDim, bool kBwd>
 __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
     training_per_head_rows_kernel(const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_ki,
-                                  const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ q_i,
-                                  const RowInfo* __restrict__ info, const int* __restrict__ tile_lo,
-                                  const int* __restrict__ tile_hi, float* __restrict__ out_a, float* __restrict__ out_b,
-                                  float* __restrict__ out_c, int num_rows, int num_heads, int heads_per_kv, int t_pad,
-                                  float scale_log2) {
+                                  const PerHeadRowsArgs args, const PerHeadBwdOut bo, float* __restrict__ out_a,
+                                  float* __restrict__ out_b, float* __restrict__ out_c, int num_rows, int num_heads,
+                                  int heads_per_kv, int num_keys, int t_pad, float scale_log2) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = TrainingPerHeadLayout;
   constexpr L lay{kQkDim, kHeadDim};
@@ -105,23 +118,25 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
   uint8_t* smem = smem_raw + ((L::kAlign - (ptx::smem_addr(smem_raw) & (L::kAlign - 1))) & (L::kAlign - 1));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + lay.rows_offset_barriers());
   uint64_t* empty = full + kStages;
+  int* hull = reinterpret_cast<int*>(empty + kStages);  // [4 warps][lo, hi]
 
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
   const int h = static_cast<int>(blockIdx.x) % num_heads;
-  const int num_pairs = t_pad / L::kRowsPerCta + (t_pad % L::kRowsPerCta != 0);
-  const int rp = num_pairs - 1 - static_cast<int>(blockIdx.x) / num_heads;
-  const int num_row_tiles = t_pad / kTile;
-  int lo_w[2], hi_w[2], u_lo = INT_MAX, u_hi = INT_MIN;
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const int rt = 2 * rp + w;
-    lo_w[w] = rt < num_row_tiles ? __ldg(tile_lo + rt) : 0;
-    hi_w[w] = rt < num_row_tiles ? __ldg(tile_hi + rt) : 0;
-    if (lo_w[w] < hi_w[w]) u_lo = min(u_lo, lo_w[w]), u_hi = max(u_hi, hi_w[w]);
-  }
-  const int num_tiles = u_lo < u_hi ? (u_hi - u_lo + kTile - 1) / kTile : 0;
+  const int rp = t_pad / L::kRowsPerCta - 1 - static_cast<int>(blockIdx.x) / num_heads;
 
+  // The two row tiles' hulls: warps 0..3 reduce 32 rows each (an empty row counts as [INT_MAX, INT_MIN)).
+  if (warp < 4) {
+    const int t = L::kRowsPerCta * rp + static_cast<int>(threadIdx.x);
+    int lo = INT_MAX, hi = INT_MIN;
+    if (t < num_rows) {
+      const int a = min(max(__ldg(args.ks + t), 0), num_keys), b = min(max(__ldg(args.ke + t), 0), num_keys);
+      if (a < b) lo = a, hi = b;
+    }
+    lo = __reduce_min_sync(0xffffffffu, lo);
+    hi = __reduce_max_sync(0xffffffffu, hi);
+    if (lane == 0) hull[2 * warp] = lo, hull[2 * warp + 1] = hi;
+  }
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -135,10 +150,36 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
     ptx::prefetch_tensor_map(&tmap_ki);
   }
   __syncthreads();
+  int lo_w[2], hi_w[2], u_lo = INT_MAX, u_hi = INT_MIN;
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    lo_w[w] = min(hull[4 * w], hull[4 * w + 2]);
+    hi_w[w] = max(hull[4 * w + 1], hull[4 * w + 3]);
+    if (lo_w[w] < hi_w[w]) u_lo = min(u_lo, lo_w[w]), u_hi = max(u_hi, hi_w[w]);
+  }
+  const int num_tiles = u_lo < u_hi ? (u_hi - u_lo + kTile - 1) / kTile : 0;
 
   if (warp < 4) {
     // ===================================================================== producer
     ptx::reg_dealloc<L::kProducerRegs>();
+    if constexpr (kBwd) {
+      // Head 0's CTAs publish their row tiles' hulls: the tiles (thread 0) and the key blocks they meet (warps
+      // 1, 2: one tile each, lanes over the blocks).
+      if (h == 0) {
+        if (threadIdx.x == 0)
+#pragma unroll
+          for (int w = 0; w < 2; ++w) bo.tile_lo[2 * rp + w] = lo_w[w], bo.tile_hi[2 * rp + w] = hi_w[w];
+        if (warp == 1 || warp == 2) {
+          const int w = static_cast<int>(warp) - 1;
+          const int lo = w == 0 ? lo_w[0] : lo_w[1], hi = w == 0 ? hi_w[0] : hi_w[1];
+          if (lo < hi)
+            for (int kb = lo / L::kKeysPerCta + static_cast<int>(lane); kb <= (hi - 1) / L::kKeysPerCta; kb += 32) {
+              atomicMin(bo.kb_first + kb, 2 * rp + w);
+              atomicMax(bo.kb_last + kb, 2 * rp + w);
+            }
+        }
+      }
+    }
     if (warp == 0 && lane == 0) {
       const int kvh = h / heads_per_kv;
       for (int j = 0; j < num_tiles; ++j) {
@@ -169,12 +210,22 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
     uint32_t qa[kQkDim / 16][4], qia[kHeadDim / 16][4];
     RowInfo ri[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) ri[i] = per_head_detail::load_info(info + static_cast<int64_t>(h) * t_pad + t_base + row0 + 8 * i);
+    for (int i = 0; i < 2; ++i) {
+      const int t = t_base + row0 + 8 * i;
+      ri[i] = per_head_detail::row_info(args, t, h, num_rows, num_heads, num_keys, kBwd);
+      if constexpr (kBwd) {
+        if (quad == 0) {
+          float4* dst = reinterpret_cast<float4*>(bo.info + static_cast<int64_t>(h) * t_pad + t);
+          dst[0] = make_float4(ri[i].lse2, ri[i].lsei2, ri[i].gm, ri[i].gq);
+          dst[1] = make_float4(ri[i].wl, ri[i].w, __int_as_float(ri[i].lo), __int_as_float(ri[i].hi));
+        }
+      }
+    }
     if (has_rows) {
-      training_detail::load_a_fragments<kQkDim>(qa, q + static_cast<int64_t>(h) * kQkDim, t_base, num_rows, wi,
+      training_detail::load_a_fragments<kQkDim>(qa, static_cast<const __nv_bfloat16*>(args.q) + static_cast<int64_t>(h) * kQkDim, t_base, num_rows, wi,
                                                 static_cast<int>(lane), static_cast<long long>(num_heads) * kQkDim);
-      training_detail::load_a_fragments<kHeadDim>(qia, q_i + static_cast<int64_t>(h) * kHeadDim, t_base, num_rows, wi,
-                                                  static_cast<int>(lane), static_cast<long long>(num_heads) * kHeadDim);
+      training_detail::load_a_fragments<kHeadDim>(qia, static_cast<const __nv_bfloat16*>(args.q_i) + static_cast<int64_t>(h) * kHeadDim, t_base, num_rows,
+                                                  wi, static_cast<int>(lane), static_cast<long long>(num_heads) * kHeadDim);
     }
     float sa[32], si[32];
     // forward: online max / sum of I2, sum P a2, sum P I2, sum P; backward: dq_I, dw.

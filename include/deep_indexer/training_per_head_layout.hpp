@@ -15,7 +15,8 @@
 //
 //   Tiles: 64 rows x D bf16 as D / 64 blocks of [64 rows][128 B] (128-byte swizzle, TMA box {64, 1, 64}
 //   over [rows, heads, D]); blocks are block_bytes() apart.
-//   Row values (the backward, and the dk stages): RowInfo, 8 x 4 bytes per (head, row), head-major.
+//   Row values of the dk stages: RowInfo, 8 x 4 bytes per (head, row), head-major, written by the backward
+//   row-major kernel (which, like the forward, reads the rows' bounds and values from the caller's tensors).
 #pragma once
 
 #include <deep_indexer/host_device.hpp>
@@ -53,11 +54,12 @@ struct TrainingPerHeadLayout {
   DI_HOST_DEVICE constexpr int rows_stages() const {
     int best = 0;
     for (int s = 1; s <= kMaxStages; ++s)
-      if (s * (rows_stage_bytes() + 16) + kAlign <= kMaxSmem) best = s;
+      if (s * (rows_stage_bytes() + 16) + 32 + kAlign <= kMaxSmem) best = s;
     return best;
   }
   DI_HOST_DEVICE constexpr int rows_offset_barriers() const { return rows_stages() * rows_stage_bytes(); }
-  DI_HOST_DEVICE constexpr int rows_smem_bytes() const { return rows_offset_barriers() + 16 * rows_stages() + kAlign; }
+  // + full / empty barriers per stage, then the hull reduction (4 warps x {lo, hi}).
+  DI_HOST_DEVICE constexpr int rows_smem_bytes() const { return rows_offset_barriers() + 16 * rows_stages() + 32 + kAlign; }
 
   // ---- key-major kernel: 2 head buffers (the CTA's 128 keys of k), stages = q tile + q_I tile + info + header.
   DI_HOST_DEVICE constexpr int head_buf_bytes() const { return 2 * qk_tile_bytes(); }
@@ -81,6 +83,39 @@ struct TrainingPerHeadLayout {
            // backward of (256, 64) and (64, 128) spilled with 40 assumed)
            qk_dim / 4 + head_dim / 4 + 64 + head_dim / 2 + 16 + 48 <= kMathRegs;
   }
+};
+
+// The values of one (head, row); lo / hi are the row's key range (ints in float slots; 0, 0 when empty).
+struct RowInfo {
+  float lse2;   // attention LSE x log2 e (0 for an empty row)
+  float lsei2;  // indexer LSE x log2 e (backward)
+  float gm;     // gq x mass (backward)
+  float gq;     // g[t] / total_heads (backward)
+  float wl;     // w x log2 e
+  float w;      // w (backward)
+  int lo, hi;
+};
+static_assert(sizeof(RowInfo) == TrainingPerHeadLayout::kInfoFloats * 4, "RowInfo size");
+
+// The inputs of a row-major CTA: the rows' bounds and values, straight from the caller's tensors.
+struct PerHeadRowsArgs {
+  const void* q;        // [T, H, Dqk] bf16
+  const void* q_i;      // [T, H, D_I] bf16
+  const int *ks, *ke;   // [T]
+  const float* lse;     // [T, H] attention LSE (non-finite: an empty row)
+  const float* w;       // [T, H]
+  const float* lse_i;   // [T, H] indexer LSE (backward)
+  const float* mass;    // [T, H] (backward)
+  const float* g;       // [T] loss gradient / total_heads (backward)
+};
+
+// The backward's by-products for the key-major kernel: every (head, row < t_pad)'s RowInfo, the row tiles'
+// hulls (CTAs of head 0), and per 128-key block the first / last row tile meeting it (atomicMin / atomicMax
+// on kb_first = INT_MAX, kb_last = -1: order-independent).
+struct PerHeadBwdOut {
+  RowInfo* info;  // [H, t_pad]
+  int *tile_lo, *tile_hi;
+  int *kb_first, *kb_last;
 };
 
 }  // namespace deep_indexer
