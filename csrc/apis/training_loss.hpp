@@ -322,14 +322,16 @@ inline at::Tensor bf16_per_head_bwd(const at::Tensor& q, const at::Tensor& k, co
   }
   const int64_t t_pad = (sh.T + 127) / 128 * 128;
   at::Tensor info = at::empty({sh.H, t_pad, TrainingPerHeadLayout::kInfoFloats}, f32);
-  at::Tensor tiles = at::empty({2, t_pad / 64}, i32);
+  at::Tensor tiles = at::empty({4, t_pad / 64}, i32);
   at::Tensor kb_first = at::full({kblocks}, INT_MAX, i32), kb_last = at::full({kblocks}, -1, i32);
   PerHeadRowsArgs rows = training_api::per_head_rows_args(q, q_i, ks, ke, lse, w);
   rows.lse_i = lse_i.data_ptr<float>();
   rows.mass = mass.data_ptr<float>();
   rows.g = g.data_ptr<float>();
-  const PerHeadBwdOut bo{reinterpret_cast<RowInfo*>(info.data_ptr<float>()), tiles.data_ptr<int>(),
-                         tiles.data_ptr<int>() + t_pad / 64, kb_first.data_ptr<int>(), kb_last.data_ptr<int>()};
+  int* tp = tiles.data_ptr<int>();
+  const int64_t nt = t_pad / 64;
+  const PerHeadBwdOut bo{reinterpret_cast<RowInfo*>(info.data_ptr<float>()), tp, tp + nt, tp + 2 * nt, tp + 3 * nt,
+                         kb_first.data_ptr<int>(), kb_last.data_ptr<int>()};
   const OpDevice dev = op_device(q);
   const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   TrainingPerHeadRowsRuntime::launch(
@@ -344,7 +346,8 @@ inline at::Tensor bf16_per_head_bwd(const at::Tensor& q, const at::Tensor& k, co
   at::Tensor part = at::empty({groups, part_rows, sh.D}, f32);
   TrainingPerHeadDkRuntime::launch(
       {{static_cast<int>(sh.Dqk), static_cast<int>(sh.D)}, q.data_ptr(), k.data_ptr(), q_i.data_ptr(), k_i.data_ptr(),
-       info.data_ptr(), bo.tile_lo, bo.tile_hi, bo.kb_first, bo.kb_last, part.data_ptr<float>(), part_rows,
+       info.data_ptr(), bo.tile_lo, bo.tile_hi, bo.tile_lo_max, bo.tile_hi_min, bo.kb_first, bo.kb_last,
+       part.data_ptr<float>(), part_rows,
        static_cast<int>(kblocks), per_group, groups, static_cast<int>(sh.T), static_cast<int>(sh.H),
        static_cast<int>(sh.Hkv), static_cast<int>(sh.N), static_cast<int>(t_pad), scale_log2},
       dev.stream, dev.device);

@@ -88,7 +88,7 @@ struct TrainingPerHeadDkRuntime : jit::KernelRuntime<TrainingPerHeadDkRuntime> {
     Params params;
     const void *q, *k, *q_i, *k_i;
     const void* info;
-    const int *tile_lo, *tile_hi, *kb_first, *kb_last;  // [t_pad / 64], [num_kblocks]
+    const int *tile_lo, *tile_hi, *tile_lo_max, *tile_hi_min, *kb_first, *kb_last;  // [t_pad / 64] x 4, [num_kblocks] x 2
     float* dk_part;                                     // [groups, part_rows, D]
     int64_t part_rows;
     int num_kblocks, heads_per_group, groups, num_rows, num_heads, num_kv_heads, num_keys, t_pad;
@@ -110,7 +110,8 @@ struct TrainingPerHeadDkRuntime : jit::KernelRuntime<TrainingPerHeadDkRuntime> {
     cfg.grid = static_cast<unsigned>(a.num_kblocks * a.groups);
     cfg.block = TrainingPerHeadLayout::kThreads;
     cfg.smem = l.dk_smem_bytes();
-    jit::launch(f, cfg, stream, tmap_k, tmap_q, tmap_qi, a.k_i, a.info, a.tile_lo, a.tile_hi, a.kb_first, a.kb_last,
+    jit::launch(f, cfg, stream, tmap_k, tmap_q, tmap_qi, a.k_i, a.info, a.tile_lo, a.tile_hi, a.tile_lo_max,
+                a.tile_hi_min, a.kb_first, a.kb_last,
                 a.dk_part, a.part_rows, a.num_kblocks, a.heads_per_group, a.num_heads, a.num_heads / a.num_kv_heads,
                 a.num_keys, a.t_pad, a.scale_log2, sm90::training_per_head_pingpong());
   }

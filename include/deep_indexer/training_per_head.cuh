@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <type_traits>
 
 #include <deep_indexer/ptx.cuh>
 #include <deep_indexer/training_indexer_bwd.cuh>
@@ -36,15 +37,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 struct DkHeader {
   int head_slot;  // head index within the group (-1 ends the stream)
   int row_tile;
-  int pad[2];
+  int full;       // every (key, row) pair of the item is valid: no masks
+  int pad;
 };
 static_assert(sizeof(DkHeader) == TrainingPerHeadLayout::kHeaderBytes, "header size");
-
-DI_DEVICE RowInfo load_info(const RowInfo* p) {
-  const float4* v = reinterpret_cast<const float4*>(p);
-  const float4 a = v[0], b = v[1];
-  return RowInfo{a.x, a.y, a.z, a.w, b.x, b.y, __float_as_int(b.z), __float_as_int(b.w)};
-}
 
 // acc = A (64 x kDim, shared memory, K-major) x tile^T (tile rows = acc's columns, K-major).
 template <int kDim>
@@ -78,7 +74,7 @@ namespace per_head_detail {
 DI_DEVICE RowInfo row_info(const PerHeadRowsArgs& a, int t, int h, int num_rows, int num_heads, int num_keys,
                            bool bwd) {
   constexpr float kLog2e = 1.4426950408889634f;
-  RowInfo r{0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0, 0};
+  RowInfo r{0.0f, 0.0f, 0.0f, 0.0f, 0, 0, 0.0f, 0.0f};
   if (t >= num_rows) return r;
   const int lo = min(max(__ldg(a.ks + t), 0), num_keys), hi = min(max(__ldg(a.ke + t), 0), num_keys);
   if (lo < hi) r.lo = lo, r.hi = hi;
@@ -87,11 +83,10 @@ DI_DEVICE RowInfo row_info(const PerHeadRowsArgs& a, int t, int h, int num_rows,
   r.lse2 = isfinite(lse) ? lse * kLog2e : 0.0f;
   r.wl = w * kLog2e;
   if (bwd) {
-    const float li = __ldg(a.lse_i + o);
-    r.lsei2 = isfinite(li) ? li * kLog2e : 0.0f;
+    const float li = __ldg(a.lse_i + o), mass = __ldg(a.mass + o);
+    r.lsei2 = (isfinite(li) ? li * kLog2e : 0.0f) - (mass > 0.0f ? log2f(mass) : -INFINITY);
     r.gq = __ldg(a.g + t);
-    r.gm = r.gq * __ldg(a.mass + o);
-    r.w = w;
+    r.gqw = r.gq * w;
   }
   return r;
 }
@@ -133,9 +128,9 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
       const int a = min(max(__ldg(args.ks + t), 0), num_keys), b = min(max(__ldg(args.ke + t), 0), num_keys);
       if (a < b) lo = a, hi = b;
     }
-    lo = __reduce_min_sync(0xffffffffu, lo);
-    hi = __reduce_max_sync(0xffffffffu, hi);
-    if (lane == 0) hull[2 * warp] = lo, hull[2 * warp + 1] = hi;
+    const int lo_min = __reduce_min_sync(0xffffffffu, lo), hi_max = __reduce_max_sync(0xffffffffu, hi);
+    const int lo_max = __reduce_max_sync(0xffffffffu, lo), hi_min = __reduce_min_sync(0xffffffffu, hi);
+    if (lane == 0) hull[4 * warp] = lo_min, hull[4 * warp + 1] = hi_max, hull[4 * warp + 2] = lo_max, hull[4 * warp + 3] = hi_min;
   }
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -152,9 +147,9 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
   __syncthreads();
   int lo_w[2], hi_w[2], u_lo = INT_MAX, u_hi = INT_MIN;
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    lo_w[w] = min(hull[4 * w], hull[4 * w + 2]);
-    hi_w[w] = max(hull[4 * w + 1], hull[4 * w + 3]);
+  for (int w = 0; w < 2; ++w) {  // tile w = warps 2 w, 2 w + 1
+    lo_w[w] = min(hull[8 * w], hull[8 * w + 4]);
+    hi_w[w] = max(hull[8 * w + 1], hull[8 * w + 5]);
     if (lo_w[w] < hi_w[w]) u_lo = min(u_lo, lo_w[w]), u_hi = max(u_hi, hi_w[w]);
   }
   const int num_tiles = u_lo < u_hi ? (u_hi - u_lo + kTile - 1) / kTile : 0;
@@ -168,7 +163,12 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
       if (h == 0) {
         if (threadIdx.x == 0)
 #pragma unroll
-          for (int w = 0; w < 2; ++w) bo.tile_lo[2 * rp + w] = lo_w[w], bo.tile_hi[2 * rp + w] = hi_w[w];
+          for (int w = 0; w < 2; ++w) {
+            bo.tile_lo[2 * rp + w] = lo_w[w];
+            bo.tile_hi[2 * rp + w] = hi_w[w];
+            bo.tile_lo_max[2 * rp + w] = max(hull[8 * w + 2], hull[8 * w + 6]);
+            bo.tile_hi_min[2 * rp + w] = min(hull[8 * w + 3], hull[8 * w + 7]);
+          }
         if (warp == 1 || warp == 2) {
           const int w = static_cast<int>(warp) - 1;
           const int lo = w == 0 ? lo_w[0] : lo_w[1], hi = w == 0 ? hi_w[0] : hi_w[1];
@@ -215,9 +215,7 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
       ri[i] = per_head_detail::row_info(args, t, h, num_rows, num_heads, num_keys, kBwd);
       if constexpr (kBwd) {
         if (quad == 0) {
-          float4* dst = reinterpret_cast<float4*>(bo.info + static_cast<int64_t>(h) * t_pad + t);
-          dst[0] = make_float4(ri[i].lse2, ri[i].lsei2, ri[i].gm, ri[i].gq);
-          dst[1] = make_float4(ri[i].wl, ri[i].w, __int_as_float(ri[i].lo), __int_as_float(ri[i].hi));
+          bo.info[static_cast<int64_t>(h) * t_pad + t] = ri[i];
         }
       }
     }
@@ -255,55 +253,67 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
         ptx::fence_accum<32>(sa);
         ptx::fence_accum<32>(si);
         const int key0 = u_lo + j * kTile + 2 * quad;
-        if constexpr (!kBwd) {
-          float mt[2] = {-INFINITY, -INFINITY};
+        // The epilogue, without masks when the tile lies inside both of this thread's rows' ranges.
+        auto epilogue = [&](auto masked_tag) {
+          constexpr bool kMasked = decltype(masked_tag)::value;
+          if constexpr (!kBwd) {
+            float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-          for (int gg = 0; gg < 8; ++gg)
+            for (int gg = 0; gg < 8; ++gg)
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+              for (int i = 0; i < 2; ++i)
 #pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int idx = 4 * gg + 2 * i + c, key = key0 + 8 * gg + c;
-                const bool valid = key >= ri[i].lo && key < ri[i].hi;
-                const float a2 = fmaf(sa[idx], scale_log2, -ri[i].lse2);
-                const float p = valid ? ptx::ex2_approx(a2) : 0.0f;
-                const float x2 = fmaxf(si[idx], 0.0f) * ri[i].wl;
-                spa[i] = fmaf(p, a2, spa[i]);
-                spx[i] = fmaf(p, x2, spx[i]);
-                sp[i] += p;
-                si[idx] = valid ? x2 : -INFINITY;
-                mt[i] = fmaxf(mt[i], si[idx]);
+                for (int c = 0; c < 2; ++c) {
+                  const int idx = 4 * gg + 2 * i + c, key = key0 + 8 * gg + c;
+                  const bool valid = !kMasked || (key >= ri[i].lo && key < ri[i].hi);
+                  const float a2 = fmaf(sa[idx], scale_log2, -ri[i].lse2);
+                  const float p = valid ? ptx::ex2_approx(a2) : 0.0f;
+                  const float x2 = fmaxf(si[idx], 0.0f) * ri[i].wl;
+                  spa[i] = fmaf(p, a2, spa[i]);
+                  spx[i] = fmaf(p, x2, spx[i]);
+                  sp[i] += p;
+                  si[idx] = valid ? x2 : -INFINITY;
+                  mt[i] = fmaxf(mt[i], si[idx]);
+                }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float mn = fmaxf(m[i], mt[i]);
+              if (mn != -INFINITY) {
+                l[i] *= ptx::ex2_approx(m[i] - mn);
+                m[i] = mn;
               }
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float mn = fmaxf(m[i], mt[i]);
-            if (mn != -INFINITY) {
-              l[i] *= ptx::ex2_approx(m[i] - mn);
-              m[i] = mn;
             }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float mu = m[i] == -INFINITY ? 0.0f : m[i];
+#pragma unroll
+              for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) l[i] += ptx::ex2_approx(si[4 * gg + 2 * i + c] - mu);
+            }
+          } else {
+#pragma unroll
+            for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+              for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                  const int idx = 4 * gg + 2 * i + c, key = key0 + 8 * gg + c;
+                  const float p = ptx::ex2_approx(fmaf(sa[idx], scale_log2, -ri[i].lse2));
+                  const float r = fmaxf(si[idx], 0.0f);
+                  float d = ptx::ex2_approx(fmaf(r, ri[i].wl, -ri[i].lsei2)) - p;  // dI / gq
+                  if constexpr (kMasked) d = key >= ri[i].lo && key < ri[i].hi ? d : 0.0f;
+                  spx[i] = fmaf(d, r, spx[i]);  // dw / gq
+                  si[idx] = si[idx] > 0.0f ? d * ri[i].gqw : 0.0f;
+                }
           }
-#pragma unroll
-          for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) l[i] += ptx::ex2_approx(si[4 * gg + 2 * i + c] - (m[i] == -INFINITY ? 0.0f : m[i]));
-        } else {
-#pragma unroll
-          for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int idx = 4 * gg + 2 * i + c, key = key0 + 8 * gg + c;
-                const bool valid = key >= ri[i].lo && key < ri[i].hi;
-                const float p = ptx::ex2_approx(fmaf(sa[idx], scale_log2, -ri[i].lse2));
-                const float r = fmaxf(si[idx], 0.0f);
-                const float soft = ptx::ex2_approx(fmaf(r, ri[i].wl, -ri[i].lsei2));
-                const float d = valid ? fmaf(ri[i].gm, soft, -ri[i].gq * p) : 0.0f;
-                spx[i] = fmaf(d, r, spx[i]);  // dw
-                si[idx] = si[idx] > 0.0f ? d * ri[i].w : 0.0f;
-              }
+        };
+        const int k_first = u_lo + j * kTile;
+        if (k_first >= ri[0].lo && k_first + kTile <= ri[0].hi && k_first >= ri[1].lo && k_first + kTile <= ri[1].hi)
+          epilogue(std::false_type{});
+        else
+          epilogue(std::true_type{});
+        if constexpr (kBwd) {
           uint32_t ds[4][4];
           per_head_detail::pack_ds(ds, si);
           training_detail::mma_g<kHeadDim>(dq, ds, ki_tile);
@@ -350,7 +360,7 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
         if (t >= num_rows) continue;
         const int64_t o = static_cast<int64_t>(t) * num_heads + h;
         if constexpr (kBwd) {
-          out_b[o] = spx[i];
+          out_b[o] = spx[i] * ri[i].gq;
         } else {
           const bool any = l[i] > 0.0f;
           const float lsei2 = any ? m[i] + log2f(l[i]) : -INFINITY;
@@ -373,7 +383,8 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
     training_per_head_dk_kernel(const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_q,
                                 const __grid_constant__ CUtensorMap tmap_qi, const __nv_bfloat16* __restrict__ k_i,
                                 const RowInfo* __restrict__ info, const int* __restrict__ tile_lo,
-                                const int* __restrict__ tile_hi, const int* __restrict__ kb_first,
+                                const int* __restrict__ tile_hi, const int* __restrict__ tile_lo_max,
+                                const int* __restrict__ tile_hi_min, const int* __restrict__ kb_first,
                                 const int* __restrict__ kb_last, float* __restrict__ dk_part, int64_t part_rows,
                                 int num_kblocks, int heads_per_group, int num_heads, int heads_per_kv, int num_keys,
                                 int t_pad, float scale_log2, int pingpong) {
@@ -450,6 +461,7 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
             uint8_t* st = smem + lay.dk_offset_stage(s);
             headers[s].head_slot = jh;
             headers[s].row_tile = rt;
+            headers[s].full = __ldg(tile_lo_max + rt) <= s0 && __ldg(tile_hi_min + rt) >= s0 + L::kKeysPerCta;
             ptx::mbar_arrive_expect_tx(full + s, lay.dk_stage_bytes());
 #pragma unroll
             for (int b = 0; b < kQkDim / 64; ++b)
@@ -508,22 +520,32 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
       ptx::wgmma_wait<0>();
       ptx::fence_accum<32>(sa);
       ptx::fence_accum<32>(si);
+      // The rows' values of this thread's 16 columns (one 16-byte load each; the ranges only on masked items).
+      auto epilogue = [&](auto masked_tag) {
+        constexpr bool kMasked = decltype(masked_tag)::value;
 #pragma unroll
-      for (int gg = 0; gg < 8; ++gg)
+        for (int gg = 0; gg < 8; ++gg)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const RowInfo ri = per_head_detail::load_info(cols + 8 * gg + 2 * quad + c);
+          for (int c = 0; c < 2; ++c) {
+            const RowInfo* col = cols + 8 * gg + 2 * quad + c;
+            const float4 v = *reinterpret_cast<const float4*>(col);  // lse2, lsei2, wl, gqw
+            int2 range = make_int2(0, 0);
+            if constexpr (kMasked) range = *reinterpret_cast<const int2*>(&col->lo);
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int idx = 4 * gg + 2 * i + c;
-            const bool valid = key[i] >= ri.lo && key[i] < ri.hi;
-            const float p = ptx::ex2_approx(fmaf(sa[idx], scale_log2, -ri.lse2));
-            const float r = fmaxf(si[idx], 0.0f);
-            const float soft = ptx::ex2_approx(fmaf(r, ri.wl, -ri.lsei2));
-            const float d = valid ? fmaf(ri.gm, soft, -ri.gq * p) : 0.0f;
-            si[idx] = si[idx] > 0.0f ? d * ri.w : 0.0f;
+            for (int i = 0; i < 2; ++i) {
+              const int idx = 4 * gg + 2 * i + c;
+              const float p = ptx::ex2_approx(fmaf(sa[idx], scale_log2, -v.x));
+              const float r = fmaxf(si[idx], 0.0f);
+              float d = ptx::ex2_approx(fmaf(r, v.z, -v.y)) - p;
+              if constexpr (kMasked) d = key[i] >= range.x && key[i] < range.y ? d : 0.0f;
+              si[idx] = si[idx] > 0.0f ? d * v.w : 0.0f;
+            }
           }
-        }
+      };
+      if (headers[s].full)
+        epilogue(std::false_type{});
+      else
+        epilogue(std::true_type{});
       uint32_t ds[4][4];
       per_head_detail::pack_ds(ds, si);
       training_detail::mma_g<kHeadDim>(g, ds, qi_tile);

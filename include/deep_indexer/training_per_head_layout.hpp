@@ -35,6 +35,7 @@ struct TrainingPerHeadLayout {
   static constexpr int kMathWarps = 8;
   static constexpr int kInfoFloats = 8;  // RowInfo
   static constexpr int kHeaderBytes = 16;
+  static constexpr int kHullInts = 16;  // row-major kernel: 4 warps x {lo min, hi max, lo max, hi min}
   static constexpr int kMaxStages = 8;
   static constexpr int kAlign = 1024;
   static constexpr int kMaxSmem = 232448;
@@ -57,12 +58,14 @@ struct TrainingPerHeadLayout {
   DI_HOST_DEVICE constexpr int rows_stages() const {
     int best = 0;
     for (int s = 1; s <= kMaxStages; ++s)
-      if (s * (rows_stage_bytes() + 16) + 32 + kAlign <= kMaxSmem) best = s;
+      if (s * (rows_stage_bytes() + 16) + 4 * kHullInts + kAlign <= kMaxSmem) best = s;
     return best;
   }
   DI_HOST_DEVICE constexpr int rows_offset_barriers() const { return rows_stages() * rows_stage_bytes(); }
-  // + full / empty barriers per stage, then the hull reduction (4 warps x {lo, hi}).
-  DI_HOST_DEVICE constexpr int rows_smem_bytes() const { return rows_offset_barriers() + 16 * rows_stages() + 32 + kAlign; }
+  // + full / empty barriers per stage, then the hull reduction.
+  DI_HOST_DEVICE constexpr int rows_smem_bytes() const {
+    return rows_offset_barriers() + 16 * rows_stages() + 4 * kHullInts + kAlign;
+  }
 
   // ---- key-major kernel: 2 head buffers (the CTA's 128 keys of k), stages = q tile + q_I tile + info + header.
   DI_HOST_DEVICE constexpr int head_buf_bytes() const { return 2 * qk_tile_bytes(); }
@@ -88,15 +91,17 @@ struct TrainingPerHeadLayout {
   }
 };
 
-// The values of one (head, row); lo / hi are the row's key range (ints in float slots; 0, 0 when empty).
+// The values of one (head, row), log2 units; lo / hi are the row's key range (ints in float slots; 0, 0 when
+// empty). The backward's dI = gq (mass exp2(I2 - lseI2) - P) is gq (exp2(I2 - lsei2) - P) with the mass folded into
+// lsei2 = lseI2 - log2(mass) (+inf for mass 0), and dS = dI w = gqw (exp2(I2 - lsei2) - P) [S > 0].
 struct RowInfo {
   float lse2;   // attention LSE x log2 e (0 for an empty row)
-  float lsei2;  // indexer LSE x log2 e (backward)
-  float gm;     // gq x mass (backward)
-  float gq;     // g[t] / total_heads (backward)
+  float lsei2;  // indexer LSE x log2 e - log2(mass) (backward)
   float wl;     // w x log2 e
-  float w;      // w (backward)
+  float gqw;    // gq x w (backward)
   int lo, hi;
+  float gq;     // g[t] / total_heads (backward)
+  float pad;
 };
 static_assert(sizeof(RowInfo) == TrainingPerHeadLayout::kInfoFloats * 4, "RowInfo size");
 
@@ -113,11 +118,12 @@ struct PerHeadRowsArgs {
 };
 
 // The backward's by-products for the key-major kernel: every (head, row < t_pad)'s RowInfo, the row tiles'
-// hulls (CTAs of head 0), and per 128-key block the first / last row tile meeting it (atomicMin / atomicMax
+// hulls and intersections (CTAs of head 0), and per 128-key block the first / last row tile meeting it (atomicMin / atomicMax
 // on kb_first = INT_MAX, kb_last = -1: order-independent).
 struct PerHeadBwdOut {
   RowInfo* info;  // [H, t_pad]
-  int *tile_lo, *tile_hi;
+  int *tile_lo, *tile_hi;        // per 64-row tile: the union of its rows' ranges (lo >= hi: none)
+  int *tile_lo_max, *tile_hi_min;  // ... and their intersection (INT_MAX / INT_MIN when a row is empty or past T)
   int *kb_first, *kb_last;
 };
 
