@@ -199,14 +199,6 @@ inline int training_dk_splits(int num_kblocks, int rows, int num_sms) {
   return splits;
 }
 
-// per_head kernels (training_per_head.cuh): the two math warpgroups take turns issuing their score WGMMAs
-// (ping-pong) unless DI_TRAINING_PER_HEAD_PINGPONG=0.
-inline int training_per_head_pingpong() {
-  const int forced = env::get_int("DI_TRAINING_PER_HEAD_PINGPONG", 1);
-  print_choice([&] { return fmt::format("training_per_head pingpong={}", forced != 0); });
-  return forced != 0 ? 1 : 0;
-}
-
 // per_head dk kernel (training_per_head.cuh): a CTA owns 128 keys and a group of heads; groups are chosen
 // for about 4 CTAs per SM (causal key blocks differ in work), at most 16 (each adds an [N, D_I] fp32 partial
 // the host sums). DI_TRAINING_PER_HEAD_GROUPS forces the group count.

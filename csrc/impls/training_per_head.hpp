@@ -65,7 +65,7 @@ struct TrainingPerHeadRowsRuntime : jit::KernelRuntime<TrainingPerHeadRowsRuntim
     cfg.block = TrainingPerHeadLayout::kThreads;
     cfg.smem = l.rows_smem_bytes();
     jit::launch(f, cfg, stream, tmap_k, tmap_ki, a.rows, a.bwd_out, a.out_a, a.out_b, a.out_c, a.num_rows, a.num_heads,
-                a.num_heads / a.num_kv_heads, a.num_keys, a.t_pad, a.scale_log2, sm90::training_per_head_pingpong());
+                a.num_heads / a.num_kv_heads, a.num_keys, a.t_pad, a.scale_log2);
   }
 };
 
@@ -113,7 +113,7 @@ struct TrainingPerHeadDkRuntime : jit::KernelRuntime<TrainingPerHeadDkRuntime> {
     jit::launch(f, cfg, stream, tmap_k, tmap_q, tmap_qi, a.k_i, a.info, a.tile_lo, a.tile_hi, a.tile_lo_max,
                 a.tile_hi_min, a.kb_first, a.kb_last,
                 a.dk_part, a.part_rows, a.num_kblocks, a.heads_per_group, a.num_heads, a.num_heads / a.num_kv_heads,
-                a.num_keys, a.t_pad, a.scale_log2, sm90::training_per_head_pingpong());
+                a.num_keys, a.t_pad, a.scale_log2);
   }
 };
 

@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
     training_per_head_rows_kernel(const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_ki,
                                   const PerHeadRowsArgs args, const PerHeadBwdOut bo, float* __restrict__ out_a,
                                   float* __restrict__ out_b, float* __restrict__ out_c, int num_rows, int num_heads,
-                                  int heads_per_kv, int num_keys, int t_pad, float scale_log2, int pingpong) {
+                                  int heads_per_kv, int num_keys, int t_pad, float scale_log2) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = TrainingPerHeadLayout;
   constexpr L lay{kQkDim, kHeadDim};
@@ -233,22 +233,15 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < (kBwd ? kHeadDim / 2 : 1); ++i) dq[i] = 0.0f;
 
-    if (pingpong && wg == 1) ptx::named_barrier_arrive(L::kBarSchedule0, 256);  // warpgroup 0 issues first
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
       ptx::mbar_wait(full + s, static_cast<uint32_t>(j / kStages) & 1u);
       const bool own = j >= own_first && j < own_end;
       const uint8_t* st = smem + s * lay.rows_stage_bytes();
       const uint8_t* ki_tile = st + lay.qk_tile_bytes();
-      // NOTES: with `pingpong` both warpgroups pass the schedule barriers on every tile (own or not), so the
-      // turns stay paired; one's epilogue then runs under the other's WGMMAs.
-      if (pingpong) ptx::named_barrier_sync(L::kBarSchedule0 + wg, 256);
       if (own) {
         training_detail::mma_s<kQkDim>(sa, qa, st);
         training_detail::mma_s<kHeadDim>(si, qia, ki_tile);
-      }
-      if (pingpong) ptx::named_barrier_arrive(L::kBarSchedule0 + (wg ^ 1), 256);
-      if (own) {
         ptx::wgmma_wait<0>();
         ptx::fence_accum<32>(sa);
         ptx::fence_accum<32>(si);
@@ -387,7 +380,7 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
                                 const int* __restrict__ tile_hi_min, const int* __restrict__ kb_first,
                                 const int* __restrict__ kb_last, float* __restrict__ dk_part, int64_t part_rows,
                                 int num_kblocks, int heads_per_group, int num_heads, int heads_per_kv, int num_keys,
-                                int t_pad, float scale_log2, int pingpong) {
+                                int t_pad, float scale_log2) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = TrainingPerHeadLayout;
   constexpr L lay{kQkDim, kHeadDim};
@@ -496,7 +489,6 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) g[i] = 0.0f;
     int cur = -1;
-    if (pingpong && wg == 1) ptx::named_barrier_arrive(L::kBarSchedule0, 256);  // warpgroup 0 issues first
     for (int n = 0;; ++n) {
       const int s = n % kStages;
       ptx::mbar_wait(full + s, static_cast<uint32_t>(n / kStages) & 1u);
@@ -513,10 +505,8 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
       const uint8_t* st = smem + lay.dk_offset_stage(s);
       const uint8_t* qi_tile = st + lay.qk_tile_bytes();
       const RowInfo* cols = reinterpret_cast<const RowInfo*>(qi_tile + lay.idx_tile_bytes());
-      if (pingpong) ptx::named_barrier_sync(L::kBarSchedule0 + wg, 256);
       per_head_detail::mma_ss<kQkDim>(sa, smem + (cur & 1) * lay.head_buf_bytes() + wg * lay.qk_tile_bytes(), st);
       training_detail::mma_s<kHeadDim>(si, kia, qi_tile);
-      if (pingpong) ptx::named_barrier_arrive(L::kBarSchedule0 + (wg ^ 1), 256);
       ptx::wgmma_wait<0>();
       ptx::fence_accum<32>(sa);
       ptx::fence_accum<32>(si);

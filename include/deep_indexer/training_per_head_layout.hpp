@@ -41,9 +41,6 @@ struct TrainingPerHeadLayout {
   static constexpr int kMaxSmem = 232448;
   static constexpr int kProducerRegs = 24;
   static constexpr int kMathRegs = 240;
-  // Named barriers (0 is __syncthreads): with `pingpong`, math warpgroup w waits on kBarSchedule0 + w before
-  // issuing a tile's score WGMMAs and then releases the other's.
-  static constexpr int kBarSchedule0 = 1;
 
   DI_HOST_DEVICE static constexpr bool supported(int qk, int d) {
     return (qk == 64 || qk == 128 || qk == 192 || qk == 256) && (d == 64 || d == 128);
