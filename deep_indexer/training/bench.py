@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
 
 import torch
@@ -31,16 +32,20 @@ from .ops import indexer_kl_loss, indexer_logits
 def _timer(dev):
     if dev.type == "cuda":
         def run(fn, iters):
-            for _ in range(2):  # one warm-up call left the first case of a run an outlier
+            # the median of `iters` timed calls after two warm-ups: the mean of a few calls let one stalled call
+            # (seen on the first case of a run) decide the result
+            for _ in range(2):
                 fn()
             torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            times = []
             for _ in range(iters):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
                 fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / iters * 1e-3
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e-3)
+            return statistics.median(times)
     else:
         def run(fn, iters):
             fn()
@@ -171,7 +176,7 @@ def main(argv=None):
     ap.add_argument("--case", nargs="+", default=["all"], choices=["all", "per_head", "mean", "logits"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4, 16])
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5, help="timed calls per measurement (the median is reported)")
     ap.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "torch", "sm90"],
                     help="backends of the mean and logits cases (auto: the SM90 kernels where they apply)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
