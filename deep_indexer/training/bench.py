@@ -31,9 +31,10 @@ from .ops import indexer_kl_loss, indexer_logits
 
 def _timer(dev):
     if dev.type == "cuda":
-        def run(fn, iters):
-            # the median of `iters` timed calls after two warm-ups: the mean of a few calls let one stalled call
-            # (seen on the first case of a run) decide the result
+        def run(fn, iters, reps=3):
+            # the median over `iters` samples, each the mean of `reps` back-to-back calls (so host work overlaps the
+            # previous call's kernels, as in a training step), after two warm-ups: the mean of a single sample let one
+            # stalled call (seen on the first case of a run) decide the result
             for _ in range(2):
                 fn()
             torch.cuda.synchronize()
@@ -41,10 +42,11 @@ def _timer(dev):
             for _ in range(iters):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                fn()
+                for _ in range(reps):
+                    fn()
                 b.record()
                 b.synchronize()
-                times.append(a.elapsed_time(b) * 1e-3)
+                times.append(a.elapsed_time(b) * 1e-3 / reps)
             return statistics.median(times)
     else:
         def run(fn, iters):
@@ -176,7 +178,7 @@ def main(argv=None):
     ap.add_argument("--case", nargs="+", default=["all"], choices=["all", "per_head", "mean", "logits"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4, 16])
-    ap.add_argument("--iters", type=int, default=5, help="timed calls per measurement (the median is reported)")
+    ap.add_argument("--iters", type=int, default=5, help="timed samples of 3 back-to-back calls per measurement (the median is reported)")
     ap.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "torch", "sm90"],
                     help="backends of the mean and logits cases (auto: the SM90 kernels where they apply)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
