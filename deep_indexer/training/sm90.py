@@ -84,9 +84,13 @@ def per_head_unsupported(q_i, k_i, q, k) -> str | None:
 
 def mean_unsupported(q_i, k_i, q, k) -> str | None:
     """Why the `mean` warm-up loss cannot run on the SM90 kernels (None: it can)."""
-    why = logits_unsupported(q_i, k_i)
-    if why:
-        return why
+    return logits_unsupported(q_i, k_i) or lse_unsupported(q, k)
+
+
+def lse_unsupported(q, k) -> str | None:
+    """Why the `mean` target kernel (also the attention LSE kernel) cannot run on q, k (None: it can)."""
+    if not _is_sm90(q.device):
+        return f"needs an SM90 (Hopper) CUDA device, got {q.device}"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         return f"needs bfloat16 q and k, got {q.dtype} and {k.dtype}"
     if k.dim() != 2:
@@ -94,17 +98,6 @@ def mean_unsupported(q_i, k_i, q, k) -> str | None:
     dqk = q.shape[2]
     if q.shape[1] != TARGET_HEADS or dqk % 64 != 0 or not 64 <= dqk <= 576:
         return f"supports {TARGET_HEADS} attention heads of dim 64..576 (a multiple of 64), got {q.shape[1]} of dim {dqk}"
-    return None
-
-
-def lse_unsupported(q, k) -> str | None:
-    """Why the attention LSE kernel cannot run (None: it can): it is the `mean` target kernel's layout."""
-    if not _is_sm90(q.device):
-        return f"needs an SM90 (Hopper) CUDA device, got {q.device}"
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or k.dim() != 2:
-        return "needs bfloat16 q and one bfloat16 key head"
-    if q.shape[1] != TARGET_HEADS or q.shape[2] % 64 != 0 or not 64 <= q.shape[2] <= 576:
-        return f"supports {TARGET_HEADS} heads of dim 64..576 (a multiple of 64)"
     return None
 
 

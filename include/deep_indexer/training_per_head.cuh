@@ -56,8 +56,11 @@ DI_DEVICE void mma_ss(float (&acc)[32], const uint8_t* a_tile, const uint8_t* b_
   ptx::wgmma_commit();
 }
 
-// dS (bf16 A fragments of the next WGMMA, K = acc's columns) from the per-element values in `x`.
-DI_DEVICE void pack_ds(uint32_t (&ds)[4][4], const float (&x)[32]) {
+// acc += dS x tile, dS the per-element values `x` (acc's layout) rounded to bf16 as the A fragments (K = x's
+// columns = the tile's rows, MN-major); waits for the WGMMA.
+template <int kDim>
+DI_DEVICE void mma_ds(float (&acc)[kDim / 2], const float (&x)[32], const uint8_t* tile) {
+  uint32_t ds[4][4];
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -65,6 +68,9 @@ DI_DEVICE void pack_ds(uint32_t (&ds)[4][4], const float (&x)[32]) {
       const int gg = 2 * kk + j / 2, i = j % 2;
       ds[kk][j] = ptx::pack_bf16x2(x[4 * gg + 2 * i], x[4 * gg + 2 * i + 1]);
     }
+  training_detail::mma_g<kDim>(acc, ds, tile);
+  ptx::wgmma_wait<0>();
+  ptx::fence_accum<kDim / 2>(acc);
 }
 
 }  // namespace per_head_detail
@@ -306,13 +312,7 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
           epilogue(std::false_type{});
         else
           epilogue(std::true_type{});
-        if constexpr (kBwd) {
-          uint32_t ds[4][4];
-          per_head_detail::pack_ds(ds, si);
-          training_detail::mma_g<kHeadDim>(dq, ds, ki_tile);
-          ptx::wgmma_wait<0>();
-          ptx::fence_accum<kHeadDim / 2>(dq);
-        }
+        if constexpr (kBwd) per_head_detail::mma_ds<kHeadDim>(dq, si, ki_tile);
       }
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(empty + s);
@@ -536,11 +536,7 @@ __global__ void __launch_bounds__(TrainingPerHeadLayout::kThreads, 1)
         epilogue(std::false_type{});
       else
         epilogue(std::true_type{});
-      uint32_t ds[4][4];
-      per_head_detail::pack_ds(ds, si);
-      training_detail::mma_g<kHeadDim>(g, ds, qi_tile);
-      ptx::wgmma_wait<0>();
-      ptx::fence_accum<kHeadDim / 2>(g);
+      per_head_detail::mma_ds<kHeadDim>(g, si, qi_tile);
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(empty + s);
     }
