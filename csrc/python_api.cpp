@@ -69,11 +69,11 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkRuntime::precompile(p, arch);
-    } else if (op == "training_logits") {
-      TrainingLogitsRuntime::Params p{param(params, "num_heads"), param(params, "head_dim")};
+    } else if (op == "training_logits") {  // the prefill kernel's bf16 form (bf16_indexer_logits)
+      MqaLogitsRuntime::Params p{param(params, "num_heads"), param(params, "head_dim"), 4, 2};
       p.layout();  // validates
       py::gil_scoped_release release;
-      r = TrainingLogitsRuntime::precompile(p, arch);
+      r = MqaLogitsRuntime::precompile(p, arch);
     } else if (op == "training_logits_stats") {
       TrainingLogitsStatsRuntime::Params p{param(params, "num_heads"), param(params, "head_dim")};
       p.layout();  // validates
@@ -186,7 +186,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("index_mode"), py::arg("block_table"), py::arg("block_size"), py::arg("row_offset"),
         py::arg("return_values"), py::arg("out"), py::arg("out_values"));
   m.def("bf16_indexer_logits", &bf16_indexer_logits, py::arg("q"), py::arg("k"), py::arg("weights"), py::arg("ks"),
-        py::arg("ke"), py::arg("out"));
+        py::arg("ke"), py::arg("out"), py::arg("clean") = true);
   m.def("bf16_training_target", &bf16_training_target, py::arg("q"), py::arg("k"), py::arg("lse"), py::arg("ks"),
         py::arg("ke"), py::arg("p"), py::arg("plogp"), py::arg("mass"), py::arg("row_begin"), py::arg("row_end"),
         py::arg("softmax_scale"), py::arg("inv_heads"));

@@ -822,12 +822,17 @@ def test_sm90_indexer_logits_kernel(heads, dim, tokens, keys):
     ks, ke = ks.int(), ke.int()
     # the raw kernel into a NaN-poisoned output: every valid entry written, nothing else touched
     out = torch.full((tokens, keys), float("nan"), device="cuda")
-    deep_indexer._C.bf16_indexer_logits(q_i, k_i, w, ks, ke, out)
+    deep_indexer._C.bf16_indexer_logits(q_i, k_i, w, ks, ke, out, clean=False)
     ref = indexer_logits(q_i.double(), k_i.double(), w.double(), ks=ks, ke=ke)
     valid = torch.isfinite(ref)
     assert torch.isfinite(out[valid]).all(), "valid entries not written"
     assert torch.isnan(out[~valid]).all(), "entries outside the ranges written"
     assert calc_diff(out[valid], ref[valid]) < 1e-5
+    # clean=True (the default): exactly -inf outside (filled by the kernel's idle producer warps when there
+    # are at least as many q blocks as SMs, else by the separate clean kernel), the same values inside
+    cleaned = torch.full((tokens, keys), float("nan"), device="cuda")
+    deep_indexer._C.bf16_indexer_logits(q_i, k_i, w, ks, ke, cleaned)
+    assert torch.equal(cleaned == float("-inf"), ~valid) and torch.equal(cleaned[valid], out[valid])
     # through the autograd op: -inf outside; the backward on the portable path, or for 64 heads on the SM90
     # kernels (test_training_sm90.py checks them against float64; here within their bar of the portable one)
     x = [v.clone().requires_grad_(True) for v in (q_i, k_i, w)]

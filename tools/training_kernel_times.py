@@ -66,6 +66,20 @@ def main():
         for r0, r1, lo, hi in chunks]), 4 * 64 * 128 * pairs)
     out["indexer_dq"] = (timed(lambda: [_C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, di, r0, dq, dw, r0, r1)
                                         for r0, r1, _, _ in chunks]), 4 * 64 * 128 * pairs)
+    # the indexer logits op alone (forward: the prefill kernel's bf16 form into [T, T] fp32, -inf fill included;
+    # backward: dk + dq kernels and the dk partial sum, for a dense incoming gradient)
+    logits = torch.empty(t, n, device=dev)
+    out["indexer_logits fwd"] = (timed(lambda: _C.bf16_indexer_logits(q_i, k_i, w, ks32, ke32, logits)),
+                                 2 * 64 * 128 * pairs)
+    grad = torch.randn(t, n, device=dev)
+    ks_cpu, ke_cpu = ks.cpu(), ke.cpu()
+    out["indexer_logits bwd (6 H_I D_I counted)"] = (
+        timed(lambda: fast.logits_bwd(grad, q_i, k_i, w, ks32, ke32, ks_cpu, ke_cpu)), 6 * 64 * 128 * pairs)
+    out["indexer_dk (logits)"] = (timed(lambda: _C.bf16_indexer_logits_bwd_dk(
+        q_i, k_i, w, ks32, ke32, grad, 0, None, None, None, None, 0, t, 0, n)), 4 * 64 * 128 * pairs)
+    out["indexer_dq (logits)"] = (timed(lambda: _C.bf16_indexer_logits_bwd_dq(
+        q_i, k_i, w, ks32, ke32, grad, 0, dq, dw, 0, t)), 4 * 64 * 128 * pairs)
+    del logits, grad
     print(f"# {torch.cuda.get_device_name()}, T = {t} causal, {len(chunks)} chunk(s) of {rc} rows; "
           f"bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     print("| kernel | ms | TFLOP/s (its own GEMM work) | of GEMM |\n|---|---|---|---|")

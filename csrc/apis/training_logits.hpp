@@ -4,6 +4,8 @@
 #include <array>
 #include <climits>
 
+#include "../impls/clean_logits.hpp"
+#include "../impls/mqa_logits.hpp"
 #include "../impls/training_logits.hpp"
 #include "../utils/checks.hpp"
 #include "device.hpp"
@@ -50,11 +52,12 @@ inline std::array<int64_t, 4> check_indexer_inputs(const char* op, const at::Ten
 
 }  // namespace training_api
 
-// Writes logits[t, s] for max(ks[t], 0) <= s < min(ke[t], N) into `out` (other entries untouched) and
-// returns it. q [T, H, D] bf16, k [N, D] bf16, weights [T, H] fp32 (unit inner stride), ks/ke [T] int32,
-// out [T, N] fp32 (unit inner stride).
+// Writes logits[t, s] for max(ks[t], 0) <= s < min(ke[t], N) into `out` and returns it; with `clean`
+// every other entry of out becomes -inf, else it is left untouched. q [T, H, D] bf16, k [N, D] bf16,
+// weights [T, H] fp32 (unit inner stride), ks/ke [T] int32, out [T, N] fp32 (unit inner stride).
+// The kernel is the prefill one (mqa_logits.cuh) in its bf16 form.
 inline at::Tensor bf16_indexer_logits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& weights,
-                                      const at::Tensor& ks, const at::Tensor& ke, const at::Tensor& out) {
+                                      const at::Tensor& ks, const at::Tensor& ke, const at::Tensor& out, bool clean) {
   constexpr const char* op = "deep_indexer.training.indexer_logits";
   const auto [T, H, D, N] = training_api::check_indexer_inputs<TrainingLogitsLayout>(
       op, q, k, weights, "heads 16/32/64/128, dims 64/128", 64);
@@ -67,10 +70,16 @@ inline at::Tensor bf16_indexer_logits(const at::Tensor& q, const at::Tensor& k, 
   TensorCheck(op, q, "q_I").aligned(16);
   TensorCheck(op, k, "k_I").aligned(16);
   const OpDevice dev = op_device(q);
-  TrainingLogitsRuntime::launch({{static_cast<int>(H), static_cast<int>(D)}, q.data_ptr(), k.data_ptr(),
-                                 weights.data_ptr<float>(), weights.stride(0), ks.data_ptr<int>(), ke.data_ptr<int>(),
-                                 out.data_ptr<float>(), out.stride(0), static_cast<int>(T), static_cast<int>(N)},
-                                dev.device, dev.stream);
+  const MqaLogitsRuntime::Params params{static_cast<int>(H), static_cast<int>(D), 4, 2};
+  const bool fused_clean = clean && sm90::mqa_logits_fused_clean(params.layout(), T, dev.num_sms);
+  MqaLogitsRuntime::launch({params, q.data_ptr(), k.data_ptr(), nullptr, weights.data_ptr(), weights.stride(0), false,
+                            ks.data_ptr<int>(), ke.data_ptr<int>(), out.data_ptr(), out.stride(0), static_cast<int>(T),
+                            static_cast<int>(N), 0, fused_clean},
+                           dev.device, dev.num_sms, dev.stream);
+  if (clean && !fused_clean)
+    CleanLogitsRuntime::launch({out.data_ptr(), 4, out.stride(0), T, static_cast<int>(N), 1, ks.data_ptr<int>(),
+                                ke.data_ptr<int>(), 0},
+                               dev.device, dev.stream);
   return out;
 }
 

@@ -49,19 +49,25 @@ inline bool mqa_logits_split_relu(int num_heads, int /*head_dim*/) {
 }
 
 // Prefill: the deepest KV ring that fits, capped at 16 (one CTA per SM; 4-12 stages measured
-// within 1% of each other on H200).
-inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes) {
-  const int wgs = mqa_logits_math_wgs(num_heads, head_dim);
-  const bool split = mqa_logits_split_relu(num_heads, head_dim);
-  const int stages = std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split), 16);
-  const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs, split};
-  DI_CHECK_ARG(l.valid(), "fp8_mqa_logits: unsupported configuration H={} D={} ({}-byte logits)", num_heads,
-               head_dim, out_bytes);
+// within 1% of each other on H200). in_bytes = 2 (bf16 q / k, the training forward): no split relu
+// (its pieces are fp8), and 2 math warpgroups where 3 leave no room for 2 KV stages (H = 128, D = 128:
+// 3 x 2 q tiles of 32 KB).
+inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes, int in_bytes = 1) {
+  int wgs = mqa_logits_math_wgs(num_heads, head_dim);
+  const bool split = in_bytes == 1 && mqa_logits_split_relu(num_heads, head_dim);
+  if (in_bytes != 1 && MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split, in_bytes) < 2)
+    wgs = 2;
+  const int stages =
+      std::min(MqaLogitsLayout::max_kv_stages(num_heads, head_dim, out_bytes, wgs, split, in_bytes), 16);
+  const MqaLogitsLayout l{num_heads, head_dim, stages, out_bytes, wgs, split, in_bytes};
+  DI_CHECK_ARG(l.valid(), "mqa_logits: unsupported configuration H={} D={} ({}-byte inputs, {}-byte logits)",
+               num_heads, head_dim, in_bytes, out_bytes);
   print_choice([&] {
     return fmt::format(
-        "mqa_logits H={} D={} out={}B: math_wgs={} kv_stages={} threads={} smem={} tokens/CTA={} split_relu={}",
-        num_heads, head_dim, out_bytes, wgs, l.num_kv_stages, l.num_threads(), l.smem_bytes(), l.tokens_per_cta(),
-        split ? 1 : 0);
+        "mqa_logits H={} D={} in={}B out={}B: math_wgs={} kv_stages={} threads={} smem={} tokens/CTA={} "
+        "split_relu={}",
+        num_heads, head_dim, in_bytes, out_bytes, wgs, l.num_kv_stages, l.num_threads(), l.smem_bytes(),
+        l.tokens_per_cta(), split ? 1 : 0);
   });
   return l;
 }

@@ -11,28 +11,30 @@ inline const char* out_type_name(int elem_bytes) { return elem_bytes == 4 ? "flo
 struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
   struct Params {
     int num_heads, head_dim, elem_bytes;
-    MqaLogitsLayout layout() const { return sm90::mqa_logits_layout(num_heads, head_dim, elem_bytes); }
+    int in_bytes = 1;  // 1: fp8 q / k with k scales; 2: bf16 (the training forward)
+    MqaLogitsLayout layout() const { return sm90::mqa_logits_layout(num_heads, head_dim, elem_bytes, in_bytes); }
   };
 
   static const char* kernel_name() { return "mqa_logits"; }
   static const char* header() { return "deep_indexer/mqa_logits.cuh"; }
   static std::string name(const Params& p) {
     const MqaLogitsLayout l = p.layout();
-    return fmt::format("mqa_logits<H={},D={},wgs={},stages={},{}{}>", p.num_heads, p.head_dim, l.num_math_wgs(),
-                       l.num_kv_stages, p.elem_bytes == 4 ? "float32" : "bfloat16", l.split_relu ? ",split_relu" : "");
+    return fmt::format("mqa_logits<H={},D={},wgs={},stages={},{}{}{}>", p.num_heads, p.head_dim, l.num_math_wgs(),
+                       l.num_kv_stages, p.elem_bytes == 4 ? "float32" : "bfloat16", l.split_relu ? ",split_relu" : "",
+                       p.in_bytes == 2 ? ",bf16_in" : "");
   }
   static std::string instantiation(const Params& p) {
     const MqaLogitsLayout l = p.layout();
-    return fmt::format("&deep_indexer::mqa_logits_kernel_wgs<{}, {}, {}, {}, {}, {}>", p.num_heads, p.head_dim,
-                       l.num_kv_stages, out_type_name(p.elem_bytes), l.num_math_wgs(), l.split_relu);
+    return fmt::format("&deep_indexer::mqa_logits_kernel_wgs<{}, {}, {}, {}, {}, {}, {}>", p.num_heads, p.head_dim,
+                       l.num_kv_stages, out_type_name(p.elem_bytes), l.num_math_wgs(), l.split_relu, p.in_bytes);
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 
   struct Args {
     Params params;
-    const void* q;  // [S*H, D] fp8
-    const void* k;  // [SKV, D] fp8
-    const float* k_scale;
+    const void* q;  // [S*H, D] fp8 (bf16 when params.in_bytes == 2)
+    const void* k;  // [SKV, D] fp8 (bf16)
+    const float* k_scale;  // [SKV]; unused for bf16
     const void* weights;  // [S, H] float32, or bfloat16 when weights_bf16
     int64_t weights_stride;
     bool weights_bf16;
@@ -49,10 +51,14 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
     const Params& p = a.params;
     const MqaLogitsLayout l = p.layout();
     const CUfunction f = function(p, device, stream);
-    const CUtensorMap tmap_q = jit::make_kmajor_fp8_map(a.q, static_cast<uint64_t>(a.seq_len) * p.num_heads,
-                                                        l.swizzle_bytes(), l.q_box_rows(), "q");
+    const uint64_t q_rows = static_cast<uint64_t>(a.seq_len) * p.num_heads, k_rows = static_cast<uint64_t>(a.seq_len_kv);
+    const bool bf16 = p.in_bytes == 2;
+    const CUtensorMap tmap_q =
+        bf16 ? jit::make_bf16_rows_map(a.q, q_rows, static_cast<uint64_t>(p.head_dim), l.q_box_rows(), "q")
+             : jit::make_kmajor_fp8_map(a.q, q_rows, l.swizzle_bytes(), l.q_box_rows(), "q");
     const CUtensorMap tmap_k =
-        jit::make_kmajor_fp8_map(a.k, static_cast<uint64_t>(a.seq_len_kv), l.swizzle_bytes(), l.k_box_rows(), "k");
+        bf16 ? jit::make_bf16_rows_map(a.k, k_rows, static_cast<uint64_t>(p.head_dim), l.k_box_rows(), "k")
+             : jit::make_kmajor_fp8_map(a.k, k_rows, l.swizzle_bytes(), l.k_box_rows(), "k");
     jit::LaunchConfig cfg;
     cfg.grid = sm90::mqa_logits_grid(l, a.seq_len, num_sms);
     cfg.block = l.num_threads();

@@ -294,14 +294,14 @@ def logits_backward(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk
 
 
 def _sm90_logits(q_i, k_i, w, ks, ke):
-    """Forward on the SM90 kernel (bf16 WGMMA): -inf-filled output, the kernel writes the valid entries."""
+    """Forward on the SM90 kernel (the prefill kernel's bf16 form): it writes every entry, -inf outside."""
     from .. import _C
 
     if q_i.dtype != torch.bfloat16 or k_i.dtype != torch.bfloat16:
         raise TypeError(f"backend='sm90': q_I and k_I must be bfloat16, got {q_i.dtype} and {k_i.dtype}")
-    out = torch.full((q_i.shape[0], k_i.shape[0]), float("-inf"), dtype=torch.float32, device=q_i.device)
+    out = torch.empty((q_i.shape[0], k_i.shape[0]), dtype=torch.float32, device=q_i.device)
     return _C.bf16_indexer_logits(q_i.contiguous(), k_i.contiguous(), w.float().contiguous(), ks.int().contiguous(),
-                                  ke.int().contiguous(), out)
+                                  ke.int().contiguous(), out, clean=True)
 
 
 def indexer_logits(q_I, k_I, weights, *, ks=None, ke=None, cu_seqlens=None, causal=True, deterministic=False,

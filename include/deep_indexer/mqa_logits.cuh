@@ -6,6 +6,9 @@
 // M > 0) c(j) = j - lo_i over M columns, and hi_i is first cut to min(hi_i, lo_i + M) (a longer row
 // keeps its first M keys), so every store lands inside [0, M). The cut also shortens the tile walk.
 // weights: float32, or bfloat16 when weights_bf16 (converted to fp32 as they are staged in smem).
+// kInBytes = 2: bf16 q and k (the training forward, deep_indexer.training.indexer_logits): no k scales
+// (k_scale unused), WGMMA k16 bf16; a q / k row is D / 64 column blocks of 128 swizzled bytes, one TMA
+// box each. Everything else is shared with the fp8 form.
 //
 // Structure (sizes and offsets: mqa_logits_layout.hpp):
 //   * persistent grid; a CTA walks q blocks blockIdx.x, blockIdx.x + gridDim.x, ... of
@@ -42,6 +45,8 @@
 #include <deep_indexer/mqa_logits_layout.hpp>
 #include <deep_indexer/ptx.cuh>
 #include <deep_indexer/split_relu.cuh>
+#include <deep_indexer/wgmma_bf16.cuh>
+#include <deep_indexer/wgmma_fp8.cuh>
 
 namespace deep_indexer {
 
@@ -81,14 +86,15 @@ DI_DEVICE void fill_neg_inf_warp(OutT* row, int a, int b, uint32_t lane) {
 }  // namespace mqa_detail
 
 // The kernel body; kMathWGs = 0 picks the layout's default number of math warpgroups.
-template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu>
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu, int kInBytes>
 DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k, const float* __restrict__ k_scale,
                                const void* __restrict__ weights, int64_t weights_stride, int weights_bf16,
                                const int* __restrict__ ks, const int* __restrict__ ke, OutT* __restrict__ logits,
                                int64_t logits_stride, int S, int SKV, int max_seqlen_k, int clean) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs,
-                              kSplitRelu};
+                              kSplitRelu, kInBytes};
+  constexpr bool kBf16 = kInBytes == 2;
   static_assert(L.valid(), "unsupported mqa_logits configuration");
   static_assert(sizeof(OutT) == 4 || sizeof(OutT) == 2, "OutT must be float or __nv_bfloat16");
 
@@ -98,10 +104,12 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr int T2 = L.tokens_per_cta();  // tokens per q block
   constexpr int G = H / 8;                // 8-column accumulator groups per token
   constexpr int kBlockKV = L.block_kv();
-  using Mma = ptx::WgmmaFp8<L.mma_n()>;
+  using Mma = std::conditional_t<kBf16, ptx::WgmmaBf16<L.mma_n()>, ptx::WgmmaFp8<L.mma_n()>>;
   constexpr int kNumAccum = Mma::kNumAccum;  // 64 (+ 4 per token pair with split_relu)
   constexpr int kP = split_relu::kPieces;
-  constexpr int kKSteps = D / 32;
+  constexpr int kKSteps = L.k_steps();  // 32 bytes each
+  constexpr int kSwizzle = L.swizzle_bytes();
+  constexpr int kStepsPerBlock = kSwizzle / 32;
   constexpr uint32_t kQBoxBytes = L.q_box_bytes();  // what one q TMA load delivers (rows 0..127)
   constexpr uint32_t kKVTileBytes = L.kv_tile_bytes();
   constexpr int kNumMathWarps = L.num_math_wgs() * 4;
@@ -202,8 +210,10 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #pragma unroll
       for (int w = 0; w < L.num_math_wgs(); ++w)
         if (num_tiles > 0 && tok0 + w * T < S)
-          ptx::tma_load_2d(smem + L.offset_q(qs, w), &tmap_q, q_full(qs), 0, (tok0 + w * T) * H,
-                           ptx::kCacheEvictFirst);
+#pragma unroll
+          for (int cb = 0; cb < L.col_blocks(); ++cb)
+            ptx::tma_load_2d(smem + L.offset_q(qs, w) + cb * L.q_col_block_bytes(), &tmap_q, q_full(qs),
+                             cb * L.box_elems(), (tok0 + w * T) * H, ptx::kCacheEvictFirst);
     } else {
       ptx::mbar_arrive(q_full(qs));
     }
@@ -214,8 +224,10 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   auto produce_kv = [&](int u_lo, int t, const ptx::PipelineState<kNumKVStages>& kv) {
     if (lane == 0) {
       ptx::mbar_arrive_expect_tx(kv_full(kv.index), kKVTileBytes);
-      ptx::tma_load_2d(smem + L.offset_kv(kv.index), &tmap_k, kv_full(kv.index), 0, u_lo + t * kBlockKV,
-                       ptx::kCacheEvictNormal);
+#pragma unroll
+      for (int cb = 0; cb < L.col_blocks(); ++cb)
+        ptx::tma_load_2d(smem + L.offset_kv(kv.index) + cb * L.kv_col_block_bytes(), &tmap_k, kv_full(kv.index),
+                         cb * L.box_elems(), u_lo + t * kBlockKV, ptx::kCacheEvictNormal);
     }
   };
 
@@ -354,7 +366,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 #endif
         }
 
-        const uint64_t desc_q = ptx::make_kmajor_desc<D>(smem + L.offset_q(qs, wg));
+        const uint64_t desc_q = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_q(qs, wg));
         const int scale_max = SKV - 1;
 
         // Waits for the tile's data, loads its k scales and issues its WGMMAs into `acc`.
@@ -364,7 +376,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         auto load_scales = [&](float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
-            sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
+            sc[jj] = kBf16 ? 1.0f : __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
         };
         float sc_next[kOwnJ];
         load_scales(sc_next, 0);
@@ -373,12 +385,16 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
           load_scales(sc_next, t + 1);  // clamped: past the last tile it reads a valid scale
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
-          const uint64_t desc_k = ptx::make_kmajor_desc<D>(smem + L.offset_kv(kv_issue.index));
+          const uint64_t desc_k = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
           ptx::wgmma_fence();
+          // K step k: column block k / kStepsPerBlock, +32 B (+2 in descriptor units) per step inside it.
 #pragma unroll
-          for (int k = 0; k < kKSteps; ++k)
-            Mma::mma(acc, desc_k + 2 * k, desc_q + 2 * k, k > 0);  // +32 B per k step
+          for (int k = 0; k < kKSteps; ++k) {
+            const int cb = k / kStepsPerBlock, in_blk = k % kStepsPerBlock;
+            Mma::mma(acc, desc_k + ((cb * L.kv_col_block_bytes()) >> 4) + 2 * in_blk,
+                     desc_q + ((cb * L.q_col_block_bytes()) >> 4) + 2 * in_blk, k > 0);
+          }
         };
 
         // Retires the KV stage of the tile whose WGMMAs have completed.
@@ -459,7 +475,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             for (int jj = 0; jj < kOwnJ; ++jj) {
               const int kv_row = kv0 + 8 * own_j(jj);
               if (kv_row >= rlo[m] && kv_row < rhi[m])
-                mqa_detail::store_out(obase[m] + (t * kBlockKV + (kOwnJ == 1 ? 0 : 8 * jj)), res[jj + kOwnJ * m] * sc[jj]);
+                mqa_detail::store_out(obase[m] + (t * kBlockKV + (kOwnJ == 1 ? 0 : 8 * jj)),
+                                      kBf16 ? res[jj + kOwnJ * m] : res[jj + kOwnJ * m] * sc[jj]);
             }
           }
         };
@@ -537,24 +554,26 @@ __global__ void __launch_bounds__(MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVSta
                       const float* __restrict__ k_scale, const void* __restrict__ weights,
                       int64_t weights_stride, int weights_bf16, const int* __restrict__ ks, const int* __restrict__ ke,
                       OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV, int max_seqlen_k, int clean) {
-  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 0, false>(tmap_q, tmap_k, k_scale, weights, weights_stride,
+  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, 0, false, 1>(tmap_q, tmap_k, k_scale, weights, weights_stride,
                                                                      weights_bf16, ks, ke, logits, logits_stride, S,
                                                                      SKV, max_seqlen_k, clean);
 }
 
-// Same kernel with an explicit number of math warpgroups (2, 3 or 4) and epilogue form; the host
-// must then use MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs, kSplitRelu} for threads, shared
-// memory and q blocks.
-template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu = false>
+// Same kernel with an explicit number of math warpgroups (2, 3 or 4), epilogue form and input type
+// (kInBytes 1: fp8, 2: bf16); the host must then use
+// MqaLogitsLayout{H, D, stages, out_bytes, kMathWGs, kSplitRelu, kInBytes} for threads, shared memory and
+// q blocks.
+template <int kNumHeads, int kHeadDim, int kNumKVStages, typename OutT, int kMathWGs, bool kSplitRelu = false,
+          int kInBytes = 1>
 __global__ void __launch_bounds__(
-    MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), kMathWGs, kSplitRelu}.num_threads(), 1)
+    MqaLogitsLayout{kNumHeads, kHeadDim, kNumKVStages, int(sizeof(OutT)), kMathWGs, kSplitRelu, kInBytes}.num_threads(), 1)
     mqa_logits_kernel_wgs(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
                           const float* __restrict__ k_scale, const void* __restrict__ weights,
                           int64_t weights_stride, int weights_bf16, const int* __restrict__ ks,
                           const int* __restrict__ ke, OutT* __restrict__ logits, int64_t logits_stride, int S, int SKV,
                           int max_seqlen_k, int clean) {
   static_assert(kMathWGs >= 2 && kMathWGs <= 4, "2, 3 or 4 math warpgroups");
-  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs, kSplitRelu>(
+  mqa_logits_body<kNumHeads, kHeadDim, kNumKVStages, OutT, kMathWGs, kSplitRelu, kInBytes>(
       tmap_q, tmap_k, k_scale, weights, weights_stride, weights_bf16, ks, ke, logits, logits_stride, S, SKV,
       max_seqlen_k, clean);
 }

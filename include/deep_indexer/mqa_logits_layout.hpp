@@ -21,8 +21,14 @@
 //                      grid walks q blocks round-robin (block = blockIdx.x + k * gridDim.x);
 //                      number of q blocks = ceil(S / tokens_per_cta()); grid = min(that, #SMs).
 //   block_kv()         64: KV rows per KV tile; also the TMA box height of the k tensor map.
-//   swizzle_bytes()    D: the TMA swizzle mode of both tensor maps (32B, 64B or 128B), the inner
-//                      box dimension is D elements (= D bytes of fp8).
+//   in_bytes           (7th field) bytes per q / k element: 1 = fp8 e4m3 (the inference ops, with
+//                      k scales), 2 = bf16 (the training forward of deep_indexer.training, no scales;
+//                      D 64 or 128, no split_relu).
+//   row_bytes()        D * in_bytes: one q or k row.
+//   swizzle_bytes()    min(row_bytes(), 128): the TMA swizzle mode of both tensor maps (32B, 64B or
+//                      128B) and the inner box dimension in bytes. A tile is stored as col_blocks() =
+//                      row_bytes() / swizzle_bytes() column blocks of [rows][swizzle_bytes()] (one
+//                      TMA box each); a K step (32 bytes: k32 fp8, k16 bf16) stays inside one block.
 //   num_threads()      128 * (num_math_wgs() + 1) = 384 (512 for H = 128): warpgroup 0 is the
 //                      producer (warp 0 TMA, warps 1..3 the -inf fill), the math warpgroups follow.
 //   num_kv_stages      depth of the KV ring (template parameter kNumKVStages).
@@ -64,6 +70,7 @@ struct MqaLogitsLayout {
   int out_bytes;      // 4 (float32 logits) or 2 (bfloat16 logits); does not change the layout
   int math_wgs = 0;   // math warpgroups per CTA (2 or 3); 0 = default_math_wgs(H, D). Leave it out.
   bool split_relu = false;  // linear half of relu on the tensor cores (see above)
+  int in_bytes = 1;         // 1: fp8 q / k (with k scales), 2: bf16 (see above)
 
   static constexpr int kMaxSmem = 232448;  // 227 KB opt-in dynamic shared memory on SM90
   static constexpr int kQRowsPerTile = 128;
@@ -113,7 +120,13 @@ struct MqaLogitsLayout {
   }
   DI_HOST_DEVICE constexpr int block_kv() const { return kBlockKV; }
   DI_HOST_DEVICE constexpr int k_box_rows() const { return kBlockKV; }
-  DI_HOST_DEVICE constexpr int swizzle_bytes() const { return head_dim; }
+  DI_HOST_DEVICE constexpr int row_bytes() const { return head_dim * in_bytes; }
+  DI_HOST_DEVICE constexpr int swizzle_bytes() const { return row_bytes() < 128 ? row_bytes() : 128; }
+  DI_HOST_DEVICE constexpr int box_elems() const { return swizzle_bytes() / in_bytes; }  // TMA box inner size
+  DI_HOST_DEVICE constexpr int col_blocks() const { return row_bytes() / swizzle_bytes(); }
+  DI_HOST_DEVICE constexpr int k_steps() const { return row_bytes() / 32; }  // WGMMA K steps of 32 bytes
+  DI_HOST_DEVICE constexpr int q_col_block_bytes() const { return mma_n() * swizzle_bytes(); }
+  DI_HOST_DEVICE constexpr int kv_col_block_bytes() const { return kBlockKV * swizzle_bytes(); }
   DI_HOST_DEVICE constexpr int num_threads() const { return kThreadsPerWG * num_math_wgs() + 32 * producer_warps(); }
   DI_HOST_DEVICE constexpr int num_q_stages() const { return kNumQStages; }
   // Number of q blocks for S query tokens (the host sizes the persistent grid with it).
@@ -122,9 +135,9 @@ struct MqaLogitsLayout {
   }
 
   // ---- shared memory
-  DI_HOST_DEVICE constexpr int q_tile_bytes() const { return align_up(mma_n() * head_dim, kAlign); }
-  DI_HOST_DEVICE constexpr int q_box_bytes() const { return q_box_rows() * head_dim; }
-  DI_HOST_DEVICE constexpr int kv_tile_bytes() const { return kBlockKV * head_dim; }
+  DI_HOST_DEVICE constexpr int q_tile_bytes() const { return align_up(mma_n() * row_bytes(), kAlign); }
+  DI_HOST_DEVICE constexpr int q_box_bytes() const { return q_box_rows() * row_bytes(); }  // all column blocks
+  DI_HOST_DEVICE constexpr int kv_tile_bytes() const { return kBlockKV * row_bytes(); }
   DI_HOST_DEVICE constexpr int info_bytes() const { return align_up(info_offset_end(), 128); }
   DI_HOST_DEVICE constexpr int offset_q(int stage, int wg) const {
     return (stage * num_math_wgs() + wg) * q_tile_bytes();
@@ -158,19 +171,21 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr int smem_bytes() const { return smem_used_bytes() + kAlign; }
 
   // ---- validity
-  DI_HOST_DEVICE static constexpr bool supported_shape(int h, int d) {
-    return (h == 16 || h == 32 || h == 64 || h == 128) && (d == 32 || d == 64 || d == 128);
+  DI_HOST_DEVICE static constexpr bool supported_shape(int h, int d, int in_bytes = 1) {
+    return (h == 16 || h == 32 || h == 64 || h == 128) &&
+           (in_bytes == 1 ? (d == 32 || d == 64 || d == 128) : in_bytes == 2 && (d == 64 || d == 128));
   }
   DI_HOST_DEVICE static constexpr int max_kv_stages(int h, int d, int out_bytes, int math_wgs = 0,
-                                                    bool split_relu = false) {
+                                                    bool split_relu = false, int in_bytes = 1) {
     int best = 0;
-    if (!supported_shape(h, d) || (out_bytes != 2 && out_bytes != 4)) return 0;
+    if (!supported_shape(h, d, in_bytes) || (out_bytes != 2 && out_bytes != 4)) return 0;
     for (int s = 1; s <= kMaxKVStages; ++s)
-      if (MqaLogitsLayout{h, d, s, out_bytes, math_wgs, split_relu}.smem_bytes() <= kMaxSmem) best = s;
+      if (MqaLogitsLayout{h, d, s, out_bytes, math_wgs, split_relu, in_bytes}.smem_bytes() <= kMaxSmem) best = s;
     return best;
   }
   DI_HOST_DEVICE constexpr bool valid() const {
-    return supported_shape(num_heads, head_dim) && (out_bytes == 2 || out_bytes == 4) && num_kv_stages >= 2 &&
+    return supported_shape(num_heads, head_dim, in_bytes) && !(split_relu && in_bytes != 1) &&
+           (out_bytes == 2 || out_bytes == 4) && num_kv_stages >= 2 &&
            num_kv_stages <= kMaxKVStages && smem_bytes() <= kMaxSmem &&
            (num_math_wgs() == 2 || num_math_wgs() == 3) && tokens_per_cta() <= 32 && mma_n() <= 256 &&
            info_offset_ranges() + 8 * tokens_per_cta() <= info_offset_weights() &&
@@ -180,6 +195,7 @@ struct MqaLogitsLayout {
            producer_regs() % kRegGranule == 0 && math_regs() % kRegGranule == 0 &&
            // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)
            q_tile_bytes() % kAlign == 0 && kv_tile_bytes() % kAlign == 0 && offset_kv(0) % kAlign == 0 &&
+           q_col_block_bytes() % kAlign == 0 && kv_col_block_bytes() % kAlign == 0 &&
            offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0 &&
            info_offset_end() % 16 == 0;
   }

@@ -1,15 +1,13 @@
-// Training: bf16 indexer logits (forward), fp32 output:
-//   logits[t, s] = sum_h w[t, h] relu(q[t, h, :] . k[s, :])   for max(ks[t], 0) <= s < min(ke[t], N);
-// nothing else is written (the caller pre-fills -inf).
-//
-// training_logits_stats_kernel: the same walk, no stores; per-row statistics of the warm-up loss instead
-// (see training_logits_body).
+// Training: per-row statistics of the bf16 indexer logits for the warm-up loss's forward,
+//   I[t, s] = sum_h w[t, h] relu(q[t, h, :] . k[s, :])   for max(ks[t], 0) <= s < min(ke[t], N)
+// (see training_logits_stats_kernel; the logits themselves come from the prefill kernel's bf16 form,
+// mqa_logits.cuh).
 //
 // Structure (sizes: training_logits_layout.hpp): one warpgroup per CTA owns 128 rows of the [T*H, D]
 // view of q (128 / H tokens), kept in shared memory, and walks the 64-key tiles covering the union
 // of its tokens' ranges. Per tile: WGMMA m64n128k16 (A = k tile: 64 keys, B = the q rows, both
 // K-major, 128-byte swizzle; D / 16 K steps), then on CUDA cores relu, head weights (registers),
-// in-thread head sum, quad all-reduce, masked stores. Tiles are double-buffered: the next tile is
+// in-thread head sum, quad all-reduce, online row statistics. Tiles are double-buffered: the next tile is
 // loaded (plain 16-byte loads, swizzled shared stores) while the tensor cores work on the current one.
 // Rows past T*H and keys past N are zero-filled.
 #pragma once
@@ -52,20 +50,19 @@ DI_DEVICE void load_rows(uint8_t* tile, const __nv_bfloat16* __restrict__ src, l
 
 }  // namespace training_detail
 
-// The kernel body. kStats = false: the logits of rows [0, num_tokens) (row_begin = 0) into `logits`.
-// kStats = true (the forward of the warm-up loss, training_target.cuh computes p): nothing is stored;
-// for each row t in [row_begin, row_end) with a non-empty range the row's statistics
+// The forward statistics of the warm-up loss (training_target.cuh computes p): for each row t in
+// [row_begin, row_end) with a non-empty range the row's statistics
 //   lse_out[t] = log sum_s exp(I[t, s]),   pi_out[t] = sum_s p[t, s] I[t, s]
 // over its valid keys, with p[t, s] = p_in[(t - row_begin) * p_stride + s] (read only there); an empty
 // row gets lse -inf and pi 0. Each lane owns the (token, key row) pairs p = 2 j + i with p % 4 == quad:
 // an online max / sum of exp per owned token, reduced over the CTA at the end.
-template <int kNumHeads, int kHeadDim, bool kStats>
-DI_DEVICE void training_logits_body(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                                    const float* __restrict__ weights, int64_t weights_stride,
-                                    const int* __restrict__ ks, const int* __restrict__ ke, float* __restrict__ logits,
-                                    int64_t logits_stride, int row_begin, int row_end, int num_keys,
-                                    const float* __restrict__ p_in, int64_t p_stride, float* __restrict__ lse_out,
-                                    float* __restrict__ pi_out) {
+template <int kNumHeads, int kHeadDim>
+__global__ void __launch_bounds__(TrainingLogitsLayout::kNumThreads, 1)
+    training_logits_stats_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                                 const float* __restrict__ weights, int64_t weights_stride, const int* __restrict__ ks,
+                                 const int* __restrict__ ke, const float* __restrict__ p_in, int64_t p_stride,
+                                 float* __restrict__ lse_out, float* __restrict__ pi_out, int row_begin, int row_end,
+                                 int num_keys) {
   constexpr TrainingLogitsLayout L{kNumHeads, kHeadDim};
   static_assert(L.valid(), "unsupported training_logits layout");
   constexpr int kTokens = L.tokens_per_cta();
@@ -83,7 +80,7 @@ DI_DEVICE void training_logits_body(const __nv_bfloat16* __restrict__ q, const _
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + L.kAlign - 1) &
                                              ~static_cast<uintptr_t>(L.kAlign - 1));
   __shared__ int s_range[2];
-  __shared__ float s_stats[kStats ? 4 * kTokens * 3 : 1];  // [warp][token][m, l, pi]
+  __shared__ float s_stats[4 * kTokens * 3];  // [warp][token][m, l, pi]
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32, quad = lane & 3;
@@ -117,7 +114,7 @@ DI_DEVICE void training_logits_body(const __nv_bfloat16* __restrict__ q, const _
     }
   }
 
-  // Per owned token: running max, sum of exp(I - max), sum of p I (kStats).
+  // Per owned token: running max, sum of exp(I - max), sum of p I.
   float st_m[kTokens], st_l[kTokens], st_pi[kTokens];
 #pragma unroll
   for (int j = 0; j < kTokens; ++j) st_m[j] = -INFINITY, st_l[j] = 0.0f, st_pi[j] = 0.0f;
@@ -184,15 +181,11 @@ DI_DEVICE void training_logits_body(const __nv_bfloat16* __restrict__ q, const _
         for (int i = 0; i < 2; ++i) {
           const int key = key0 + row_in_tile + 8 * i;
           if ((2 * j + i) % 4 == quad && key >= tlo[j] && key < thi[j]) {
-            if constexpr (kStats) {
-              const float x = part[j][i];
-              const float m = fmaxf(st_m[j], x);
-              st_l[j] = st_l[j] * expf(st_m[j] - m) + expf(x - m);
-              st_m[j] = m;
-              st_pi[j] = fmaf(__ldg(p_in + (t0 + j - row_begin) * p_stride + key), x, st_pi[j]);
-            } else {
-              logits[(t0 + j) * logits_stride + key] = part[j][i];
-            }
+            const float x = part[j][i];
+            const float m = fmaxf(st_m[j], x);
+            st_l[j] = st_l[j] * expf(st_m[j] - m) + expf(x - m);
+            st_m[j] = m;
+            st_pi[j] = fmaf(__ldg(p_in + (t0 + j - row_begin) * p_stride + key), x, st_pi[j]);
           }
         }
       }
@@ -200,7 +193,7 @@ DI_DEVICE void training_logits_body(const __nv_bfloat16* __restrict__ q, const _
       __syncthreads();
     }
   }
-  if constexpr (kStats) {
+  {
     // Combine (max, sum, pi) over the lanes of each warp, then over the 4 warps.
     auto combine = [](float& m, float& l, float& pi, float m2, float l2, float pi2) {
       const float mm = fmaxf(m, m2);
@@ -234,28 +227,6 @@ DI_DEVICE void training_logits_body(const __nv_bfloat16* __restrict__ q, const _
       pi_out[t0 + tid] = pi;
     }
   }
-}
-
-template <int kNumHeads, int kHeadDim>
-__global__ void __launch_bounds__(TrainingLogitsLayout::kNumThreads, 1)
-    training_logits_fwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                               const float* __restrict__ weights, int64_t weights_stride, const int* __restrict__ ks,
-                               const int* __restrict__ ke, float* __restrict__ logits, int64_t logits_stride,
-                               int num_tokens, int num_keys) {
-  training_logits_body<kNumHeads, kHeadDim, false>(q, k, weights, weights_stride, ks, ke, logits, logits_stride, 0,
-                                                   num_tokens, num_keys, nullptr, 0, nullptr, nullptr);
-}
-
-// The forward statistics of the warm-up loss's indexer side (see training_logits_body, kStats).
-template <int kNumHeads, int kHeadDim>
-__global__ void __launch_bounds__(TrainingLogitsLayout::kNumThreads, 1)
-    training_logits_stats_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                                 const float* __restrict__ weights, int64_t weights_stride, const int* __restrict__ ks,
-                                 const int* __restrict__ ke, const float* __restrict__ p_in, int64_t p_stride,
-                                 float* __restrict__ lse_out, float* __restrict__ pi_out, int row_begin, int row_end,
-                                 int num_keys) {
-  training_logits_body<kNumHeads, kHeadDim, true>(q, k, weights, weights_stride, ks, ke, nullptr, 0, row_begin,
-                                                  row_end, num_keys, p_in, p_stride, lse_out, pi_out);
 }
 
 }  // namespace deep_indexer

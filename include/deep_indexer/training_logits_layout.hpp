@@ -1,6 +1,6 @@
-// Launch geometry and shared-memory layout of `training_logits_fwd_kernel`
-// (include/deep_indexer/training_logits.cuh): bf16 indexer logits for training,
-//   logits[t, s] = sum_h w[t, h] relu(q[t, h, :] . k[s, :])   for ks[t] <= s < ke[t].
+// Launch geometry and shared-memory layout of `training_logits_stats_kernel`
+// (include/deep_indexer/training_logits.cuh): per-row statistics of the bf16 indexer logits
+//   I[t, s] = sum_h w[t, h] relu(q[t, h, :] . k[s, :])   for ks[t] <= s < ke[t].
 // Plain C++17, shared by host (g++) and device code.
 //
 //   q_rows()        128 rows of the [T*H, D] view of q per CTA (the WGMMA N); tokens_per_cta() = 128 / H.
