@@ -4,7 +4,7 @@
 set -u
 export PYTHONUNBUFFERED=1 DI_JIT_CACHE_DIR=/tmp/di_cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)
+commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null); export DI_BENCH_COMMIT=$commit
 echo "commit $commit" | tee "$OUT/summary.log"
 t0=$(date +%s)
 CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -q -e . --no-build-isolation --no-deps > "$OUT/build.log" 2>&1 \

@@ -206,20 +206,24 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     uint32_t a[kHeadDim / 16][4];
     training_detail::load_a_fragments<kHeadDim>(a, k_i, key_base, num_keys, wi, static_cast<int>(lane));
     const int row0 = 16 * wi + static_cast<int>(lane / 4);  // + 8 i: key key_base + row
-    float acc[32], g[kHeadDim / 2];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    float g[kHeadDim / 2];
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) g[i] = 0.0f;
 
-    for (int n = 0;; ++n) {
+    // Item n's stage: its header (item -1 ends the stream).
+    auto wait_item = [&](int n, Info& hd) {
       const int s = n % kStages;
       ptx::mbar_wait(sm.full(s), static_cast<uint32_t>(n / kStages) & 1u);
-      const Info hd = *sm.info(s);
-      if (hd.item < 0) break;
-      const float* f = sm.info_f(s);
-      const uint8_t* tile = smem + lay.offset_tile(s);
-      training_detail::mma_s<kHeadDim>(acc, a, tile);
+      hd = *sm.info(s);
+    };
+    auto tile_of = [&](int n) -> const uint8_t* { return smem + lay.offset_tile(n % kStages); };
+    auto release = [&](int n) {
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(sm.empty(n % kStages));
+    };
+    // dS (bf16 A fragments) of item n from its S accumulator.
+    auto make_ds = [&](const float(&acc)[32], const Info& hd, int n, uint32_t(&ds)[4][4]) {
+      const float* f = sm.info_f(n % kStages);
       // The row's weights of this thread's columns (heads 8 gg + 2 quad + c).
       float wv[16];
 #pragma unroll
@@ -228,8 +232,6 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         wv[2 * gg] = x.x;
         wv[2 * gg + 1] = x.y;
       }
-      ptx::wgmma_wait<0>();
-      ptx::fence_accum<32>(acc);
       float di[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -250,7 +252,6 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
           di[i] = valid ? v : 0.0f;
         }
       }
-      uint32_t ds[4][4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
@@ -262,11 +263,57 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
           ds[kk][j] = ptx::pack_bf16x2(d0, d1);
         }
       }
-      training_detail::mma_g<kHeadDim>(g, ds, tile);
-      ptx::wgmma_wait<0>();
+    };
+
+    // NOTES: software-pipelined over items with two S accumulators: item n + 1's S WGMMAs are issued
+    // before item n's dS epilogue, so the tensor cores always hold queued work. wgmma groups retire in
+    // order: after committing S(n + 1), wait_group<1> retires S(n) and G(n - 1), which frees item n - 1's
+    // stage and the dS registers (the A operand of G(n - 1)). The steps stay written out per accumulator.
+    float acc0[32], acc1[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = 0.0f;
+    uint32_t ds[4][4];
+    Info h0, h1;
+    wait_item(0, h0);
+    if (h0.item >= 0) {
+      training_detail::mma_s<kHeadDim>(acc0, a, tile_of(0));
+      for (int n = 0;; n += 2) {
+        // item n: S in acc0 (pending), header h0
+        wait_item(n + 1, h1);
+        if (h1.item >= 0) {
+          training_detail::mma_s<kHeadDim>(acc1, a, tile_of(n + 1));
+          ptx::wgmma_wait<1>();
+        } else {
+          ptx::wgmma_wait<0>();
+        }
+        ptx::fence_accum<32>(acc0);
+        if (n > 0) release(n - 1);
+        make_ds(acc0, h0, n, ds);
+        training_detail::mma_g<kHeadDim>(g, ds, tile_of(n));
+        if (h1.item < 0) {
+          ptx::wgmma_wait<0>();
+          release(n);
+          break;
+        }
+        // item n + 1: S in acc1 (pending), header h1
+        wait_item(n + 2, h0);
+        if (h0.item >= 0) {
+          training_detail::mma_s<kHeadDim>(acc0, a, tile_of(n + 2));
+          ptx::wgmma_wait<1>();
+        } else {
+          ptx::wgmma_wait<0>();
+        }
+        ptx::fence_accum<32>(acc1);
+        release(n);
+        make_ds(acc1, h1, n + 1, ds);
+        training_detail::mma_g<kHeadDim>(g, ds, tile_of(n + 1));
+        if (h0.item < 0) {
+          ptx::wgmma_wait<0>();
+          release(n + 1);
+          break;
+        }
+      }
       ptx::fence_accum<kHeadDim / 2>(g);
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(sm.empty(s));
     }
     const int valid_rows = min(64, num_keys - key_base);
     if (valid_rows > 0)
@@ -373,53 +420,104 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       wr[0] = __ldg(w + static_cast<int64_t>(t) * H + row0);
       wr[1] = __ldg(w + static_cast<int64_t>(t) * H + row0 + 8);
     }
-    float acc[32], g[kHeadDim / 2], dw[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    float g[kHeadDim / 2], dw[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) g[i] = 0.0f;
 
-    for (int j = 0; j < num_tiles; ++j) {
-      const int s = j % kStages;
-      ptx::mbar_wait(sm.full(s), static_cast<uint32_t>(j / kStages) & 1u);
-      if (j >= own_first && j < own_end) {
-        const uint8_t* tile = smem + lay.offset_tile(s);
-        training_detail::mma_s<kHeadDim>(acc, a, tile);
-        // dI of this thread's columns (keys key0 + 8 gg + 2 quad + c), 0 outside the row's range.
-        const float* f = sm.info_f(s) + 64 * wg;
-        float dv[16];
-#pragma unroll
-        for (int gg = 0; gg < 8; ++gg) {
-          const float2 x = reinterpret_cast<const float2*>(f)[4 * gg + quad];
-          dv[2 * gg] = x.x;
-          dv[2 * gg + 1] = x.y;
-        }
-        ptx::wgmma_wait<0>();
-        ptx::fence_accum<32>(acc);
-#pragma unroll
-        for (int gg = 0; gg < 8; ++gg)
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) dw[i] = fmaf(dv[2 * gg + c], fmaxf(acc[4 * gg + 2 * i + c], 0.0f), dw[i]);
-        uint32_t ds[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const int gg = 2 * kk + jj / 2, i = jj % 2;
-            const float x0 = acc[4 * gg + 2 * i], x1 = acc[4 * gg + 2 * i + 1];
-            const float d0 = x0 > 0.0f ? dv[2 * gg] * wr[i] : 0.0f;
-            const float d1 = x1 > 0.0f ? dv[2 * gg + 1] * wr[i] : 0.0f;
-            ds[kk][jj] = ptx::pack_bf16x2(d0, d1);
-          }
-        }
-        training_detail::mma_g<kHeadDim>(g, ds, tile);
-        ptx::wgmma_wait<0>();
-        ptx::fence_accum<kHeadDim / 2>(g);
-      }
+    auto wait_tile = [&](int j) {
+      ptx::mbar_wait(sm.full(j % kStages), static_cast<uint32_t>(j / kStages) & 1u);
+    };
+    auto tile_of = [&](int j) -> const uint8_t* { return smem + lay.offset_tile(j % kStages); };
+    auto release = [&](int j) {
       __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(sm.empty(s));
+      if (lane == 0) ptx::mbar_arrive(sm.empty(j % kStages));
+    };
+    // dw and dS (bf16 A fragments) of tile j from its S accumulator.
+    auto make_ds = [&](const float(&acc)[32], int j, uint32_t(&ds)[4][4]) {
+      // dI of this thread's columns (keys key0 + 8 gg + 2 quad + c), 0 outside the row's range.
+      const float* f = sm.info_f(j % kStages) + 64 * wg;
+      float dv[16];
+#pragma unroll
+      for (int gg = 0; gg < 8; ++gg) {
+        const float2 x = reinterpret_cast<const float2*>(f)[4 * gg + quad];
+        dv[2 * gg] = x.x;
+        dv[2 * gg + 1] = x.y;
+      }
+#pragma unroll
+      for (int gg = 0; gg < 8; ++gg)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) dw[i] = fmaf(dv[2 * gg + c], fmaxf(acc[4 * gg + 2 * i + c], 0.0f), dw[i]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const int gg = 2 * kk + jj / 2, i = jj % 2;
+          const float x0 = acc[4 * gg + 2 * i], x1 = acc[4 * gg + 2 * i + 1];
+          const float d0 = x0 > 0.0f ? dv[2 * gg] * wr[i] : 0.0f;
+          const float d1 = x1 > 0.0f ? dv[2 * gg + 1] * wr[i] : 0.0f;
+          ds[kk][jj] = ptx::pack_bf16x2(d0, d1);
+        }
+      }
+    };
+
+    // Tiles outside the row's own range [own_first, own_end) are only released; inside it the same
+    // software pipeline as the dk kernel (S of tile j + 1 issued before tile j's epilogue).
+    for (int j = 0; j < own_first; ++j) {
+      wait_tile(j);
+      release(j);
+    }
+    if (own_first < own_end) {
+      float acc0[32], acc1[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = 0.0f;
+      uint32_t ds[4][4];
+      wait_tile(own_first);
+      training_detail::mma_s<kHeadDim>(acc0, a, tile_of(own_first));
+      for (int j = own_first;; j += 2) {
+        // tile j: S in acc0 (pending)
+        bool more = j + 1 < own_end;
+        if (more) {
+          wait_tile(j + 1);
+          training_detail::mma_s<kHeadDim>(acc1, a, tile_of(j + 1));
+          ptx::wgmma_wait<1>();
+        } else {
+          ptx::wgmma_wait<0>();
+        }
+        ptx::fence_accum<32>(acc0);
+        if (j > own_first) release(j - 1);
+        make_ds(acc0, j, ds);
+        training_detail::mma_g<kHeadDim>(g, ds, tile_of(j));
+        if (!more) {
+          ptx::wgmma_wait<0>();
+          release(j);
+          break;
+        }
+        // tile j + 1: S in acc1 (pending)
+        more = j + 2 < own_end;
+        if (more) {
+          wait_tile(j + 2);
+          training_detail::mma_s<kHeadDim>(acc0, a, tile_of(j + 2));
+          ptx::wgmma_wait<1>();
+        } else {
+          ptx::wgmma_wait<0>();
+        }
+        ptx::fence_accum<32>(acc1);
+        release(j);
+        make_ds(acc1, j + 1, ds);
+        training_detail::mma_g<kHeadDim>(g, ds, tile_of(j + 1));
+        if (!more) {
+          ptx::wgmma_wait<0>();
+          release(j + 1);
+          break;
+        }
+      }
+      ptx::fence_accum<kHeadDim / 2>(g);
+    }
+    for (int j = own_end > own_first ? own_end : own_first; j < num_tiles; ++j) {
+      wait_tile(j);
+      release(j);
     }
     if (t < row_end) {
       training_detail::store_g<kHeadDim>(dq_out + static_cast<int64_t>(t) * H * kHeadDim, g, wi, static_cast<int>(lane), H);

@@ -10,6 +10,8 @@
 //   S = A (64 x D_I, registers) x tile^T        WGMMA m64n64k16 x D_I / 16, tile K-major
 //   dS (bf16, registers) from S and the item's values (epilogue)
 //   G += dS (64 x 64) x tile                    WGMMA m64nD_Ik16 x 4, tile MN-major (same shared memory)
+// software-pipelined: the next item's S WGMMAs are issued before this item's dS epilogue (two S
+// accumulators), so the epilogue runs while the tensor cores work.
 //
 //   tile_bytes()   64 rows x D_I bf16 = D_I / 64 blocks of [64 rows][128 B] (128-byte swizzle, TMA box
 //                  {64, 64}); the blocks are mn_block_bytes() apart (the MN-major descriptor's LBO).
@@ -69,8 +71,9 @@ struct TrainingIndexerBwdLayout {
     return supported_shape(kNumHeads, head_dim) && num_stages() >= 2 && smem_bytes() <= kMaxSmem &&
            tile_bytes() % kAlign == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0 &&
            128 * kProducerRegs + 256 * kMathRegs <= kThreads * 168 &&
-           // A fragments (D_I / 4) + S (32) + G (D_I / 2) + dS fragments (16) + working set
-           head_dim / 4 + 32 + head_dim / 2 + 16 + 48 <= kMathRegs;
+           // A fragments (D_I / 4) + two S accumulators (2 x 32, software pipeline) + G (D_I / 2) + dS
+           // fragments (16) + working set
+           head_dim / 4 + 2 * 32 + head_dim / 2 + 16 + 48 <= kMathRegs;
   }
 };
 
