@@ -1,89 +1,76 @@
-"""Host (CPU) time per call of the training ops' Python wrappers on a GPU, and where it goes.
-
-    python tools/host_overhead.py [--tokens 8192] [--seqs 4]
-
-For each op: the GPU time of one call (events, after a sync), the host time of one call (wall time until the
-call returns while the GPU is still busy with a long matmul queued before it, so no call waits for the GPU
-unless it synchronises), and the top cProfile entries of the host path.
-"""
+"""Warm host overhead per op call (GPU idle, many calls) and first-call time in a fresh process
+(cubin loaded from the disk cache). Run on the GPU machine after the cache is warm."""
 import argparse
-import cProfile
-import pstats
+import json
+import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
-from deep_indexer.training import indexer_kl_loss, indexer_logits
 
-
-def measure(name, fn, iters=20):
-    busy_a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        fn()
+def per_call_us(fn, calls=200, rounds=15) -> float:
+    fn()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    gpu = s.elapsed_time(e) / iters * 1e-3
-    host = []
-    for _ in range(iters):
-        for _ in range(20):  # ~20 ms of queued GPU work: the call below should not wait for the GPU
-            busy_a @ busy_a
-        t = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - t)
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
-    host.sort()
-    print(f"{name}: GPU+host back-to-back {gpu * 1e3:.3f} ms per call; host alone median {host[len(host) // 2] * 1e3:.3f} "
-          f"ms (min {host[0] * 1e3:.3f})")
-    for _ in range(20):
-        busy_a @ busy_a
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(5):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    return statistics.median(samples)
+
+
+def ops_under_test():
+    import deep_indexer as di
+    from deep_indexer.bench import decode_inputs, prefill_inputs
+
+    dev = torch.device("cuda")
+    out = {}
+    logits = torch.randn(4, 256, device=dev)
+    ke = torch.full((4,), 100, dtype=torch.int32, device=dev)
+    out["clean_logits"] = lambda: di.clean_logits(logits, None, ke)
+    if hasattr(di, "fp8_mqa_logits"):
+        x = prefill_inputs(4, 256, "causal", 64, 128, dev)
+        out["fp8_mqa_logits"] = lambda: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
+    if hasattr(di, "fp8_paged_mqa_logits"):
+        y = decode_inputs(2, 1, 256, 64, 128, 64, dev)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        meta = di.get_paged_mqa_logits_metadata(y["context_lens"], 64, sms)
+        out["get_paged_mqa_logits_metadata"] = lambda: di.get_paged_mqa_logits_metadata(y["context_lens"], 64, sms)
+        out["fp8_paged_mqa_logits"] = lambda: di.fp8_paged_mqa_logits(
+            y["q"], y["kv_cache"], y["weights"], y["context_lens"], y["block_table"], meta, y["max_context_len"], False)
+    return out
+
+
+FIRST_CALL = """
+import time, json
+t0 = time.perf_counter()
+import torch, deep_indexer as di
+torch.zeros(1, device='cuda'); torch.cuda.synchronize()
+t1 = time.perf_counter()
+import sys; sys.path.insert(0, 'tools')
+from host_overhead import ops_under_test
+res = {'import_s': t1 - t0}
+for name, fn in ops_under_test().items():
+    torch.cuda.synchronize(); t = time.perf_counter(); fn(); torch.cuda.synchronize()
+    res[name + '_first_call_s'] = time.perf_counter() - t
+print(json.dumps(res))
+"""
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--seqs", type=int, default=4)
-    args = ap.parse_args()
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-    t = args.tokens
-    q_i = (torch.randn(t, 64, 128, device=dev, generator=g) * 0.3).bfloat16()
-    k_i = (torch.randn(t, 128, device=dev, generator=g) * 0.3).bfloat16()
-    w = torch.randn(t, 64, device=dev, generator=g) * 0.1
-    cu = torch.tensor([0, t], dtype=torch.int32)
-
-    def logits_fwd():
-        with torch.no_grad():
-            indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
-
-    measure(f"indexer_logits fwd T={t}", logits_fwd)
-
-    n, s = args.seqs, 2048
-    tt = n * s
-    q = (torch.randn(tt, 64, 128, device=dev, generator=g)).bfloat16()
-    k = (torch.randn(tt, 64, 128, device=dev, generator=g)).bfloat16()
-    qh = (torch.randn(tt, 64, 64, device=dev, generator=g) * 0.3).bfloat16()
-    kh = (torch.randn(tt, 64, device=dev, generator=g) * 0.3).bfloat16()
-    wh = torch.randn(tt, 64, device=dev, generator=g) * 0.1
-    lse = torch.full((tt, 64), 5.0, device=dev)
-    cu2 = torch.arange(0, tt + 1, s, dtype=torch.int32)
-
-    def per_head_fwd():
-        with torch.no_grad():
-            indexer_kl_loss(qh, kh, wh, q, k, 128 ** -0.5, cu_seqlens=cu2, attn_lse=lse, target="per_head")
-
-    measure(f"per_head loss fwd {n}x{s}", per_head_fwd)
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default="overhead.json")
+    a = p.parse_args()
+    res = {"warm_us_per_call": {k: per_call_us(f) for k, f in ops_under_test().items()}}
+    r = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True)
+    res["fresh_process"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-2000:]
+    print(json.dumps(res, indent=1))
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
