@@ -151,48 +151,60 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   if (warp < 4) {
     // ===================================================================== producer
     ptx::reg_dealloc<L::kProducerRegs>();
-    if (warp == 0) {
-      int n = 0;
-      auto next_stage = [&](int& s) {
-        s = n % kStages;
-        ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
-        ++n;
-      };
-      for (int t = r_begin; t < r_end; ++t) {
-        const int lo = max(__ldg(ks + t), 0), hi = min(__ldg(ke + t), num_keys);
-        if (!(lo < hi && lo < s0 + L::kKeysPerCta && hi > s0)) continue;  // warp-uniform
-        int s;
-        next_stage(s);
-        float* f = sm.info_f(s);
-        const float2 wv = __ldg(reinterpret_cast<const float2*>(w + static_cast<int64_t>(t) * H) + lane);
-        reinterpret_cast<float2*>(f)[lane] = wv;
-        const float* vrow = vals + static_cast<int64_t>(t - vals_row0) * vals_stride;
+    // NOTES: the 4 producer warps take the items round-robin (item n: warp n % 4), so up to 4 items'
+    // loads (weights, values, TMA) are in flight; one warp alone took an L2 round trip per item, longer
+    // than the math warpgroups' work on it. Every warp scans every row (32 rows' bounds per load, a ballot
+    // of those that meet the CTA's keys) to number the items alike.
+    const int pw = static_cast<int>(warp);
+    int n = 0;
+    for (int r0 = r_begin; r0 < r_end; r0 += 32) {
+      const int tl = r0 + static_cast<int>(lane);
+      int lo_l = 0, hi_l = 0;
+      if (tl < r_end) lo_l = max(__ldg(ks + tl), 0), hi_l = min(__ldg(ke + tl), num_keys);
+      uint32_t mask = __ballot_sync(0xffffffffu, lo_l < hi_l && lo_l < s0 + L::kKeysPerCta && hi_l > s0);
+      while (mask != 0u) {  // warp-uniform
+        const int b = __ffs(mask) - 1;
+        mask &= mask - 1u;
+        const int lo = __shfl_sync(0xffffffffu, lo_l, b), hi = __shfl_sync(0xffffffffu, hi_l, b);
+        if (n % L::kProducerWarps == pw) {
+          const int t = r0 + b;
+          const int s = n % kStages;
+          ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
+          float* f = sm.info_f(s);
+          const float2 wv = __ldg(reinterpret_cast<const float2*>(w + static_cast<int64_t>(t) * H) + lane);
+          reinterpret_cast<float2*>(f)[lane] = wv;
+          const float* vrow = vals + static_cast<int64_t>(t - vals_row0) * vals_stride;
 #pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const int c = 32 * c4 + static_cast<int>(lane);
-          const int key = s0 + c;
-          f[64 + c] = key >= lo && key < hi ? __ldg(vrow + key) : 0.0f;
-        }
-        if (lane == 0) {
-          Info* hd = sm.info(s);
-          hd->item = t;
-          hd->lo = lo;
-          hd->hi = hi;
-          if constexpr (kLoss) {
-            hd->g = __ldg(g_in + t);
-            hd->mass = __ldg(mass_in + t);
-            hd->lse = __ldg(lse_in + t);
+          for (int c4 = 0; c4 < 4; ++c4) {
+            const int c = 32 * c4 + static_cast<int>(lane);
+            const int key = s0 + c;
+            f[64 + c] = key >= lo && key < hi ? __ldg(vrow + key) : 0.0f;
           }
-          ptx::mbar_arrive_expect_tx(sm.full(s), lay.tile_bytes());
+          if (lane == 0) {
+            Info* hd = sm.info(s);
+            hd->item = t;
+            hd->lo = lo;
+            hd->hi = hi;
+            if constexpr (kLoss) {
+              hd->g = __ldg(g_in + t);
+              hd->mass = __ldg(mass_in + t);
+              hd->lse = __ldg(lse_in + t);
+            }
+            ptx::mbar_arrive_expect_tx(sm.full(s), lay.tile_bytes());
 #pragma unroll
-          for (int b = 0; b < lay.num_kblocks(); ++b)
-            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_q, sm.full(s), 64 * b, t * H);
-        } else {
-          ptx::mbar_arrive(sm.full(s));
+            for (int kb2 = 0; kb2 < lay.num_kblocks(); ++kb2)
+              ptx::tma_load_2d(smem + lay.offset_tile(s) + kb2 * lay.mn_block_bytes(), &tmap_q, sm.full(s), 64 * kb2,
+                               t * H);
+          } else {
+            ptx::mbar_arrive(sm.full(s));
+          }
         }
+        ++n;
       }
-      int s;
-      next_stage(s);
+    }
+    if (n % L::kProducerWarps == pw) {  // the end of the stream
+      const int s = n % kStages;
+      ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
       if (lane == 0) sm.info(s)->item = -1;
       ptx::mbar_arrive(sm.full(s));
     }
@@ -373,8 +385,9 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   if (warp < 4) {
     // ===================================================================== producer
     ptx::reg_dealloc<L::kProducerRegs>();
-    if (warp == 0) {
-      for (int j = 0; j < num_tiles; ++j) {
+    // Tile j: producer warp j % 4 (as in the dk kernel, to keep several tiles' loads in flight).
+    {
+      for (int j = static_cast<int>(warp); j < num_tiles; j += L::kProducerWarps) {
         const int s = j % kStages;
         ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
         const int key0 = u_lo + j * kTileKeys;

@@ -5,8 +5,8 @@
 //                               q_I per row); dk_I partial per row range.
 //   training_indexer_dq_kernel  row-major: a CTA owns 2 rows (one per math warpgroup) and streams the
 //                               64-key tiles of k_I over the union of their ranges; dq_I and dw.
-// Both: warpgroup 0 = producer (warp 0: TMA of the tile + the small per-item values into the stage's
-// info), warpgroups 1, 2 = math. Per item a math warpgroup runs
+// Both: warpgroup 0 = producer (its 4 warps take the items round-robin: TMA of the tile + the small
+// per-item values into the stage's info), warpgroups 1, 2 = math. Per item a math warpgroup runs
 //   S = A (64 x D_I, registers) x tile^T        WGMMA m64n64k16 x D_I / 16, tile K-major
 //   dS (bf16, registers) from S and the item's values (epilogue)
 //   G += dS (64 x 64) x tile                    WGMMA m64nD_Ik16 x 4, tile MN-major (same shared memory)
@@ -34,6 +34,7 @@ struct TrainingIndexerBwdLayout {
   static constexpr int kSwizzleBytes = 128;
   static constexpr int kThreads = 384;
   static constexpr int kMathWarps = 8;
+  static constexpr int kProducerWarps = 4;  // take items (dk) / tiles (dq) round-robin
   static constexpr int kKeysPerCta = 128;  // dk kernel
   static constexpr int kRowsPerCta = 2;    // dq kernel
   static constexpr int kInfoHeaderBytes = 32;
