@@ -194,12 +194,15 @@ inline int training_target_cluster() {
 }
 
 // Indexer dk kernel (training_indexer_bwd.cuh): a CTA owns 128 keys and a range of rows; the rows of a
-// call are split into `splits` ranges so that there are about 4 CTAs per SM (causal chunks leave many
-// (key block, range) pairs empty), each range at least 64 rows. DI_TRAINING_DK_SPLITS forces the count.
+// call are split into `splits` ranges so that there are about kTrainingDkCtasPerSm CTAs per SM (causal
+// chunks leave many (key block, range) pairs empty), each range at least 64 rows. DI_TRAINING_DK_SPLITS
+// forces the count.
+constexpr int kTrainingDkCtasPerSm = 8;
 inline int training_dk_splits(int num_kblocks, int rows, int num_sms) {
   const int forced = env::get_int("DI_TRAINING_DK_SPLITS");
   const int max_splits = std::max(1, (rows + 63) / 64);
-  int splits = forced > 0 ? forced : (4 * num_sms + std::max(1, num_kblocks) - 1) / std::max(1, num_kblocks);
+  int splits = forced > 0 ? forced
+                          : (kTrainingDkCtasPerSm * num_sms + std::max(1, num_kblocks) - 1) / std::max(1, num_kblocks);
   splits = std::max(1, std::min(splits, max_splits));
   print_choice([&] { return fmt::format("training_dk kblocks={} rows={}: splits={}", num_kblocks, rows, splits); });
   return splits;

@@ -10,8 +10,9 @@ Cases (CUDA, bf16 inputs; one causal sequence per `--tokens` value, or `--seqs` 
   mean      H = 128, Dqk = 576 (one key head), H_I = 64, D_I = 128, causal: TFLOP/s counting per valid (t, s)
             pair 2 (H Dqk + H_I D_I) forward and 2 (H Dqk + 3 H_I D_I) backward, against the bf16 GEMM
             rate measured in the same run.
-  logits    indexer_logits alone at the `mean` sizes: 2 H_I D_I per pair forward, 4 H_I D_I backward (also
-            reported counting 6 H_I D_I, the recompute of S included, as the issue counts the mean backward).
+  logits    indexer_logits alone at the `mean` sizes: the forward op (no grad) and the backward of its output for
+            a dense gradient; 2 H_I D_I per pair forward, 6 H_I D_I backward (S recomputed, dq_I, dk_I: as the
+            mean loss's backward counts its indexer side), also reported counting 4.
 `--backends` (auto / torch / sm90) picks the paths of the mean and logits cases.
 The attention LSE is passed in (from the SDPA flash forward for per_head; computed once for mean) so
 the timed forward is the loss's own sweep. `--smoke` runs tiny shapes on any device (a check of the
@@ -138,28 +139,25 @@ def bench_mean(dev, tokens, timer, iters, rate, logits_only=False, backends=("au
     pairs = tokens * (tokens + 1) / 2
     rows = []
     if logits_only:
-        ff, fb = 2 * hi * di * pairs, 4 * hi * di * pairs
+        # the op alone: the forward under no_grad, the backward as autograd.grad of its output for a dense
+        # incoming gradient (the graph kept; nothing else timed)
+        ff, fb = 2 * hi * di * pairs, 6 * hi * di * pairs
         for backend in backends:
             be = "sm90" if backend == "auto" and dev.type == "cuda" else ("torch" if backend == "auto" else backend)
 
-            def logits_loss():
-                out = indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend=be)
-                return torch.where(torch.isfinite(out), out, torch.zeros_like(out)).sum()
+            def fwd_only():
+                with torch.no_grad():
+                    indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend=be)
 
-            f, b = _fwd_bwd(logits_loss, (q_i, k_i, w), timer, iters)
-            note = (f"fwd {ff / f / 1e12:.1f} TFLOP/s = {ff / f / rate:.2f} of GEMM (incl. the -inf fill of [T, T] "
-                    f"fp32), bwd {fb / b / 1e12:.1f} TFLOP/s = {fb / b / rate:.2f} of GEMM counting 4 H_I D_I per "
-                    f"pair ({1.5 * fb / b / rate:.2f} counting 6 H_I D_I: with the recompute of S)")
+            f = timer(fwd_only, iters)
+            out = indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend=be)
+            grad = torch.randn(out.shape, device=dev, generator=g)
+            b = timer(lambda: torch.autograd.grad(out, (q_i, k_i, w), grad, retain_graph=True), iters)
+            del out, grad
+            note = (f"fwd {ff / f / 1e12:.1f} TFLOP/s = {ff / f / rate:.2f} of GEMM (bar 0.6; the -inf fill of [T, T] "
+                    f"fp32 included), bwd {fb / b / 1e12:.1f} TFLOP/s = {fb / b / rate:.2f} of GEMM counting 6 H_I D_I "
+                    f"per pair as the mean loss's backward counts (bar 0.6; {fb / b / rate / 1.5:.2f} counting 4)")
             rows.append((f"logits {tokens} {be}", f, b, note))
-            if be == "sm90":  # the op alone (the row above also times the masking and the sum of [T, T] fp32)
-                def fwd_only():
-                    with torch.no_grad():
-                        indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
-
-                t1 = timer(fwd_only, iters)
-                rows.append((f"logits {tokens} sm90 fwd op only", t1, float("nan"),
-                             f"fwd {ff / t1 / 1e12:.1f} TFLOP/s = {ff / t1 / rate:.2f} of GEMM (bar 0.6; incl. the "
-                             f"-inf fill of [T, T] fp32)"))
     else:
         scale = 192 ** -0.5
         ff, fb = 2 * (h * dqk + hi * di) * pairs, 2 * (h * dqk + 3 * hi * di) * pairs

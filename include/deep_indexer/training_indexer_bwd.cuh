@@ -132,7 +132,9 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
   const int kb = static_cast<int>(blockIdx.x) % num_kblocks;
-  const int split = static_cast<int>(blockIdx.x) / num_kblocks;
+  // NOTES: the last row range first: under causal bounds its CTAs carry the most rows (largest first
+  // shortens the tail of the dynamic CTA schedule).
+  const int split = static_cast<int>(gridDim.x) / num_kblocks - 1 - static_cast<int>(blockIdx.x) / num_kblocks;
   const int s0 = key_begin + L::kKeysPerCta * kb;
   const int r_begin = row_begin + split * rows_per_split;
   const int r_end = min(row_end, r_begin + rows_per_split);
