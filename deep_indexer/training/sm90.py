@@ -183,18 +183,24 @@ def logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu):
     """(dq_I, dk_I, dw) in fp32 of the indexer logits for the incoming gradient grad [T, N] (read at valid keys)."""
     _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
     rows, n_keys, dev = q_i.shape[0], k_i.shape[0], q_i.device
-    dq = torch.zeros(q_i.shape, dtype=torch.float32, device=dev)
-    dk = torch.zeros(k_i.shape, dtype=torch.float32, device=dev)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=dev)
     live = ks_cpu < ke_cpu
     if rows == 0 or n_keys == 0 or not bool(live.any()):
-        return dq, dk, dw
+        return (torch.zeros(q_i.shape, dtype=torch.float32, device=dev),
+                torch.zeros(k_i.shape, dtype=torch.float32, device=dev),
+                torch.zeros(w.shape, dtype=torch.float32, device=dev))
     lo, hi = int(ks_cpu[live].min()), int(ke_cpu[live].max())
     g = grad.float()
     if g.stride(-1) != 1 or g.stride(0) < g.shape[1] or g.data_ptr() % 16:
         g = g.contiguous()
     part = _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, g, 0, None, None, None, None, 0, rows, lo, hi)
-    dk[lo:hi] = part.sum(0)[: hi - lo]
+    if lo == 0 and hi == n_keys:
+        dk = part.sum(0)[:n_keys]
+    else:
+        dk = torch.zeros(k_i.shape, dtype=torch.float32, device=dev)
+        dk[lo:hi] = part.sum(0)[: hi - lo]
+    # the dq kernel writes dq and dw of every row (zeros where a row has no keys)
+    dq = torch.empty(q_i.shape, dtype=torch.float32, device=dev)
+    dw = torch.empty(w.shape, dtype=torch.float32, device=dev)
     _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, g, 0, dq, dw, 0, rows)
     return dq, dk, dw
 
