@@ -195,7 +195,8 @@ struct MqaLogitsLayout {
            producer_regs() % kRegGranule == 0 && math_regs() % kRegGranule == 0 &&
            // every tile on a 1024-byte boundary (the 128B swizzle atom; 32B/64B atoms divide it)
            q_tile_bytes() % kAlign == 0 && kv_tile_bytes() % kAlign == 0 && offset_kv(0) % kAlign == 0 &&
-           q_col_block_bytes() % kAlign == 0 && kv_col_block_bytes() % kAlign == 0 &&
+           // several column blocks (bf16, D = 128): each on a 1024-byte boundary too
+           (col_blocks() == 1 || (q_col_block_bytes() % kAlign == 0 && kv_col_block_bytes() % kAlign == 0)) &&
            offset_info(0) % 16 == 0 && info_bytes() % 16 == 0 && offset_barriers() % 8 == 0 &&
            info_offset_end() % 16 == 0;
   }
