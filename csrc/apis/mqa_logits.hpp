@@ -12,6 +12,18 @@
 
 namespace deep_indexer {
 
+// The prefill kernel and, with `clean`, the -inf outside each row's range: written by the kernel's idle
+// producer warps when every SM gets a q block (sm90::mqa_logits_fused_clean), else by the clean kernel
+// afterwards. `cols`: the logits' width (SKV, or max_seqlen_k when compressed). a.clean is set here.
+inline void launch_mqa_logits(MqaLogitsRuntime::Args a, bool clean, int64_t cols, const OpDevice& dev) {
+  a.clean = clean && sm90::mqa_logits_fused_clean(a.params.layout(), a.seq_len, dev.num_sms);
+  MqaLogitsRuntime::launch(a, dev.device, dev.num_sms, dev.stream);
+  if (clean && !a.clean)
+    CleanLogitsRuntime::launch({a.logits, a.params.elem_bytes, a.logits_stride, a.seq_len, static_cast<int>(cols), 1,
+                                a.ks, a.ke, a.max_seqlen_k > 0 ? a.seq_len_kv : 0},
+                               dev.device, dev.stream);
+}
+
 inline at::ScalarType logits_scalar_type(int elem_bytes) { return elem_bytes == 4 ? at::kFloat : at::kBFloat16; }
 
 inline void check_out(const char* op, const std::optional<at::Tensor>& out, int64_t rows, int64_t cols,
@@ -70,17 +82,11 @@ inline at::Tensor fp8_mqa_logits(const at::Tensor& q, const at::Tensor& k, const
 
   const OpDevice dev = op_device(q);
   const MqaLogitsRuntime::Params params{static_cast<int>(H), static_cast<int>(D), static_cast<int>(elem_bytes)};
-  const bool fused_clean = clean_logits && sm90::mqa_logits_fused_clean(params.layout(), S, dev.num_sms);
-  MqaLogitsRuntime::launch({params, q.data_ptr(), k.data_ptr(), k_scale.data_ptr<float>(), weights.data_ptr(),
-                            weights.stride(0), weights.scalar_type() == at::kBFloat16, ks.data_ptr<int>(),
-                            ke.data_ptr<int>(), logits.data_ptr(), logits.stride(0), static_cast<int>(S),
-                            static_cast<int>(SKV), static_cast<int>(max_seqlen_k), fused_clean},
-                           dev.device, dev.num_sms, dev.stream);
-  if (clean_logits && !fused_clean)
-    CleanLogitsRuntime::launch({logits.data_ptr(), static_cast<int>(elem_bytes), logits.stride(0), S,
-                                static_cast<int>(cols), 1, ks.data_ptr<int>(), ke.data_ptr<int>(),
-                                max_seqlen_k > 0 ? static_cast<int>(SKV) : 0},
-                               dev.device, dev.stream);
+  launch_mqa_logits({params, q.data_ptr(), k.data_ptr(), k_scale.data_ptr<float>(), weights.data_ptr(),
+                     weights.stride(0), weights.scalar_type() == at::kBFloat16, ks.data_ptr<int>(), ke.data_ptr<int>(),
+                     logits.data_ptr(), logits.stride(0), static_cast<int>(S), static_cast<int>(SKV),
+                     static_cast<int>(max_seqlen_k), false},
+                    clean_logits, cols, dev);
   return logits;
 }
 

@@ -4,11 +4,10 @@
 #include <array>
 #include <climits>
 
-#include "../impls/clean_logits.hpp"
-#include "../impls/mqa_logits.hpp"
 #include "../impls/training_logits.hpp"
 #include "../utils/checks.hpp"
 #include "device.hpp"
+#include "mqa_logits.hpp"
 
 namespace deep_indexer {
 
@@ -71,15 +70,10 @@ inline at::Tensor bf16_indexer_logits(const at::Tensor& q, const at::Tensor& k, 
   TensorCheck(op, k, "k_I").aligned(16);
   const OpDevice dev = op_device(q);
   const MqaLogitsRuntime::Params params{static_cast<int>(H), static_cast<int>(D), 4, 2};
-  const bool fused_clean = clean && sm90::mqa_logits_fused_clean(params.layout(), T, dev.num_sms);
-  MqaLogitsRuntime::launch({params, q.data_ptr(), k.data_ptr(), nullptr, weights.data_ptr(), weights.stride(0), false,
-                            ks.data_ptr<int>(), ke.data_ptr<int>(), out.data_ptr(), out.stride(0), static_cast<int>(T),
-                            static_cast<int>(N), 0, fused_clean},
-                           dev.device, dev.num_sms, dev.stream);
-  if (clean && !fused_clean)
-    CleanLogitsRuntime::launch({out.data_ptr(), 4, out.stride(0), T, static_cast<int>(N), 1, ks.data_ptr<int>(),
-                                ke.data_ptr<int>(), 0},
-                               dev.device, dev.stream);
+  launch_mqa_logits({params, q.data_ptr(), k.data_ptr(), nullptr, weights.data_ptr(), weights.stride(0), false,
+                     ks.data_ptr<int>(), ke.data_ptr<int>(), out.data_ptr(), out.stride(0), static_cast<int>(T),
+                     static_cast<int>(N), 0, false},
+                    clean, N, dev);
   return out;
 }
 

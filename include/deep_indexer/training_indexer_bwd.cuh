@@ -282,51 +282,36 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     // NOTES: software-pipelined over items with two S accumulators: item n + 1's S WGMMAs are issued
     // before item n's dS epilogue, so the tensor cores always hold queued work. wgmma groups retire in
     // order: after committing S(n + 1), wait_group<1> retires S(n) and G(n - 1), which frees item n - 1's
-    // stage and the dS registers (the A operand of G(n - 1)). The steps stay written out per accumulator.
+    // stage and the dS registers (the A operand of G(n - 1)).
     float acc0[32], acc1[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = 0.0f;
     uint32_t ds[4][4];
     Info h0, h1;
+    // Item n (S pending in `cur`, header hc): issues item n + 1's S into `next` (header hn), then item n's
+    // dS and G. Returns true after the last item.
+    auto step = [&](float(&cur)[32], float(&next)[32], const Info& hc, Info& hn, int n) -> bool {
+      wait_item(n + 1, hn);
+      if (hn.item >= 0) {
+        training_detail::mma_s<kHeadDim>(next, a, tile_of(n + 1));
+        ptx::wgmma_wait<1>();
+      } else {
+        ptx::wgmma_wait<0>();
+      }
+      ptx::fence_accum<32>(cur);
+      if (n > 0) release(n - 1);
+      make_ds(cur, hc, n, ds);
+      training_detail::mma_g<kHeadDim>(g, ds, tile_of(n));
+      if (hn.item >= 0) return false;
+      ptx::wgmma_wait<0>();
+      release(n);
+      return true;
+    };
     wait_item(0, h0);
     if (h0.item >= 0) {
       training_detail::mma_s<kHeadDim>(acc0, a, tile_of(0));
-      for (int n = 0;; n += 2) {
-        // item n: S in acc0 (pending), header h0
-        wait_item(n + 1, h1);
-        if (h1.item >= 0) {
-          training_detail::mma_s<kHeadDim>(acc1, a, tile_of(n + 1));
-          ptx::wgmma_wait<1>();
-        } else {
-          ptx::wgmma_wait<0>();
-        }
-        ptx::fence_accum<32>(acc0);
-        if (n > 0) release(n - 1);
-        make_ds(acc0, h0, n, ds);
-        training_detail::mma_g<kHeadDim>(g, ds, tile_of(n));
-        if (h1.item < 0) {
-          ptx::wgmma_wait<0>();
-          release(n);
-          break;
-        }
-        // item n + 1: S in acc1 (pending), header h1
-        wait_item(n + 2, h0);
-        if (h0.item >= 0) {
-          training_detail::mma_s<kHeadDim>(acc0, a, tile_of(n + 2));
-          ptx::wgmma_wait<1>();
-        } else {
-          ptx::wgmma_wait<0>();
-        }
-        ptx::fence_accum<32>(acc1);
-        release(n);
-        make_ds(acc1, h1, n + 1, ds);
-        training_detail::mma_g<kHeadDim>(g, ds, tile_of(n + 1));
-        if (h0.item < 0) {
-          ptx::wgmma_wait<0>();
-          release(n + 1);
-          break;
-        }
-      }
+      for (int n = 0;; n += 2)
+        if (step(acc0, acc1, h0, h1, n) || step(acc1, acc0, h1, h0, n + 1)) break;
       ptx::fence_accum<kHeadDim / 2>(g);
     }
     const int valid_rows = min(64, num_keys - key_base);
@@ -388,31 +373,29 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     // ===================================================================== producer
     ptx::reg_dealloc<L::kProducerRegs>();
     // Tile j: producer warp j % 4 (as in the dk kernel, to keep several tiles' loads in flight).
-    {
-      for (int j = static_cast<int>(warp); j < num_tiles; j += L::kProducerWarps) {
-        const int s = j % kStages;
-        ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
-        const int key0 = u_lo + j * kTileKeys;
-        float* f = sm.info_f(s);
+    for (int j = static_cast<int>(warp); j < num_tiles; j += L::kProducerWarps) {
+      const int s = j % kStages;
+      ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
+      const int key0 = u_lo + j * kTileKeys;
+      float* f = sm.info_f(s);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float* drow = di + static_cast<int64_t>(t_first + r - di_row0) * di_stride;
+      for (int r = 0; r < 2; ++r) {
+        const float* drow = di + static_cast<int64_t>(t_first + r - di_row0) * di_stride;
 #pragma unroll
-          for (int c2 = 0; c2 < 2; ++c2) {
-            const int c = 32 * c2 + static_cast<int>(lane);
-            const int key = key0 + c;
-            f[64 * r + c] = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
-          }
+        for (int c2 = 0; c2 < 2; ++c2) {
+          const int c = 32 * c2 + static_cast<int>(lane);
+          const int key = key0 + c;
+          f[64 * r + c] = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
         }
-        if (lane == 0) {
-          sm.info(s)->item = key0;
-          ptx::mbar_arrive_expect_tx(sm.full(s), lay.tile_bytes());
+      }
+      if (lane == 0) {
+        sm.info(s)->item = key0;
+        ptx::mbar_arrive_expect_tx(sm.full(s), lay.tile_bytes());
 #pragma unroll
-          for (int b = 0; b < lay.num_kblocks(); ++b)
-            ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_k, sm.full(s), 64 * b, key0);
-        } else {
-          ptx::mbar_arrive(sm.full(s));
-        }
+        for (int b = 0; b < lay.num_kblocks(); ++b)
+          ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_k, sm.full(s), 64 * b, key0);
+      } else {
+        ptx::mbar_arrive(sm.full(s));
       }
     }
   } else {
@@ -488,46 +471,30 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = 0.0f;
       uint32_t ds[4][4];
-      wait_tile(own_first);
-      training_detail::mma_s<kHeadDim>(acc0, a, tile_of(own_first));
-      for (int j = own_first;; j += 2) {
-        // tile j: S in acc0 (pending)
-        bool more = j + 1 < own_end;
+      // Tile j (S pending in `cur`): issues tile j + 1's S into `next`, then tile j's dS and G. Returns
+      // true after the row's last tile.
+      auto step = [&](float(&cur)[32], float(&next)[32], int j) -> bool {
+        const bool more = j + 1 < own_end;
         if (more) {
           wait_tile(j + 1);
-          training_detail::mma_s<kHeadDim>(acc1, a, tile_of(j + 1));
+          training_detail::mma_s<kHeadDim>(next, a, tile_of(j + 1));
           ptx::wgmma_wait<1>();
         } else {
           ptx::wgmma_wait<0>();
         }
-        ptx::fence_accum<32>(acc0);
+        ptx::fence_accum<32>(cur);
         if (j > own_first) release(j - 1);
-        make_ds(acc0, j, ds);
+        make_ds(cur, j, ds);
         training_detail::mma_g<kHeadDim>(g, ds, tile_of(j));
-        if (!more) {
-          ptx::wgmma_wait<0>();
-          release(j);
-          break;
-        }
-        // tile j + 1: S in acc1 (pending)
-        more = j + 2 < own_end;
-        if (more) {
-          wait_tile(j + 2);
-          training_detail::mma_s<kHeadDim>(acc0, a, tile_of(j + 2));
-          ptx::wgmma_wait<1>();
-        } else {
-          ptx::wgmma_wait<0>();
-        }
-        ptx::fence_accum<32>(acc1);
+        if (more) return false;
+        ptx::wgmma_wait<0>();
         release(j);
-        make_ds(acc1, j + 1, ds);
-        training_detail::mma_g<kHeadDim>(g, ds, tile_of(j + 1));
-        if (!more) {
-          ptx::wgmma_wait<0>();
-          release(j + 1);
-          break;
-        }
-      }
+        return true;
+      };
+      wait_tile(own_first);
+      training_detail::mma_s<kHeadDim>(acc0, a, tile_of(own_first));
+      for (int j = own_first;; j += 2)
+        if (step(acc0, acc1, j) || step(acc1, acc0, j + 1)) break;
       ptx::fence_accum<kHeadDim / 2>(g);
     }
     for (int j = own_end > own_first ? own_end : own_first; j < num_tiles; ++j) {

@@ -193,39 +193,37 @@ __global__ void __launch_bounds__(TrainingLogitsLayout::kNumThreads, 1)
       __syncthreads();
     }
   }
-  {
-    // Combine (max, sum, pi) over the lanes of each warp, then over the 4 warps.
-    auto combine = [](float& m, float& l, float& pi, float m2, float l2, float pi2) {
-      const float mm = fmaxf(m, m2);
-      l = mm == -INFINITY ? 0.0f : l * expf(m - mm) + l2 * expf(m2 - mm);
-      m = mm;
-      pi += pi2;
-    };
+  // Combine (max, sum, pi) over the lanes of each warp, then over the 4 warps.
+  auto combine = [](float& m, float& l, float& pi, float m2, float l2, float pi2) {
+    const float mm = fmaxf(m, m2);
+    l = mm == -INFINITY ? 0.0f : l * expf(m - mm) + l2 * expf(m2 - mm);
+    m = mm;
+    pi += pi2;
+  };
 #pragma unroll
-    for (int j = 0; j < kTokens; ++j) {
+  for (int j = 0; j < kTokens; ++j) {
 #pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, st_m[j], off);
-        const float l2 = __shfl_xor_sync(0xffffffffu, st_l[j], off);
-        const float pi2 = __shfl_xor_sync(0xffffffffu, st_pi[j], off);
-        combine(st_m[j], st_l[j], st_pi[j], m2, l2, pi2);
-      }
-      if (lane == 0) {
-        s_stats[(warp * kTokens + j) * 3 + 0] = st_m[j];
-        s_stats[(warp * kTokens + j) * 3 + 1] = st_l[j];
-        s_stats[(warp * kTokens + j) * 3 + 2] = st_pi[j];
-      }
+    for (int off = 1; off < 32; off <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, st_m[j], off);
+      const float l2 = __shfl_xor_sync(0xffffffffu, st_l[j], off);
+      const float pi2 = __shfl_xor_sync(0xffffffffu, st_pi[j], off);
+      combine(st_m[j], st_l[j], st_pi[j], m2, l2, pi2);
     }
-    __syncthreads();
-    if (tid < kTokens && t0 + tid < row_end) {
-      float m = -INFINITY, l = 0.0f, pi = 0.0f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-        combine(m, l, pi, s_stats[(w * kTokens + tid) * 3 + 0], s_stats[(w * kTokens + tid) * 3 + 1],
-                s_stats[(w * kTokens + tid) * 3 + 2]);
-      lse_out[t0 + tid] = l > 0.0f ? m + logf(l) : -INFINITY;
-      pi_out[t0 + tid] = pi;
+    if (lane == 0) {
+      s_stats[(warp * kTokens + j) * 3 + 0] = st_m[j];
+      s_stats[(warp * kTokens + j) * 3 + 1] = st_l[j];
+      s_stats[(warp * kTokens + j) * 3 + 2] = st_pi[j];
     }
+  }
+  __syncthreads();
+  if (tid < kTokens && t0 + tid < row_end) {
+    float m = -INFINITY, l = 0.0f, pi = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+      combine(m, l, pi, s_stats[(w * kTokens + tid) * 3 + 0], s_stats[(w * kTokens + tid) * 3 + 1],
+              s_stats[(w * kTokens + tid) * 3 + 2]);
+    lse_out[t0 + tid] = l > 0.0f ? m + logf(l) : -INFINITY;
+    pi_out[t0 + tid] = pi;
   }
 }
 
