@@ -86,12 +86,15 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       py::gil_scoped_release release;
       r = TrainingTargetRuntime::precompile(p, arch);
     } else if (op == "training_indexer_dk") {
-      TrainingIndexerDkRuntime::Params p{param(params, "head_dim"), param(params, "loss") != 0};
+      TrainingIndexerDkRuntime::Params p{param(params, "head_dim"), param(params, "loss") != 0,
+                                         params.contains("mask") && params["mask"].cast<int>() != 0};
       training_indexer_bwd_layout(p.head_dim);  // validates
       py::gil_scoped_release release;
       r = TrainingIndexerDkRuntime::precompile(p, arch);
     } else if (op == "training_indexer_dq") {
-      TrainingIndexerDqRuntime::Params p{param(params, "head_dim")};
+      TrainingIndexerDqRuntime::Params p{param(params, "head_dim"),
+                                         params.contains("masked") && params["masked"].cast<int>() != 0,
+                                         params.contains("bf16_out") && params["bf16_out"].cast<int>() != 0};
       training_indexer_bwd_layout(p.head_dim);  // validates
       py::gil_scoped_release release;
       r = TrainingIndexerDqRuntime::precompile(p, arch);
@@ -198,10 +201,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_indexer_logits_bwd_dk", &bf16_indexer_logits_bwd_dk, py::arg("q"), py::arg("k"), py::arg("weights"),
         py::arg("ks"), py::arg("ke"), py::arg("vals"), py::arg("vals_row0"), py::arg("g"), py::arg("mass"),
         py::arg("lse_i"), py::arg("di_out"), py::arg("row_begin"), py::arg("row_end"), py::arg("key_begin"),
-        py::arg("key_end"));
+        py::arg("key_end"), py::arg("mask_out") = py::none(), py::arg("mask_row0") = 0);
   m.def("bf16_indexer_logits_bwd_dq", &bf16_indexer_logits_bwd_dq, py::arg("q"), py::arg("k"), py::arg("weights"),
         py::arg("ks"), py::arg("ke"), py::arg("di"), py::arg("di_row0"), py::arg("dq"), py::arg("dw"),
-        py::arg("row_begin"), py::arg("row_end"));
+        py::arg("row_begin"), py::arg("row_end"), py::arg("mask") = py::none(), py::arg("mask_row0") = 0,
+        py::arg("mask_key0") = 0, py::arg("mask_key1") = 0);
   m.def("bf16_per_head_fwd", &bf16_per_head_fwd, py::arg("q"), py::arg("k"), py::arg("q_i"), py::arg("k_i"),
         py::arg("ks"), py::arg("ke"), py::arg("lse"), py::arg("w"), py::arg("kl"), py::arg("lse_i"), py::arg("mass"),
         py::arg("softmax_scale"));

@@ -112,12 +112,13 @@ def variants(
             if heads and 64 not in heads:
                 continue
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
-            for d in dims:
+            for d in dims:  # the forms the ops use: the loss's (S recomputed), the logits backward's (sign mask)
                 if op == "training_indexer_dk":
-                    for loss in (0, 1):
-                        add(op, head_dim=d, loss=loss)
+                    add(op, head_dim=d, loss=1, mask=0)
+                    add(op, head_dim=d, loss=0, mask=1)
                 else:
-                    add(op, head_dim=d)
+                    add(op, head_dim=d, masked=0, bf16_out=0)
+                    add(op, head_dim=d, masked=1, bf16_out=1)
         elif op in ("training_per_head_rows", "training_per_head_dk"):
             for qk, d in TRAINING_PER_HEAD_DIMS:
                 if head_dims and d not in head_dims:

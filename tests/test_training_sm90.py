@@ -332,9 +332,13 @@ def test_per_head_deterministic_long_rows_and_auto(monkeypatch):
 
 @needs_sm90
 @pytest.mark.parametrize("di", [64, 128])
-def test_logits_backward_against_fp64(di):
-    """indexer_logits(backend="sm90") backward (dk_I key-major, dq_I / dw row-major) against float64, random
-    bounds with empty and one-key rows; bitwise reproducible."""
+@pytest.mark.parametrize("chunked", [False, True])
+def test_logits_backward_against_fp64(di, chunked, monkeypatch):
+    """indexer_logits(backend="sm90") backward (dk_I key-major with the sign mask, masked dq_I / dw row-major)
+    against float64, random bounds with empty and one-key rows; bitwise reproducible. `chunked`: a mask budget of
+    33 rows, so 11 row chunks, each with its own key range."""
+    if chunked:
+        monkeypatch.setattr(fast, "_MASK_BYTES", 0)
     t, n = 333, 517
     q_i, k_i, w, _, _ = _inputs(t, n, di, dqk=64, seed=61 + di)
     ks, ke = _random_bounds(t, n, 9)
@@ -358,6 +362,42 @@ def test_logits_backward_against_fp64(di):
         assert d < GRAD_TOL, f"{name}: calc_diff {d:.3g} vs float64"
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@needs_sm90
+def test_masked_dq_kernel_fp32_and_bf16_out():
+    """The raw kernels: the dk kernel's sign mask for rows [40, 300) and keys [64, 517), then the masked dq kernel
+    into NaN-poisoned fp32 and bf16 outputs for rows [41, 299): rows outside untouched, keys below 64 ignored
+    (the mask's range), dq_I / dw within GRAD_TOL of float64 on the clamped bounds, bf16 = fp32 rounded."""
+    from deep_indexer import _C
+
+    t, n, r0, r1, key0 = 333, 517, 40, 300, 64
+    q_i, k_i, w, _, _ = _inputs(t, n, 128, dqk=64, seed=77)
+    ks, ke = _random_bounds(t, n, 13)
+    grad = torch.randn(t, n, generator=torch.Generator().manual_seed(6)).cuda()
+    ks32, ke32 = ks.int().cuda(), ke.int().cuda()
+    mask = torch.empty(r1 - r0, fast.mask_words_per_row(n - key0), dtype=torch.int32, device="cuda")
+    _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, grad, 0, None, None, None, None, r0, r1, key0, n, mask, r0)
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        dq = torch.full((t, 64, 128), float("nan"), dtype=dtype, device="cuda")
+        dw = torch.full((t, 64), float("nan"), device="cuda")
+        _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, grad, 0, dq, dw, r0 + 1, r1 - 1, mask, r0, key0, n)
+        rows = slice(r0 + 1, r1 - 1)
+        assert torch.isnan(dq[: r0 + 1]).all() and torch.isnan(dq[r1 - 1:]).all(), "rows outside written"
+        assert torch.isnan(dw[: r0 + 1]).all() and torch.isnan(dw[r1 - 1:]).all(), "rows outside written"
+        outs[dtype] = dq[rows], dw[rows]
+    lo, hi = ks.clamp_min(key0)[r0 + 1:r1 - 1].cuda(), ke[r0 + 1:r1 - 1].cuda()
+    qd, kd, wd = q_i[r0 + 1:r1 - 1].double(), k_i.double(), w[r0 + 1:r1 - 1].double()
+    s = torch.einsum("thd,sd->ths", qd, kd)
+    cols = torch.arange(n, device="cuda")
+    gv = torch.where((cols >= lo[:, None]) & (cols < hi[:, None]), grad[r0 + 1:r1 - 1].double(), 0.0)
+    dq_ref = torch.einsum("ths,sd->thd", gv[:, None, :] * wd[:, :, None] * (s > 0), kd)
+    dw_ref = torch.einsum("ts,ths->th", gv, s.relu())
+    assert calc_diff(outs[torch.float32][0].double(), dq_ref) < GRAD_TOL
+    assert calc_diff(outs[torch.float32][1].double(), dw_ref) < GRAD_TOL
+    assert torch.equal(outs[torch.float32][0].bfloat16(), outs[torch.bfloat16][0])
+    assert torch.equal(outs[torch.float32][1], outs[torch.bfloat16][1])
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -410,6 +450,22 @@ def test_kernel_entries_check_arguments_on_cpu():
         _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t), None, None, None, 0, t, 0, n)
     with pytest.raises(ValueError, match="dq must have shape"):
         _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t, 64, 64), torch.zeros(t, 64), 0, t)
+    # the sign mask: int32 [rows, 256 words per 128 keys]; bf16 dq_I only with it
+    with pytest.raises(ValueError, match="mask_out must have at least 6 rows and 256 columns"):
+        _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks, ke, p, 0, None, None, None, None, 0, t, 0, n,
+                                      torch.zeros(6, 128, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="mask_out must have dtype"):
+        _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks, ke, p, 0, None, None, None, None, 0, t, 0, n,
+                                      torch.zeros(6, 256), 0)
+    with pytest.raises(ValueError, match="mask_out is for the logits backward"):
+        _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t), torch.zeros(t), torch.zeros(t), p, 0,
+                                      t, 0, n, torch.zeros(6, 256, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="mask keys"):
+        _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t, 64, 128, dtype=bf), torch.zeros(t, 64),
+                                      0, t, torch.zeros(6, 256, dtype=torch.int32), 0, 5, n + 1)
+    with pytest.raises(ValueError, match="dq must have dtype"):
+        _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks, ke, p, 0, torch.zeros(t, 64, 128, dtype=bf), torch.zeros(t, 64),
+                                      0, t)
     with pytest.raises(ValueError, match="lse_out must have shape"):
         _C.bf16_indexer_logits_stats(q_i, k_i, w, ks, ke, p, torch.zeros(t + 1), torch.zeros(t), 0, t)
     # per_head entries

@@ -1,9 +1,10 @@
 """Per-kernel times of the SM90 warm-up `mean` path (training/sm90.py) at DeepSeek-V3.2 sizes, one causal
 sequence: each kernel's share of a forward / backward and its rate as a fraction of the bf16 GEMM rate.
 
-    python tools/training_kernel_times.py [--tokens 16384] [--iters 3]
+    python tools/training_kernel_times.py [--tokens 16384] [--iters 3] [--logits-only]
 """
 import argparse
+import os
 
 import torch
 
@@ -17,6 +18,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--logits-only", action="store_true", help="only the indexer logits op's kernels")
     args = ap.parse_args()
     t = n = args.tokens
     dev = "cuda"
@@ -51,23 +53,17 @@ def main():
     dq, dw = torch.zeros(t, 64, 128, device=dev), torch.zeros(t, 64, device=dev)
     pairs = t * (t + 1) / 2
     out = {}
-    for cluster in ("1", "2"):
-        import os
-
+    for cluster in () if args.logits_only else ("1", "2"):
         os.environ["DI_TRAINING_TARGET_CLUSTER"] = cluster
         out[f"target cluster={cluster}"] = (timed(lambda: [_C.bf16_training_target(
             q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, 576 ** -0.5, 1 / 128) for r0, r1, _, _ in chunks]),
             2 * 128 * 576 * pairs)
-    os.environ.pop("DI_TRAINING_TARGET_CLUSTER")
-    out["logits_stats"] = (timed(lambda: [_C.bf16_indexer_logits_stats(q_i, k_i, w, ks32, ke32, p, lse_i, pi, r0, r1)
-                                          for r0, r1, _, _ in chunks]), 2 * 64 * 128 * pairs)
-    out["indexer_dk (loss)"] = (timed(lambda: [_C.bf16_indexer_logits_bwd_dk(
-        q_i, k_i, w, ks32, ke32, p, r0, gvec, torch.ones(t, device=dev), lse_i, di, r0, r1, lo, hi)
-        for r0, r1, lo, hi in chunks]), 4 * 64 * 128 * pairs)
-    out["indexer_dq"] = (timed(lambda: [_C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, di, r0, dq, dw, r0, r1)
-                                        for r0, r1, _, _ in chunks]), 4 * 64 * 128 * pairs)
+    os.environ.pop("DI_TRAINING_TARGET_CLUSTER", None)
+    if not args.logits_only:
+        mean_loss_kernels(out, timed, q, k, q_i, k_i, w, ks32, ke32, lse, p, di, plogp, mass, lse_i, pi, gvec, dq, dw,
+                          chunks, t, pairs, dev)
     # the indexer logits op alone (forward: the prefill kernel's bf16 form into [T, T] fp32, -inf fill included;
-    # backward: dk + dq kernels and the dk partial sum, for a dense incoming gradient)
+    # backward: dk (with the sign mask) + masked dq kernels and the dk partial sum, for a dense incoming gradient)
     logits = torch.empty(t, n, device=dev)
     out["indexer_logits fwd"] = (timed(lambda: _C.bf16_indexer_logits(q_i, k_i, w, ks32, ke32, logits)),
                                  2 * 64 * 128 * pairs)
@@ -75,16 +71,29 @@ def main():
     ks_cpu, ke_cpu = ks.cpu(), ke.cpu()
     out["indexer_logits bwd (6 H_I D_I counted)"] = (
         timed(lambda: fast.logits_bwd(grad, q_i, k_i, w, ks32, ke32, ks_cpu, ke_cpu)), 6 * 64 * 128 * pairs)
-    out["indexer_dk (logits)"] = (timed(lambda: _C.bf16_indexer_logits_bwd_dk(
-        q_i, k_i, w, ks32, ke32, grad, 0, None, None, None, None, 0, t, 0, n)), 4 * 64 * 128 * pairs)
-    out["indexer_dq (logits)"] = (timed(lambda: _C.bf16_indexer_logits_bwd_dq(
-        q_i, k_i, w, ks32, ke32, grad, 0, dq, dw, 0, t)), 4 * 64 * 128 * pairs)
-    del logits, grad
+    mask = torch.empty(t, fast.mask_words_per_row(n), dtype=torch.int32, device=dev)
+    dq16 = torch.empty(t, 64, 128, device=dev, dtype=torch.bfloat16)
+    out["indexer_dk (logits, writes the mask)"] = (timed(lambda: _C.bf16_indexer_logits_bwd_dk(
+        q_i, k_i, w, ks32, ke32, grad, 0, None, None, None, None, 0, t, 0, n, mask, 0)), 4 * 64 * 128 * pairs)
+    out["indexer_dq (logits, masked: 1 GEMM)"] = (timed(lambda: _C.bf16_indexer_logits_bwd_dq(
+        q_i, k_i, w, ks32, ke32, grad, 0, dq16, dw, 0, t, mask, 0, 0, n)), 2 * 64 * 128 * pairs)
+    del logits, grad, mask
     print(f"# {torch.cuda.get_device_name()}, T = {t} causal, {len(chunks)} chunk(s) of {rc} rows; "
           f"bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     print("| kernel | ms | TFLOP/s (its own GEMM work) | of GEMM |\n|---|---|---|---|")
     for name, (sec, flops) in out.items():
         print(f"| {name} | {sec * 1e3:.2f} | {flops / sec / 1e12:.1f} | {flops / sec / rate:.2f} |")
+
+
+def mean_loss_kernels(out, timed, q, k, q_i, k_i, w, ks32, ke32, lse, p, di, plogp, mass, lse_i, pi, gvec, dq, dw,
+                      chunks, t, pairs, dev):
+    out["logits_stats"] = (timed(lambda: [_C.bf16_indexer_logits_stats(q_i, k_i, w, ks32, ke32, p, lse_i, pi, r0, r1)
+                                          for r0, r1, _, _ in chunks]), 2 * 64 * 128 * pairs)
+    out["indexer_dk (loss)"] = (timed(lambda: [_C.bf16_indexer_logits_bwd_dk(
+        q_i, k_i, w, ks32, ke32, p, r0, gvec, torch.ones(t, device=dev), lse_i, di, r0, r1, lo, hi)
+        for r0, r1, lo, hi in chunks]), 4 * 64 * 128 * pairs)
+    out["indexer_dq"] = (timed(lambda: [_C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, di, r0, dq, dw, r0, r1)
+                                        for r0, r1, _, _ in chunks]), 4 * 64 * 128 * pairs)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 #include <array>
 #include <climits>
 
+#include <deep_indexer/training_indexer_bwd_layout.hpp>
+
 #include "../impls/training_logits.hpp"
 #include "../utils/checks.hpp"
 #include "device.hpp"
@@ -28,6 +30,20 @@ inline void check_chunk(const char* op, const at::Tensor& t, const char* name, i
   TensorCheck(op, t, name).dtype(at::kFloat).ndim(2).row_major_2d();
   DI_CHECK_ARG(t.size(0) >= rows && t.size(1) >= N, "{}: {} must have at least {} rows and {} columns, got {}", op,
                name, rows, N, shape_str(t.sizes()));
+}
+
+// The sign mask of the indexer backward (int32 words, see training_indexer_bwd_layout.hpp): rows
+// [row_begin - row0, row_end - row0) of a row-major [rows, words] tensor (16-byte aligned rows) covering
+// `num_keys` keys.
+inline void check_mask(const char* op, const at::Tensor& m, const char* name, int64_t row0, int64_t row_begin,
+                       int64_t row_end, int64_t num_keys) {
+  TensorCheck(op, m, name).dtype(at::kInt).ndim(2).row_major_2d().aligned(16);
+  const int64_t words = TrainingIndexerBwdLayout::mask_words_per_row(num_keys);
+  DI_CHECK_ARG(0 <= row0 && row0 <= row_begin, "{}: {}_row0 must be in [0, row_begin = {}], got {}", op, name,
+               row_begin, row0);
+  DI_CHECK_ARG(m.size(0) >= row_end - row0 && m.size(1) >= words && m.stride(0) % 4 == 0,
+               "{}: {} must have at least {} rows and {} columns (a row stride a multiple of 4), got {} (stride {})",
+               op, name, row_end - row0, words, shape_str(m.sizes()), m.stride(0));
 }
 
 // The indexer inputs of the training kernels: q_I [T, H, D] and k_I [N, D] bf16 (contiguous), weights

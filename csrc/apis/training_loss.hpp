@@ -134,7 +134,8 @@ inline at::Tensor bf16_indexer_logits_bwd_dk(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& mass,
                                              const c10::optional<at::Tensor>& lse_i,
                                              const c10::optional<at::Tensor>& di_out, int64_t row_begin,
-                                             int64_t row_end, int64_t key_begin, int64_t key_end) {
+                                             int64_t row_end, int64_t key_begin, int64_t key_end,
+                                             const c10::optional<at::Tensor>& mask_out, int64_t mask_row0) {
   constexpr const char* op = "deep_indexer.training (sm90 indexer backward, dk_I)";
   const auto [T, H, D, N] = training_api::check_indexer_inputs<TrainingIndexerBwdLayout>(
       op, q, k, weights, "64 heads of dim 64 or 128", 256);
@@ -154,6 +155,9 @@ inline at::Tensor bf16_indexer_logits_bwd_dk(const at::Tensor& q, const at::Tens
       TensorCheck(op, o->value(), o == &g ? "g" : (o == &mass ? "mass" : "lse_i")).dtype(at::kFloat).shape({T}).contiguous();
     training_api::check_chunk(op, *di_out, "di_out", row_end - vals_row0, N);
   }
+  const bool mask = mask_out.has_value();
+  DI_CHECK_ARG(!(mask && loss), "{}: mask_out is for the logits backward (not with the warm-up loss)", op);
+  if (mask) training_api::check_mask(op, *mask_out, "mask_out", mask_row0, row_begin, row_end, key_end - key_begin);
   TensorCheck(op, q, "q_I").cuda();
   for (auto [t, name] : {std::pair{&k, "k_I"}, {&weights, "weights"}, {&ks, "ks"}, {&ke, "ke"}, {&vals, "vals"}})
     TensorCheck(op, *t, name).on(q.device());
@@ -168,11 +172,13 @@ inline at::Tensor bf16_indexer_logits_bwd_dk(const at::Tensor& q, const at::Tens
   const int64_t part_rows = kblocks * TrainingIndexerBwdLayout::kKeysPerCta;
   at::Tensor part = at::empty({splits, part_rows, D}, q.options().dtype(at::kFloat));
   TrainingIndexerDkRuntime::launch(
-      {{static_cast<int>(D), loss}, q.data_ptr(), k.data_ptr(), weights.data_ptr<float>(), ks.data_ptr<int>(),
+      {{static_cast<int>(D), loss, mask}, q.data_ptr(), k.data_ptr(), weights.data_ptr<float>(), ks.data_ptr<int>(),
        ke.data_ptr<int>(), vals.data_ptr<float>(), vals.stride(0), static_cast<int>(vals_row0),
        loss ? g->data_ptr<float>() : nullptr, loss ? mass->data_ptr<float>() : nullptr,
        loss ? lse_i->data_ptr<float>() : nullptr, loss ? di_out->data_ptr<float>() : nullptr,
-       loss ? di_out->stride(0) : 0, part.data_ptr<float>(), part_rows, static_cast<int>(T), static_cast<int>(row_begin),
+       loss ? di_out->stride(0) : 0, part.data_ptr<float>(), part_rows,
+       mask ? reinterpret_cast<uint32_t*>(mask_out->data_ptr<int>()) : nullptr, mask ? mask_out->stride(0) : 0,
+       static_cast<int>(mask_row0), static_cast<int>(T), static_cast<int>(row_begin),
        static_cast<int>(row_end), rows_per_split, splits, static_cast<int>(key_begin), static_cast<int>(kblocks),
        static_cast<int>(N)},
       dev.stream, dev.device);
@@ -180,11 +186,13 @@ inline at::Tensor bf16_indexer_logits_bwd_dk(const at::Tensor& q, const at::Tens
 }
 
 // dq_I [T, 64, D] and dw [T, 64] (fp32, rows [row_begin, row_end) written) from dI = di[t - di_row0, s] on the
-// valid keys.
+// valid keys. With `mask` (written by bf16_indexer_logits_bwd_dk for rows from mask_row0 and keys [mask_key0,
+// mask_key1)): no S recompute, keys clamped to that range, and dq_I may be bf16.
 inline void bf16_indexer_logits_bwd_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& weights,
                                        const at::Tensor& ks, const at::Tensor& ke, const at::Tensor& di,
                                        int64_t di_row0, const at::Tensor& dq, const at::Tensor& dw, int64_t row_begin,
-                                       int64_t row_end) {
+                                       int64_t row_end, const c10::optional<at::Tensor>& mask, int64_t mask_row0,
+                                       int64_t mask_key0, int64_t mask_key1) {
   constexpr const char* op = "deep_indexer.training (sm90 indexer backward, dq_I)";
   const auto [T, H, D, N] = training_api::check_indexer_inputs<TrainingIndexerBwdLayout>(
       op, q, k, weights, "64 heads of dim 64 or 128", 256);
@@ -194,21 +202,33 @@ inline void bf16_indexer_logits_bwd_dq(const at::Tensor& q, const at::Tensor& k,
   DI_CHECK_ARG(0 <= di_row0 && di_row0 <= row_begin, "{}: di_row0 must be in [0, row_begin = {}], got {}", op,
                row_begin, di_row0);
   training_api::check_chunk(op, di, "dI", row_end - di_row0, N);
-  TensorCheck(op, dq, "dq").dtype(at::kFloat).shape({T, H, D}).contiguous();
+  const bool masked = mask.has_value();
+  if (masked) {
+    TensorCheck(op, dq, "dq").dtype_in({at::kFloat, at::kBFloat16}).shape({T, H, D}).contiguous();
+    DI_CHECK_ARG(0 <= mask_key0 && mask_key0 <= mask_key1 && mask_key1 <= N, "{}: mask keys [{}, {}) must lie in [0, {}]",
+                 op, mask_key0, mask_key1, N);
+    training_api::check_mask(op, *mask, "mask", mask_row0, row_begin, row_end, mask_key1 - mask_key0);
+  } else {
+    TensorCheck(op, dq, "dq").dtype(at::kFloat).shape({T, H, D}).contiguous();
+  }
   TensorCheck(op, dw, "dw").dtype(at::kFloat).shape({T, H}).contiguous();
   TensorCheck(op, q, "q_I").cuda();
   for (auto [t, name] : {std::pair{&k, "k_I"}, {&weights, "weights"}, {&ks, "ks"}, {&ke, "ke"}, {&di, "dI"},
                          {&dq, "dq"}, {&dw, "dw"}})
     TensorCheck(op, *t, name).on(q.device());
+  if (masked) TensorCheck(op, *mask, "mask").on(q.device());
   if (row_end == row_begin || N == 0) return;  // no valid key: the caller's zeros stand
   TensorCheck(op, q, "q_I").aligned(16);
   TensorCheck(op, k, "k_I").aligned(16);
   const OpDevice dev = op_device(q);
-  TrainingIndexerDqRuntime::launch({{static_cast<int>(D)}, q.data_ptr(), k.data_ptr(), weights.data_ptr<float>(),
-                                    ks.data_ptr<int>(), ke.data_ptr<int>(), di.data_ptr<float>(), di.stride(0),
-                                    static_cast<int>(di_row0), dq.data_ptr<float>(), dw.data_ptr<float>(),
-                                    static_cast<int>(row_begin), static_cast<int>(row_end), static_cast<int>(N)},
-                                   dev.stream, dev.device);
+  TrainingIndexerDqRuntime::launch(
+      {{static_cast<int>(D), masked, dq.scalar_type() == at::kBFloat16}, q.data_ptr(), k.data_ptr(),
+       weights.data_ptr<float>(), ks.data_ptr<int>(), ke.data_ptr<int>(), di.data_ptr<float>(), di.stride(0),
+       static_cast<int>(di_row0), masked ? reinterpret_cast<const uint32_t*>(mask->data_ptr<int>()) : nullptr,
+       masked ? mask->stride(0) : 0, static_cast<int>(mask_row0), static_cast<int>(mask_key0),
+       static_cast<int>(mask_key1), dq.data_ptr(), dw.data_ptr<float>(), static_cast<int>(row_begin),
+       static_cast<int>(row_end), static_cast<int>(N)},
+      dev.stream, dev.device);
 }
 
 namespace training_api {

@@ -13,8 +13,13 @@ Kernels (include/deep_indexer/training_*.cuh), per chunk of query rows (chunk bu
                                     partials per row range (summed here, in a fixed order)
             training_indexer_dq     dq_I and dw from dI
 
-Everything accumulates in fp32; the only rounding beyond fp32 is dS = dI w [S > 0] rounded to bf16 as the operand
-of the dq_I / dk_I WGMMAs (as in flash-attention backwards). No atomics: bitwise reproducible run to run.
+indexer logits backward (logits_bwd), per chunk of rows:
+            training_indexer_dk     S, dS, dk_I partials, and the signs [S > 0] as a bit mask
+            training_indexer_dq     (masked form) dq_I = w G', dw = q_I . G' with G' = sum_s bf16(dI) [S > 0] k_I
+                                    from the mask: no second S
+
+Everything accumulates in fp32; the only rounding beyond fp32 is dS = dI w [S > 0] (or dI alone, in the masked dq)
+rounded to bf16 as the operand of the dq_I / dk_I WGMMAs (as in flash-attention backwards). No atomics: bitwise reproducible run to run.
 Supported (else the portable path runs): CUDA SM90, bf16 q_I, k_I, q, k; target "mean": 128 attention heads with
 one key head of dim 64..576 (multiple of 64), 64 indexer heads of dim 64 or 128. Target "per_head" (below): any
 head count, one or H_kv key heads, attention dims 64 / 128 / 192 with indexer dim 64.
@@ -32,6 +37,13 @@ import torch
 from ..reference import row_chunks
 
 _CHUNK_BYTES = 1 << 30  # one [rows, N] fp32 chunk buffer (the backward holds two)
+_MASK_BYTES = 1 << 30  # the logits backward's sign mask: at least this much (or a quarter of the gradient's bytes)
+MASKED_ROWS_PER_CTA = 4  # TrainingIndexerBwdLayout::kMaskedRowsPerCta
+
+
+def mask_words_per_row(num_keys: int) -> int:
+    """TrainingIndexerBwdLayout::mask_words_per_row: 128 int32 words per 64-key tile, whole 128-key blocks."""
+    return (num_keys + 127) // 128 * 256
 TARGET_HEADS = 128
 INDEXER_HEADS = 64
 INDEXER_DIMS = (64, 128)
@@ -180,28 +192,44 @@ def mean_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cp
 
 
 def logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu):
-    """(dq_I, dk_I, dw) in fp32 of the indexer logits for the incoming gradient grad [T, N] (read at valid keys)."""
+    """(dq_I in bf16, dk_I and dw in fp32) of the indexer logits for the incoming gradient grad [T, N] (read at
+    valid keys). Per chunk of rows: the dk kernel (S, dS, dk_I partials) also writes the signs [S > 0] as a bit
+    mask (8 bytes per (row, key)); the masked dq kernel reads them instead of computing S again, so the backward
+    costs 3 GEMMs' work rather than 4. The mask takes at most max(_MASK_BYTES, a quarter of grad's bytes)."""
     _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
     rows, n_keys, dev = q_i.shape[0], k_i.shape[0], q_i.device
-    live = ks_cpu < ke_cpu
+    ks_c, ke_c = ks_cpu.clamp(0, n_keys), ke_cpu.clamp(0, n_keys)
+    live = ks_c < ke_c
     if rows == 0 or n_keys == 0 or not bool(live.any()):
-        return (torch.zeros(q_i.shape, dtype=torch.float32, device=dev),
+        return (torch.zeros(q_i.shape, dtype=q_i.dtype, device=dev),
                 torch.zeros(k_i.shape, dtype=torch.float32, device=dev),
                 torch.zeros(w.shape, dtype=torch.float32, device=dev))
-    lo, hi = int(ks_cpu[live].min()), int(ke_cpu[live].max())
+    lo, hi = int(ks_c[live].min()), int(ke_c[live].max())
     g = grad.float()
     if g.stride(-1) != 1 or g.stride(0) < g.shape[1] or g.data_ptr() % 16:
         g = g.contiguous()
-    part = _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, g, 0, None, None, None, None, 0, rows, lo, hi)
-    if lo == 0 and hi == n_keys:
-        dk = part.sum(0)[:n_keys]
-    else:
-        dk = torch.zeros(k_i.shape, dtype=torch.float32, device=dev)
-        dk[lo:hi] = part.sum(0)[: hi - lo]
-    # the dq kernel writes dq and dw of every row (zeros where a row has no keys)
-    dq = torch.empty(q_i.shape, dtype=torch.float32, device=dev)
+    words = mask_words_per_row(hi - lo)
+    budget = max(_MASK_BYTES, grad.numel() * grad.element_size() // 4)
+    chunk = max(MASKED_ROWS_PER_CTA, min(rows, budget // (4 * words)))
+    mask = torch.empty((min(chunk, rows), words), dtype=torch.int32, device=dev)
+    # the masked dq kernel writes dq and dw of every row (zeros where a row has no keys)
+    dq = torch.empty(q_i.shape, dtype=torch.bfloat16, device=dev)
     dw = torch.empty(w.shape, dtype=torch.float32, device=dev)
-    _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, g, 0, dq, dw, 0, rows)
+    dk = None
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        lv = live[r0:r1]
+        c_lo, c_hi = (int(ks_c[r0:r1][lv].min()), int(ke_c[r0:r1][lv].max())) if bool(lv.any()) else (lo, lo)
+        if c_lo < c_hi:
+            part = _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, g, 0, None, None, None, None, r0, r1, c_lo,
+                                                 c_hi, mask, r0)
+            if dk is None and c_lo == 0 and c_hi == n_keys and r1 == rows:
+                dk = part.sum(0)[:n_keys]
+            else:
+                if dk is None:
+                    dk = torch.zeros(k_i.shape, dtype=torch.float32, device=dev)
+                dk[c_lo:c_hi] += part.sum(0)[: c_hi - c_lo]
+        _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, g, 0, dq, dw, r0, r1, mask, r0, c_lo, c_hi)
     return dq, dk, dw
 
 

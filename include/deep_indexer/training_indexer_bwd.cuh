@@ -11,9 +11,15 @@
 //   kLoss = true:  the warm-up loss, dI = g[t] (mass[t] exp(I[t, s] - lse_i[t]) - p[t, s]) with
 //                  p = vals[...], I recomputed here (the head sum of the accumulator rows); dI is written
 //                  to di_out[(t - vals_row0) * di_stride + s] for the dq kernel.
-// Writes dk_part[(split * part_rows + s - key_begin) * D + d] for every key of its block below N.
+// Writes dk_part[(split * part_rows + s - key_begin) * D + d] for every key of its block below N; with kMask
+// also the signs of S of every (row, 64-key tile) it computes: mask_out[(t - mask_row0) * mask_stride +
+// 128 tile + word] (training_indexer_bwd_layout.hpp).
 // training_indexer_dq_kernel<D>: CTA owns rows row_begin + 2 pair + {0, 1}; dI[t, s] =
 // di[(t - di_row0) * di_stride + s]; writes dq_out[t] (fp32 [64, D]) and dw_out[t] (fp32 [64]) of its rows.
+// training_indexer_dq_masked_kernel<D, kBf16Out>: CTA owns rows row_begin + 4 quad + {0..3}, keys clamped to
+// the dk call's [mask_key0, mask_key1); the signs from `mask`, G' = sum_s bf16(dI) [S > 0] k_I[s] per row
+// (fp32), then dq_out[t] = w[t, h] G'[h] (fp32 or bf16) and dw_out[t, h] = q_I[t, h] . G'[h]
+// (= sum_s dI relu(S) up to dI's bf16 rounding).
 //
 // Structure and shared memory: training_indexer_bwd_layout.hpp. The producer streams items (a row's q_I
 // tile, or a 64-key tile of k_I) through a ring of stages; the dk kernel ends its stream with an item
@@ -24,6 +30,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -108,15 +115,16 @@ DI_DEVICE void store_g(float* dst, const float (&g)[kDim / 2], int warp_in_wg, i
 
 }  // namespace training_detail
 
-template <int kHeadDim, bool kLoss>
+template <int kHeadDim, bool kLoss, bool kMask>
 __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     training_indexer_dk_kernel(const __grid_constant__ CUtensorMap tmap_q, const __nv_bfloat16* __restrict__ k_i,
                                const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
                                const float* __restrict__ vals, int64_t vals_stride, int vals_row0,
                                const float* __restrict__ g_in, const float* __restrict__ mass_in,
                                const float* __restrict__ lse_in, float* __restrict__ di_out, int64_t di_stride,
-                               float* __restrict__ dk_part, int64_t part_rows, int row_begin, int row_end,
-                               int rows_per_split, int key_begin, int num_kblocks, int num_keys) {
+                               float* __restrict__ dk_part, int64_t part_rows, uint32_t* __restrict__ mask_out,
+                               int64_t mask_stride, int mask_row0, int row_begin, int row_end, int rows_per_split,
+                               int key_begin, int num_kblocks, int num_keys) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = TrainingIndexerBwdLayout;
   constexpr L lay{kHeadDim};
@@ -245,6 +253,14 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         const float2 x = reinterpret_cast<const float2*>(f)[4 * gg + quad];
         wv[2 * gg] = x.x;
         wv[2 * gg + 1] = x.y;
+      }
+      if constexpr (kMask) {
+        // NOTES: the signs of S for the masked dq kernel: word 32 wi + lane of the tile, bit j = [acc[j] > 0].
+        uint32_t bits = 0u;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) bits |= acc[j] > 0.0f ? (1u << j) : 0u;
+        mask_out[static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
+                 (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane)] = bits;
       }
       float di[2];
 #pragma unroll
@@ -513,6 +529,217 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         dw_out[static_cast<int64_t>(t) * H + row0 + 8] = dw[1];
       }
     }
+  }
+#else
+  asm volatile("trap;");
+#endif
+}
+
+template <int kHeadDim, bool kBf16Out>
+__global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
+    training_indexer_dq_masked_kernel(const __grid_constant__ CUtensorMap tmap_k, const __nv_bfloat16* __restrict__ q_i,
+                                      const float* __restrict__ w, const int* __restrict__ ks,
+                                      const int* __restrict__ ke, const float* __restrict__ di, int64_t di_stride,
+                                      int di_row0, const uint32_t* __restrict__ mask, int64_t mask_stride,
+                                      int mask_row0, int mask_key0, void* __restrict__ dq_out,
+                                      float* __restrict__ dw_out, int row_begin, int row_end, int mask_key1) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = TrainingIndexerBwdLayout;
+  constexpr L lay{kHeadDim};
+  static_assert(lay.valid(), "unsupported training_indexer_bwd configuration");
+  constexpr int kStages = lay.num_stages();
+  constexpr int H = L::kNumHeads;
+  constexpr int kTileKeys = L::kTileRows;
+  constexpr int kRows = L::kMaskedRowsPerCta;
+  constexpr int kWords = L::kMaskWordsPerTile;
+  static_assert(kRows == 4 && kTileKeys == 64 && kWords == 128, "the producer's loads assume 4 rows of 64-key tiles");
+  static_assert(32 * kRows + kRows * kWords <= L::kInfoFloats, "info too small");
+  using OutT = std::conditional_t<kBf16Out, __nv_bfloat16, float>;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const training_detail::BwdSmem<kHeadDim> sm{smem_raw};
+  uint8_t* smem = sm.base;
+
+  const uint32_t warp = ptx::warp_idx();
+  const uint32_t lane = ptx::lane_idx();
+  // Row quads, the last (longest under causal bounds) first.
+  const int num_quads = (row_end - row_begin + kRows - 1) / kRows;
+  const int t_first = row_begin + kRows * (num_quads - 1 - static_cast<int>(blockIdx.x));
+  int lo_r[kRows], hi_r[kRows], u_lo = INT_MAX, u_hi = INT_MIN;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int t = t_first + r;
+    // the keys that the dk call covered: [mask_key0, mask_key1)
+    lo_r[r] = t < row_end ? max(__ldg(ks + t), mask_key0) : 0;
+    hi_r[r] = t < row_end ? min(__ldg(ke + t), mask_key1) : 0;
+    if (lo_r[r] < hi_r[r]) u_lo = min(u_lo, lo_r[r]), u_hi = max(u_hi, hi_r[r]);
+  }
+  // NOTES: tiles on the dk kernel's 64-key grid (keys mask_key0 + 64 b), whose mask words they read.
+  const int base = u_lo < u_hi ? mask_key0 + (u_lo - mask_key0) / kTileKeys * kTileKeys : 0;
+  const int num_tiles = u_lo < u_hi ? (u_hi - base + kTileKeys - 1) / kTileKeys : 0;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(sm.full(s), 32);
+      ptx::mbar_init(sm.empty(s), L::kMathWarps);
+    }
+    ptx::fence_mbar_init();
+  }
+  if (warp == 0 && lane == 0) ptx::prefetch_tensor_map(&tmap_k);
+  __syncthreads();
+
+  if (warp < 4) {
+    // ===================================================================== producer
+    ptx::reg_dealloc<L::kProducerRegs>();
+    for (int j = static_cast<int>(warp); j < num_tiles; j += L::kProducerWarps) {
+      const int s = j % kStages;
+      ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
+      const int key0 = base + j * kTileKeys;
+      uint32_t* f = reinterpret_cast<uint32_t*>(sm.info_f(s));
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        // dI of keys key0 + 2 lane, +1 as a bf16 pair (0 outside the row's range); the row's mask words
+        // only where the tile meets its range (elsewhere dI is 0 and the bits are not used).
+        const float* drow = di + static_cast<int64_t>(t_first + r - di_row0) * di_stride;
+        const int key = key0 + 2 * static_cast<int>(lane);
+        const float d0 = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
+        const float d1 = key + 1 >= lo_r[r] && key + 1 < hi_r[r] ? __ldg(drow + key + 1) : 0.0f;
+        f[32 * r + lane] = ptx::pack_bf16x2(d0, d1);
+        if (lo_r[r] < hi_r[r] && lo_r[r] < key0 + kTileKeys && hi_r[r] > key0) {
+          const uint4 m = __ldg(reinterpret_cast<const uint4*>(
+                                    mask + static_cast<int64_t>(t_first + r - mask_row0) * mask_stride +
+                                    static_cast<int64_t>((key0 - mask_key0) / kTileKeys) * kWords) +
+                                lane);
+          reinterpret_cast<uint4*>(f + 32 * kRows + kWords * r)[lane] = m;
+        }
+      }
+      if (lane == 0) {
+        ptx::mbar_arrive_expect_tx(sm.full(s), lay.tile_bytes());
+#pragma unroll
+        for (int b = 0; b < lay.num_kblocks(); ++b)
+          ptx::tma_load_2d(smem + lay.offset_tile(s) + b * lay.mn_block_bytes(), &tmap_k, sm.full(s), 64 * b, key0);
+      } else {
+        ptx::mbar_arrive(sm.full(s));
+      }
+    }
+  } else {
+    // ===================================================================== math
+    ptx::reg_alloc<L::kMathRegs>();
+    const int wg = static_cast<int>(warp / 4) - 1;  // rows t_first + 2 wg + {0, 1}
+    const int wi = static_cast<int>(warp % 4);
+    const int quad = static_cast<int>(lane & 3);
+    // no dynamic indexing of lo_r / hi_r
+    const int lo0 = wg == 0 ? lo_r[0] : lo_r[2], hi0 = wg == 0 ? hi_r[0] : hi_r[2];
+    const int lo1 = wg == 0 ? lo_r[1] : lo_r[3], hi1 = wg == 0 ? hi_r[1] : hi_r[3];
+    const int first0 = lo0 < hi0 ? (lo0 - base) / kTileKeys : num_tiles, end0 = lo0 < hi0 ? (hi0 - 1 - base) / kTileKeys + 1 : 0;
+    const int first1 = lo1 < hi1 ? (lo1 - base) / kTileKeys : num_tiles, end1 = lo1 < hi1 ? (hi1 - 1 - base) / kTileKeys + 1 : 0;
+    float g0[kHeadDim / 2], g1[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) g0[i] = g1[i] = 0.0f;
+    uint32_t ds0[4][4], ds1[4][4];
+
+    auto wait_tile = [&](int j) {
+      ptx::mbar_wait(sm.full(j % kStages), static_cast<uint32_t>(j / kStages) & 1u);
+    };
+    auto tile_of = [&](int j) -> const uint8_t* { return smem + lay.offset_tile(j % kStages); };
+    auto release = [&](int j) {
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(sm.empty(j % kStages));
+    };
+    // dS' = bf16(dI) [S > 0] of row r (of the CTA) at tile j as A fragments (columns = keys 8 gg + 2 quad + c).
+    // NOTES: this thread's (head 16 wi + lane / 4 + 8 i, key 8 gg + 2 quad + c) was computed in the dk
+    // kernel by thread 32 (gg / 2) + 8 quad + 4 c + lane / 8 of the tile's warpgroup, as its bit
+    // 8 wi + 4 i + 2 (gg % 2) + (lane / 4) % 2.
+    const int shift = 8 * wi + static_cast<int>((lane >> 2) & 1u);
+    auto make_ds = [&](int r, int j, uint32_t(&ds)[4][4]) {
+      const uint32_t* f = reinterpret_cast<const uint32_t*>(sm.info_f(j % kStages));
+      const uint32_t* words = f + 32 * kRows + kWords * r + 8 * quad + static_cast<int>(lane / 8);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t m0 = words[32 * kk] >> shift, m1 = words[32 * kk + 4] >> shift;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const int gg = 2 * kk + jj / 2, i = jj % 2;
+          const int bit = 4 * i + 2 * (jj / 2);
+          const uint32_t pair = f[32 * r + 4 * gg + quad];
+          const uint32_t keep = ((m0 >> bit) & 1u ? 0x0000ffffu : 0u) | ((m1 >> bit) & 1u ? 0xffff0000u : 0u);
+          ds[kk][jj] = pair & keep;
+        }
+      }
+    };
+
+    // NOTES: two rows share each tile; their G' WGMMAs alternate so that one row's dS' is built while the
+    // other's WGMMAs run. wgmma groups retire in order and each row issues at most one group per tile:
+    // after row 0's issue of tile j, wait_group<1> retires row 1's group of tile j - 1 (or wait_group<0>
+    // when row 0 issued none), which frees ds1 and, with row 0's older group, tile j - 1's stage.
+    const int w_first = min(first0, first1), w_end = max(end0, end1);
+    for (int j = 0; j < min(w_first, num_tiles); ++j) {
+      wait_tile(j);
+      release(j);
+    }
+    for (int j = w_first; j < w_end; ++j) {
+      wait_tile(j);
+      if (j >= first0 && j < end0) {
+        make_ds(2 * wg, j, ds0);
+        training_detail::mma_g<kHeadDim>(g0, ds0, tile_of(j));
+        ptx::wgmma_wait<1>();
+      } else {
+        ptx::wgmma_wait<0>();
+      }
+      if (j > w_first) release(j - 1);
+      if (j >= first1 && j < end1) {
+        make_ds(2 * wg + 1, j, ds1);
+        training_detail::mma_g<kHeadDim>(g1, ds1, tile_of(j));
+        ptx::wgmma_wait<1>();
+      } else {
+        ptx::wgmma_wait<0>();
+      }
+    }
+    ptx::wgmma_wait<0>();
+    ptx::fence_accum<kHeadDim / 2>(g0);
+    ptx::fence_accum<kHeadDim / 2>(g1);
+    if (w_first < w_end) release(w_end - 1);
+    for (int j = max(w_end, w_first); j < num_tiles; ++j) {
+      wait_tile(j);
+      release(j);
+    }
+    // dq_I = w G', dw = q_I . G' (the row's heads 16 wi + lane / 4 + 8 i).
+    const int row0 = 16 * wi + static_cast<int>(lane / 4);
+    auto finish = [&](int t, const float(&gr)[kHeadDim / 2]) {
+      if (t >= row_end) return;
+      uint32_t a[kHeadDim / 16][4];
+      training_detail::load_a_fragments<kHeadDim>(a, q_i, static_cast<long long>(t) * H, static_cast<long long>(t) * H + H,
+                                                  wi, static_cast<int>(lane));
+      float dw[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {  // a[kk][jj]: head row0 + 8 (jj % 2), dims 16 kk + 8 (jj / 2) + 2 quad + {0, 1}
+          const int gg = 2 * kk + jj / 2, i = jj % 2;
+          const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a[kk][jj]));
+          dw[i] = fmaf(qv.x, gr[4 * gg + 2 * i], fmaf(qv.y, gr[4 * gg + 2 * i + 1], dw[i]));
+        }
+      const float wr[2] = {__ldg(w + static_cast<int64_t>(t) * H + row0), __ldg(w + static_cast<int64_t>(t) * H + row0 + 8)};
+      OutT* dst = reinterpret_cast<OutT*>(dq_out) + static_cast<int64_t>(t) * H * kHeadDim;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = row0 + 8 * i;
+#pragma unroll
+        for (int gg = 0; gg < kHeadDim / 8; ++gg) {
+          const float x0 = wr[i] * gr[4 * gg + 2 * i], x1 = wr[i] * gr[4 * gg + 2 * i + 1];
+          if constexpr (kBf16Out)
+            *reinterpret_cast<uint32_t*>(dst + row * kHeadDim + 8 * gg + 2 * quad) = ptx::pack_bf16x2(x0, x1);
+          else
+            *reinterpret_cast<float2*>(dst + row * kHeadDim + 8 * gg + 2 * quad) = make_float2(x0, x1);
+        }
+        dw[i] += __shfl_xor_sync(0xffffffffu, dw[i], 1);
+        dw[i] += __shfl_xor_sync(0xffffffffu, dw[i], 2);
+        if (quad == 0) dw_out[static_cast<int64_t>(t) * H + row] = dw[i];
+      }
+    };
+    finish(t_first + 2 * wg, g0);
+    finish(t_first + 2 * wg + 1, g1);
   }
 #else
   asm volatile("trap;");

@@ -5,6 +5,12 @@
 //                               q_I per row); dk_I partial per row range.
 //   training_indexer_dq_kernel  row-major: a CTA owns 2 rows (one per math warpgroup) and streams the
 //                               64-key tiles of k_I over the union of their ranges; dq_I and dw.
+//   training_indexer_dq_masked_kernel  as the dq kernel with 4 rows (2 per math warpgroup) and no S: the
+//                               signs [S > 0] come from the dk kernel's mask (below), so per tile only
+//                               G' += dS' x tile with dS' = bf16(dI) [S > 0]; then dq_I = w G', dw = q_I . G'.
+// The sign mask (dk kernel with kMask, read by the masked dq kernel): per row t and 64-key tile of the dk
+// grid (keys key_begin + 64 b), 128 words, word 32 warp + lane of the dk warpgroup that owns the tile, bit j
+// = [acc[j] > 0] of that thread's S accumulator (see training_indexer_bwd.cuh): kMaskWordsPerTile words.
 // Both: warpgroup 0 = producer (its 4 warps take the items round-robin: TMA of the tile + the small
 // per-item values into the stage's info), warpgroups 1, 2 = math. Per item a math warpgroup runs
 //   S = A (64 x D_I, registers) x tile^T        WGMMA m64n64k16 x D_I / 16, tile K-major
@@ -18,6 +24,8 @@
 //   info_bytes()   per stage: a header (int item, lo, hi; float g, mass, lse) and kInfoFloats floats:
 //                    dk kernel: [0, 64) the row's weights w[t, :], [64, 192) its values at the CTA's 128 keys
 //                    dq kernel: [0, 128) dI of the CTA's 2 rows at the tile's 64 keys
+//                    masked dq kernel: words [0, 128) dI of the CTA's 4 rows as bf16 pairs (row r: 32 r +
+//                    key pair), [128, 640) the 4 rows' mask words of the tile (row r: 128 + 128 r)
 //   num_stages()   as many stages as fit (at most kMaxStages).
 //   barriers       full[s] 32 arrivals (producer warp) + the tile's bytes, empty[s] 8 (math warps).
 #pragma once
@@ -37,8 +45,10 @@ struct TrainingIndexerBwdLayout {
   static constexpr int kProducerWarps = 4;  // take items (dk) / tiles (dq) round-robin
   static constexpr int kKeysPerCta = 128;  // dk kernel
   static constexpr int kRowsPerCta = 2;    // dq kernel
+  static constexpr int kMaskedRowsPerCta = 4;  // masked dq kernel
+  static constexpr int kMaskWordsPerTile = 128;  // one bit per (key, head) of a 64-key tile: 64 x 64 / 32
   static constexpr int kInfoHeaderBytes = 32;
-  static constexpr int kInfoFloats = 192;
+  static constexpr int kInfoFloats = 128 + kMaskedRowsPerCta * kMaskWordsPerTile;  // the masked dq kernel's (largest)
   static constexpr int kMaxStages = 8;
   static constexpr int kAlign = 1024;
   static constexpr int kMaxSmem = 232448;
@@ -64,6 +74,11 @@ struct TrainingIndexerBwdLayout {
   DI_HOST_DEVICE constexpr int offset_empty(int s) const { return offset_barriers() + 8 * (num_stages() + s); }
   DI_HOST_DEVICE constexpr int smem_used_bytes() const { return offset_barriers() + 16 * num_stages(); }
   DI_HOST_DEVICE constexpr int smem_bytes() const { return smem_used_bytes() + kAlign; }
+
+  // Mask words per row for keys [key_begin, key_end) of a dk call (whole 128-key blocks).
+  DI_HOST_DEVICE static constexpr long long mask_words_per_row(long long num_keys) {
+    return (num_keys + kKeysPerCta - 1) / kKeysPerCta * (kKeysPerCta / kTileRows) * kMaskWordsPerTile;
+  }
 
   DI_HOST_DEVICE static constexpr bool supported_shape(int heads, int dim) {
     return heads == kNumHeads && (dim == 64 || dim == 128);
