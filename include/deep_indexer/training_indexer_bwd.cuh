@@ -243,6 +243,17 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(sm.empty(n % kStages));
     };
+    // NOTES: the signs of S for the masked dq kernel: word 32 wi + lane of the tile, bit j = [acc[j] > 0];
+    // written after item n's G WGMMAs are issued, off the path from S to G.
+    auto store_mask = [&](const float(&acc)[32], const Info& hd) {
+      if constexpr (kMask) {
+        uint32_t bits = 0u;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) bits |= acc[j] > 0.0f ? (1u << j) : 0u;
+        mask_out[static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
+                 (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane)] = bits;
+      }
+    };
     // dS (bf16 A fragments) of item n from its S accumulator.
     auto make_ds = [&](const float(&acc)[32], const Info& hd, int n, uint32_t(&ds)[4][4]) {
       const float* f = sm.info_f(n % kStages);
@@ -253,14 +264,6 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         const float2 x = reinterpret_cast<const float2*>(f)[4 * gg + quad];
         wv[2 * gg] = x.x;
         wv[2 * gg + 1] = x.y;
-      }
-      if constexpr (kMask) {
-        // NOTES: the signs of S for the masked dq kernel: word 32 wi + lane of the tile, bit j = [acc[j] > 0].
-        uint32_t bits = 0u;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) bits |= acc[j] > 0.0f ? (1u << j) : 0u;
-        mask_out[static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
-                 (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane)] = bits;
       }
       float di[2];
 #pragma unroll
@@ -318,6 +321,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       if (n > 0) release(n - 1);
       make_ds(cur, hc, n, ds);
       training_detail::mma_g<kHeadDim>(g, ds, tile_of(n));
+      store_mask(cur, hc);
       if (hn.item >= 0) return false;
       ptx::wgmma_wait<0>();
       release(n);
