@@ -1,10 +1,11 @@
 """Per-kernel times of the SM90 warm-up `mean` path (training/sm90.py) at DeepSeek-V3.2 sizes, one causal
 sequence: each kernel's share of a forward / backward and its rate as a fraction of the bf16 GEMM rate.
 
-    python tools/training_kernel_times.py [--tokens 16384] [--iters 3] [--logits-only]
+    python tools/training_kernel_times.py [--tokens 16384] [--iters 5] [--logits-only]
 """
 import argparse
 import os
+import statistics
 
 import torch
 
@@ -17,7 +18,7 @@ from deep_indexer.training import sm90 as fast
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--logits-only", action="store_true", help="only the indexer logits op's kernels")
     args = ap.parse_args()
     t = n = args.tokens
@@ -34,15 +35,19 @@ def main():
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
 
     def timed(fn):
+        # the median over `iters` samples, each the mean of 3 back-to-back calls (one stalled call does not decide)
         fn()
         torch.cuda.synchronize()
-        s, e = ev(), ev()
-        s.record()
+        samples = []
         for _ in range(args.iters):
-            fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) / args.iters * 1e-3
+            s, e = ev(), ev()
+            s.record()
+            for _ in range(3):
+                fn()
+            e.record()
+            e.synchronize()
+            samples.append(s.elapsed_time(e) / 3 * 1e-3)
+        return statistics.median(samples)
 
     rate = 2 * 8192 ** 3 / timed(lambda: torch.mm(a, b))
     rc = fast._rows_per_chunk(t, n)

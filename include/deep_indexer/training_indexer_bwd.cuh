@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
           for (int c4 = 0; c4 < 4; ++c4) {
             const int c = 32 * c4 + static_cast<int>(lane);
             const int key = s0 + c;
-            f[64 + c] = key >= lo && key < hi ? __ldg(vrow + key) : 0.0f;
+            f[64 + c] = key >= lo && key < hi ? __ldcs(vrow + key) : 0.0f;  // read once: evict first
           }
           if (lane == 0) {
             Info* hd = sm.info(s);
@@ -250,8 +250,10 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         uint32_t bits = 0u;
 #pragma unroll
         for (int j = 0; j < 32; ++j) bits |= acc[j] > 0.0f ? (1u << j) : 0u;
-        mask_out[static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
-                 (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane)] = bits;
+        // streaming store: the mask is read once, by the dq kernel (q_I's tiles keep L2)
+        __stcs(mask_out + static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
+                   (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane),
+               bits);
       }
     };
     // dS (bf16 A fragments) of item n from its S accumulator.
@@ -405,7 +407,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         for (int c2 = 0; c2 < 2; ++c2) {
           const int c = 32 * c2 + static_cast<int>(lane);
           const int key = key0 + c;
-          f[64 * r + c] = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
+          f[64 * r + c] = key >= lo_r[r] && key < hi_r[r] ? __ldcs(drow + key) : 0.0f;  // read once
         }
       }
       if (lane == 0) {
@@ -607,11 +609,12 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         // only where the tile meets its range (elsewhere dI is 0 and the bits are not used).
         const float* drow = di + static_cast<int64_t>(t_first + r - di_row0) * di_stride;
         const int key = key0 + 2 * static_cast<int>(lane);
-        const float d0 = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
-        const float d1 = key + 1 >= lo_r[r] && key + 1 < hi_r[r] ? __ldg(drow + key + 1) : 0.0f;
+        // NOTES: dI and the mask are read once (streaming loads, evicted first: k_I's tiles stay in L2)
+        const float d0 = key >= lo_r[r] && key < hi_r[r] ? __ldcs(drow + key) : 0.0f;
+        const float d1 = key + 1 >= lo_r[r] && key + 1 < hi_r[r] ? __ldcs(drow + key + 1) : 0.0f;
         f[32 * r + lane] = ptx::pack_bf16x2(d0, d1);
         if (lo_r[r] < hi_r[r] && lo_r[r] < key0 + kTileKeys && hi_r[r] > key0) {
-          const uint4 m = __ldg(reinterpret_cast<const uint4*>(
+          const uint4 m = __ldcs(reinterpret_cast<const uint4*>(
                                     mask + static_cast<int64_t>(t_first + r - mask_row0) * mask_stride +
                                     static_cast<int64_t>((key0 - mask_key0) / kTileKeys) * kWords) +
                                 lane);
@@ -673,32 +676,37 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       }
     };
 
-    // NOTES: two rows share each tile; their G' WGMMAs alternate so that one row's dS' is built while the
-    // other's WGMMAs run. wgmma groups retire in order and each row issues at most one group per tile:
-    // after row 0's issue of tile j, wait_group<1> retires row 1's group of tile j - 1 (or wait_group<0>
-    // when row 0 issued none), which frees ds1 and, with row 0's older group, tile j - 1's stage.
+    // NOTES: two dS' buffers per row (tiles alternate): tile j's two G' groups are issued while tile j - 1's
+    // may still run, and wait_group<(groups of tile j)> then retires tile j - 1's (groups retire in order),
+    // which frees its stage and the buffers that tile j + 1 fills.
     const int w_first = min(first0, first1), w_end = max(end0, end1);
     for (int j = 0; j < min(w_first, num_tiles); ++j) {
       wait_tile(j);
       release(j);
     }
-    for (int j = w_first; j < w_end; ++j) {
+    auto step = [&](uint32_t(&d0)[4][4], uint32_t(&d1)[4][4], int j) {
       wait_tile(j);
-      if (j >= first0 && j < end0) {
-        make_ds(2 * wg, j, ds0);
-        training_detail::mma_g<kHeadDim>(g0, ds0, tile_of(j));
-        ptx::wgmma_wait<1>();
-      } else {
-        ptx::wgmma_wait<0>();
+      const bool on0 = j >= first0 && j < end0, on1 = j >= first1 && j < end1;
+      if (on0) {
+        make_ds(2 * wg, j, d0);
+        training_detail::mma_g<kHeadDim>(g0, d0, tile_of(j));
       }
+      if (on1) {
+        make_ds(2 * wg + 1, j, d1);
+        training_detail::mma_g<kHeadDim>(g1, d1, tile_of(j));
+      }
+      if (on0 && on1)
+        ptx::wgmma_wait<2>();
+      else if (on0 || on1)
+        ptx::wgmma_wait<1>();
+      else
+        ptx::wgmma_wait<0>();
       if (j > w_first) release(j - 1);
-      if (j >= first1 && j < end1) {
-        make_ds(2 * wg + 1, j, ds1);
-        training_detail::mma_g<kHeadDim>(g1, ds1, tile_of(j));
-        ptx::wgmma_wait<1>();
-      } else {
-        ptx::wgmma_wait<0>();
-      }
+    };
+    uint32_t ds0b[4][4], ds1b[4][4];
+    for (int j = w_first; j < w_end; j += 2) {
+      step(ds0, ds1, j);
+      if (j + 1 < w_end) step(ds0b, ds1b, j + 1);
     }
     ptx::wgmma_wait<0>();
     ptx::fence_accum<kHeadDim / 2>(g0);
