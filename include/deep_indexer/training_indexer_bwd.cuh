@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
           for (int c4 = 0; c4 < 4; ++c4) {
             const int c = 32 * c4 + static_cast<int>(lane);
             const int key = s0 + c;
-            f[64 + c] = key >= lo && key < hi ? __ldcs(vrow + key) : 0.0f;  // read once: evict first
+            f[64 + c] = key >= lo && key < hi ? __ldg(vrow + key) : 0.0f;
           }
           if (lane == 0) {
             Info* hd = sm.info(s);
@@ -250,10 +250,8 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         uint32_t bits = 0u;
 #pragma unroll
         for (int j = 0; j < 32; ++j) bits |= acc[j] > 0.0f ? (1u << j) : 0u;
-        // streaming store: the mask is read once, by the dq kernel (q_I's tiles keep L2)
-        __stcs(mask_out + static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
-                   (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane),
-               bits);
+        mask_out[static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
+                 (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane)] = bits;
       }
     };
     // dS (bf16 A fragments) of item n from its S accumulator.
@@ -407,7 +405,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         for (int c2 = 0; c2 < 2; ++c2) {
           const int c = 32 * c2 + static_cast<int>(lane);
           const int key = key0 + c;
-          f[64 * r + c] = key >= lo_r[r] && key < hi_r[r] ? __ldcs(drow + key) : 0.0f;  // read once
+          f[64 * r + c] = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
         }
       }
       if (lane == 0) {
@@ -609,12 +607,11 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         // only where the tile meets its range (elsewhere dI is 0 and the bits are not used).
         const float* drow = di + static_cast<int64_t>(t_first + r - di_row0) * di_stride;
         const int key = key0 + 2 * static_cast<int>(lane);
-        // NOTES: dI and the mask are read once (streaming loads, evicted first: k_I's tiles stay in L2)
-        const float d0 = key >= lo_r[r] && key < hi_r[r] ? __ldcs(drow + key) : 0.0f;
-        const float d1 = key + 1 >= lo_r[r] && key + 1 < hi_r[r] ? __ldcs(drow + key + 1) : 0.0f;
+        const float d0 = key >= lo_r[r] && key < hi_r[r] ? __ldg(drow + key) : 0.0f;
+        const float d1 = key + 1 >= lo_r[r] && key + 1 < hi_r[r] ? __ldg(drow + key + 1) : 0.0f;
         f[32 * r + lane] = ptx::pack_bf16x2(d0, d1);
         if (lo_r[r] < hi_r[r] && lo_r[r] < key0 + kTileKeys && hi_r[r] > key0) {
-          const uint4 m = __ldcs(reinterpret_cast<const uint4*>(
+          const uint4 m = __ldg(reinterpret_cast<const uint4*>(
                                     mask + static_cast<int64_t>(t_first + r - mask_row0) * mask_stride +
                                     static_cast<int64_t>((key0 - mask_key0) / kTileKeys) * kWords) +
                                 lane);
