@@ -270,6 +270,14 @@ DI_DEVICE float ex2_approx(float x) {
   return y;
 }
 
+// PRMT: byte n of the result = byte (sel nibble n & 7) of {hi:lo}; a nibble with bit 3 set gives that byte's
+// sign bit replicated (0x00 or 0xff).
+DI_DEVICE uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+  return r;
+}
+
 // Two floats as bf16x2 (round to nearest even), `lo` in the low half.
 DI_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   uint32_t r;

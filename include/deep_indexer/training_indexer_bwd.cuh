@@ -113,6 +113,21 @@ DI_DEVICE void store_g(float* dst, const float (&g)[kDim / 2], int warp_in_wg, i
   }
 }
 
+// 0xffff in each half whose value (x0 low, x1 high) is > 0 (compared after rounding to bf16).
+DI_DEVICE uint32_t positive_halves(float x0, float x1) {
+  const uint32_t x = ptx::pack_bf16x2(x0, x1);
+  return __hgt2_mask(*reinterpret_cast<const __nv_bfloat162*>(&x), __nv_bfloat162(__float2bfloat16(0.0f), __float2bfloat16(0.0f)));
+}
+
+// NOTES: the sign mask's bit layout. The dk thread's S element acc[4 g + 2 i + c] (key row 16 warp + lane / 4
+// + 8 i, head 8 g + 2 quad + c) is bit 16 c + 8 (g % 2) + 2 (g / 2) + i of its word. The masked dq thread
+// (warp w, lane l) needs, from a word, the heads 16 w + l / 4 + 8 r (r = 0, 1; so g = 2 w + r, c = (l / 4) % 2)
+// for both i: bits p + 8 r with p = 16 c + 2 w + i, which one rotation brings to bits 7 and 15 (the sign
+// bits of bytes 0 and 1, expanded by PRMT). The dk side takes the pair (c = 0, 1) of each (g, i) with one AND.
+DI_DEVICE constexpr uint32_t mask_bits(int g, int i) {
+  return (1u << (8 * (g % 2) + 2 * (g / 2) + i)) | (1u << (16 + 8 * (g % 2) + 2 * (g / 2) + i));
+}
+
 }  // namespace training_detail
 
 template <int kHeadDim, bool kLoss, bool kMask>
@@ -243,18 +258,15 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(sm.empty(n % kStages));
     };
-    // NOTES: the signs of S for the masked dq kernel: word 32 wi + lane of the tile, bit j = [acc[j] > 0];
-    // written after item n's G WGMMAs are issued, off the path from S to G.
-    auto store_mask = [&](const float(&acc)[32], const Info& hd) {
-      if constexpr (kMask) {
-        uint32_t bits = 0u;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) bits |= acc[j] > 0.0f ? (1u << j) : 0u;
+    // The signs of S for the masked dq kernel (kMask): word 32 wi + lane of the tile, stored after item n's
+    // G WGMMAs are issued (off the path from S to G).
+    uint32_t bits = 0u;
+    auto store_mask = [&](const Info& hd) {
+      if constexpr (kMask)
         mask_out[static_cast<int64_t>(hd.item - mask_row0) * mask_stride +
                  (key_base - key_begin) / L::kTileRows * L::kMaskWordsPerTile + 32 * wi + static_cast<int>(lane)] = bits;
-      }
     };
-    // dS (bf16 A fragments) of item n from its S accumulator.
+    // dS (bf16 A fragments) of item n from its S accumulator (and, with kMask, its sign bits).
     auto make_ds = [&](const float(&acc)[32], const Info& hd, int n, uint32_t(&ds)[4][4]) {
       const float* f = sm.info_f(n % kStages);
       // The row's weights of this thread's columns (heads 8 gg + 2 quad + c).
@@ -285,15 +297,17 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
           di[i] = valid ? v : 0.0f;
         }
       }
+      bits = 0u;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int gg = 2 * kk + j / 2, i = j % 2;
-          const float x0 = acc[4 * gg + 2 * i], x1 = acc[4 * gg + 2 * i + 1];
-          const float d0 = x0 > 0.0f ? di[i] * wv[2 * gg] : 0.0f;
-          const float d1 = x1 > 0.0f ? di[i] * wv[2 * gg + 1] : 0.0f;
-          ds[kk][j] = ptx::pack_bf16x2(d0, d1);
+          // [S > 0] of the pair as 0xffff halves (the sign test on S rounded to bf16: the same for every
+          // S except fp32 values below bf16's smallest denormal)
+          const uint32_t keep = training_detail::positive_halves(acc[4 * gg + 2 * i], acc[4 * gg + 2 * i + 1]);
+          ds[kk][j] = ptx::pack_bf16x2(di[i] * wv[2 * gg], di[i] * wv[2 * gg + 1]) & keep;
+          if constexpr (kMask) bits |= keep & training_detail::mask_bits(gg, i);
         }
       }
     };
@@ -321,7 +335,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       if (n > 0) release(n - 1);
       make_ds(cur, hc, n, ds);
       training_detail::mma_g<kHeadDim>(g, ds, tile_of(n));
-      store_mask(cur, hc);
+      store_mask(hc);
       if (hn.item >= 0) return false;
       ptx::wgmma_wait<0>();
       release(n);
@@ -651,24 +665,24 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(sm.empty(j % kStages));
     };
-    // dS' = bf16(dI) [S > 0] of row r (of the CTA) at tile j as A fragments (columns = keys 8 gg + 2 quad + c).
-    // NOTES: this thread's (head 16 wi + lane / 4 + 8 i, key 8 gg + 2 quad + c) was computed in the dk
-    // kernel by thread 32 (gg / 2) + 8 quad + 4 c + lane / 8 of the tile's warpgroup, as its bit
-    // 8 wi + 4 i + 2 (gg % 2) + (lane / 4) % 2.
-    const int shift = 8 * wi + static_cast<int>((lane >> 2) & 1u);
+    // dS' = bf16(dI) [S > 0] of row r (of the CTA) at tile j as A fragments (columns = keys 8 gg + 2 quad + c):
+    // this thread's (head 16 wi + lane / 4 + 8 i, key 8 gg + 2 quad + c) is in the word of dk thread
+    // 32 (gg / 2) + 8 quad + 4 c + lane / 8 (training_detail::mask_bits for the bit).
+    const int rot0 = 16 * static_cast<int>((lane >> 2) & 1u) + 2 * wi;
     auto make_ds = [&](int r, int j, uint32_t(&ds)[4][4]) {
       const uint32_t* f = reinterpret_cast<const uint32_t*>(sm.info_f(j % kStages));
       const uint32_t* words = f + 32 * kRows + kWords * r + 8 * quad + static_cast<int>(lane / 8);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t m0 = words[32 * kk] >> shift, m1 = words[32 * kk + 4] >> shift;
+        const uint32_t w0 = words[32 * kk], w1 = words[32 * kk + 4];  // keys c = 0, 1
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          const int gg = 2 * kk + jj / 2, i = jj % 2;
-          const int bit = 4 * i + 2 * (jj / 2);
-          const uint32_t pair = f[32 * r + 4 * gg + quad];
-          const uint32_t keep = ((m0 >> bit) & 1u ? 0x0000ffffu : 0u) | ((m1 >> bit) & 1u ? 0xffff0000u : 0u);
-          ds[kk][jj] = pair & keep;
+        for (int ip = 0; ip < 2; ++ip) {  // gg = 2 kk + ip: the dk thread's i
+          const int rot = (7 - rot0 - ip) & 31;  // bits p, p + 8 -> 7, 15
+          const uint32_t x0 = __funnelshift_l(w0, w0, rot), x1 = __funnelshift_l(w1, w1, rot);
+          const uint32_t pair = f[32 * r + 4 * (2 * kk + ip) + quad];
+#pragma unroll
+          for (int i = 0; i < 2; ++i)  // jj = 2 ip + i
+            ds[kk][2 * ip + i] = pair & ptx::prmt(x0, x1, i == 0 ? 0xCC88u : 0xDD99u);
         }
       }
     };
