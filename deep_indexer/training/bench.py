@@ -197,14 +197,23 @@ def main(argv=None):
           f"bf16 GEMM {rate / 1e12:.0f} TFLOP/s. Backend per row: auto = SM90 kernels where they apply.")
     print("| case | forward ms | backward ms | notes |\n|---|---|---|---|")
     rows = []
+
+    def fresh():  # each case from an empty allocator cache (a case after a larger one ran slower without it)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     if "all" in args.case or "per_head" in args.case:
         for n in args.seqs:
+            fresh()
             rows += bench_per_head(dev, n, seq_len, timer, args.iters)
     if "all" in args.case or "mean" in args.case:
         for t in args.tokens:
+            fresh()
             rows += bench_mean(dev, t, timer, args.iters, rate, backends=args.backends)
     if "all" in args.case or "logits" in args.case:
         for t in args.tokens:
+            fresh()
             rows += bench_mean(dev, t, timer, args.iters, rate, logits_only=True, backends=args.backends)
     for name, f, b, note in rows:
         print(f"| {name} | {f * 1e3:.2f} | {b * 1e3:.2f} | {note} |")
