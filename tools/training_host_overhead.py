@@ -68,6 +68,11 @@ def main():
             indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
 
     measure(f"indexer_logits fwd T={t}", logits_fwd)
+    leaves = [x.clone().requires_grad_(True) for x in (q_i, k_i, w)]
+    out = indexer_logits(*leaves, cu_seqlens=cu, backend="sm90")
+    grad = torch.randn(out.shape, device=dev, generator=g)
+    measure(f"indexer_logits bwd T={t}", lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+    del out, grad
 
     n, s = args.seqs, 2048
     tt = n * s
