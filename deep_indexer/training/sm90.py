@@ -191,6 +191,38 @@ def mean_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cp
     return dq, dk, dw
 
 
+def _logits_bwd_plan(ks_cpu, ke_cpu, rows, n_keys, grad_bytes):
+    """(mask words per row, [(r0, r1, c_lo, c_hi)] row chunks with their key ranges) of logits_bwd, or None
+    without a valid key. NOTES: cached on ks_cpu (keyed by both tensors' identities and versions): the bounds
+    of an op come from _bounds' cache, and boolean indexing of [T] CPU tensors cost ~1 ms of host time per call."""
+    key = (id(ke_cpu), ks_cpu._version, ke_cpu._version, rows, n_keys, grad_bytes, _MASK_BYTES)
+    hit = getattr(ks_cpu, "_di_logits_bwd_plan", None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    ks_c, ke_c = ks_cpu.clamp(0, n_keys), ke_cpu.clamp(0, n_keys)
+    live = ks_c < ke_c
+    plan = None
+    if rows and n_keys and bool(live.any()):
+        big = torch.iinfo(ks_c.dtype).max
+        lo_of = torch.where(live, ks_c, torch.full_like(ks_c, big))
+        hi_of = torch.where(live, ke_c, torch.zeros_like(ke_c))
+        lo, hi = int(lo_of.min()), int(hi_of.max())
+        words = mask_words_per_row(hi - lo)
+        budget = max(_MASK_BYTES, grad_bytes // 4)
+        chunk = max(MASKED_ROWS_PER_CTA, min(rows, budget // (4 * words)))
+        chunks = []
+        for r0 in range(0, rows, chunk):
+            r1 = min(rows, r0 + chunk)
+            c_lo, c_hi = int(lo_of[r0:r1].min()), int(hi_of[r0:r1].max())
+            chunks.append((r0, r1, c_lo, c_hi) if c_lo < c_hi else (r0, r1, lo, lo))
+        plan = (words, chunks)
+    try:
+        ks_cpu._di_logits_bwd_plan = (key, plan)
+    except (AttributeError, RuntimeError):
+        pass
+    return plan
+
+
 def logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu):
     """(dq_I in bf16, dk_I and dw in fp32) of the indexer logits for the incoming gradient grad [T, N] (read at
     valid keys). Per chunk of rows: the dk kernel (S, dS, dk_I partials) also writes the signs [S > 0] as a bit
@@ -198,28 +230,21 @@ def logits_bwd(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu):
     costs 3 GEMMs' work rather than 4. The mask takes at most max(_MASK_BYTES, a quarter of grad's bytes)."""
     _C, q_i, k_i, w, ks32, ke32 = _common(q_i, k_i, w, ks, ke)
     rows, n_keys, dev = q_i.shape[0], k_i.shape[0], q_i.device
-    ks_c, ke_c = ks_cpu.clamp(0, n_keys), ke_cpu.clamp(0, n_keys)
-    live = ks_c < ke_c
-    if rows == 0 or n_keys == 0 or not bool(live.any()):
+    plan = _logits_bwd_plan(ks_cpu, ke_cpu, rows, n_keys, grad.numel() * grad.element_size())
+    if plan is None:
         return (torch.zeros(q_i.shape, dtype=q_i.dtype, device=dev),
                 torch.zeros(k_i.shape, dtype=torch.float32, device=dev),
                 torch.zeros(w.shape, dtype=torch.float32, device=dev))
-    lo, hi = int(ks_c[live].min()), int(ke_c[live].max())
+    words, chunks = plan
     g = grad.float()
     if g.stride(-1) != 1 or g.stride(0) < g.shape[1] or g.data_ptr() % 16:
         g = g.contiguous()
-    words = mask_words_per_row(hi - lo)
-    budget = max(_MASK_BYTES, grad.numel() * grad.element_size() // 4)
-    chunk = max(MASKED_ROWS_PER_CTA, min(rows, budget // (4 * words)))
-    mask = torch.empty((min(chunk, rows), words), dtype=torch.int32, device=dev)
+    mask = torch.empty((chunks[0][1] - chunks[0][0], words), dtype=torch.int32, device=dev)
     # the masked dq kernel writes dq and dw of every row (zeros where a row has no keys)
     dq = torch.empty(q_i.shape, dtype=torch.bfloat16, device=dev)
     dw = torch.empty(w.shape, dtype=torch.float32, device=dev)
     dk = None
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
-        lv = live[r0:r1]
-        c_lo, c_hi = (int(ks_c[r0:r1][lv].min()), int(ke_c[r0:r1][lv].max())) if bool(lv.any()) else (lo, lo)
+    for r0, r1, c_lo, c_hi in chunks:
         if c_lo < c_hi:
             part = _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, g, 0, None, None, None, None, r0, r1, c_lo,
                                                  c_hi, mask, r0)
