@@ -5,7 +5,6 @@ sequence: each kernel's share of a forward / backward and its rate as a fraction
 """
 import argparse
 import os
-import statistics
 
 import torch
 
@@ -13,6 +12,7 @@ from deep_indexer import _C
 from deep_indexer.reference import row_chunks
 from deep_indexer.training import packed_bounds
 from deep_indexer.training import sm90 as fast
+from deep_indexer.training.bench import _timer
 
 
 def main():
@@ -32,22 +32,11 @@ def main():
     ks32, ke32 = ks.int().cuda(), ke.int().cuda()
     lse = torch.full((t, 128), 12.0, device=dev)  # any finite value: timing only
     a, b = torch.randn(8192, 8192, device=dev).bfloat16(), torch.randn(8192, 8192, device=dev).bfloat16()
-    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+
+    run = _timer(torch.device(dev))  # the training bench's timer: median of samples of 3 back-to-back calls
 
     def timed(fn):
-        # the median over `iters` samples, each the mean of 3 back-to-back calls (one stalled call does not decide)
-        fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(args.iters):
-            s, e = ev(), ev()
-            s.record()
-            for _ in range(3):
-                fn()
-            e.record()
-            e.synchronize()
-            samples.append(s.elapsed_time(e) / 3 * 1e-3)
-        return statistics.median(samples)
+        return run(fn, args.iters)
 
     rate = 2 * 8192 ** 3 / timed(lambda: torch.mm(a, b))
     rc = fast._rows_per_chunk(t, n)

@@ -66,7 +66,49 @@ struct BwdSmem {
   DI_DEVICE float* info_f(int s) const {
     return reinterpret_cast<float*>(base + lay().offset_info(s) + L::kInfoHeaderBytes);
   }
+  DI_DEVICE const uint8_t* tile(int n) const { return base + lay().offset_tile(n % lay().num_stages()); }
+
+  // The stage ring: full[s] takes the producer warp's 32 arrivals + the tile's bytes, empty[s] one arrival
+  // per math warp; item n uses stage n % stages in phase (n / stages) & 1. Ends with __syncthreads().
+  DI_DEVICE void init(const CUtensorMap* tmap) const {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < lay().num_stages(); ++s) {
+        ptx::mbar_init(full(s), 32);
+        ptx::mbar_init(empty(s), L::kMathWarps);
+      }
+      ptx::fence_mbar_init();
+      ptx::prefetch_tensor_map(tmap);
+    }
+    __syncthreads();
+  }
+  DI_DEVICE void wait_full(int n) const {
+    ptx::mbar_wait(full(n % lay().num_stages()), static_cast<uint32_t>(n / lay().num_stages()) & 1u);
+  }
+  DI_DEVICE void wait_empty(int n) const {
+    ptx::mbar_wait(empty(n % lay().num_stages()), (static_cast<uint32_t>(n / lay().num_stages()) & 1u) ^ 1u);
+  }
+  // A math warp is done with item n's stage.
+  DI_DEVICE void release(int n, uint32_t lane) const {
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(empty(n % lay().num_stages()));
+  }
 };
+
+// Rows t_first + r (r < kRows) below row_end: each row's keys [max(ks, key_lo), min(ke, key_hi)) (0, 0 for a
+// row past row_end) and their union [u_lo, u_hi) (u_lo >= u_hi when no row has a key).
+template <int kRows>
+DI_DEVICE void row_bounds(const int* __restrict__ ks, const int* __restrict__ ke, int t_first, int row_end, int key_lo,
+                          int key_hi, int (&lo)[kRows], int (&hi)[kRows], int& u_lo, int& u_hi) {
+  u_lo = INT_MAX, u_hi = INT_MIN;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int t = t_first + r;
+    lo[r] = t < row_end ? max(__ldg(ks + t), key_lo) : 0;
+    hi[r] = t < row_end ? min(__ldg(ke + t), key_hi) : 0;
+    if (lo[r] < hi[r]) u_lo = min(u_lo, lo[r]), u_hi = max(u_hi, hi[r]);
+  }
+}
 
 // S = a x tile^T: tile rows are S's columns (K-major, 128-byte swizzle, D / 64 blocks).
 template <int kDim>
@@ -162,16 +204,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   const int r_begin = row_begin + split * rows_per_split;
   const int r_end = min(row_end, r_begin + rows_per_split);
 
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(sm.full(s), 32);
-      ptx::mbar_init(sm.empty(s), L::kMathWarps);
-    }
-    ptx::fence_mbar_init();
-  }
-  if (warp == 0 && lane == 0) ptx::prefetch_tensor_map(&tmap_q);
-  __syncthreads();
+  sm.init(&tmap_q);
 
   if (warp < 4) {
     // ===================================================================== producer
@@ -194,7 +227,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
         if (n % L::kProducerWarps == pw) {
           const int t = r0 + b;
           const int s = n % kStages;
-          ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
+          sm.wait_empty(n);
           float* f = sm.info_f(s);
           const float2 wv = __ldg(reinterpret_cast<const float2*>(w + static_cast<int64_t>(t) * H) + lane);
           reinterpret_cast<float2*>(f)[lane] = wv;
@@ -229,7 +262,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     }
     if (n % L::kProducerWarps == pw) {  // the end of the stream
       const int s = n % kStages;
-      ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(n / kStages) & 1u) ^ 1u);
+      sm.wait_empty(n);
       if (lane == 0) sm.info(s)->item = -1;
       ptx::mbar_arrive(sm.full(s));
     }
@@ -249,15 +282,11 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
 
     // Item n's stage: its header (item -1 ends the stream).
     auto wait_item = [&](int n, Info& hd) {
-      const int s = n % kStages;
-      ptx::mbar_wait(sm.full(s), static_cast<uint32_t>(n / kStages) & 1u);
-      hd = *sm.info(s);
+      sm.wait_full(n);
+      hd = *sm.info(n % kStages);
     };
-    auto tile_of = [&](int n) -> const uint8_t* { return smem + lay.offset_tile(n % kStages); };
-    auto release = [&](int n) {
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(sm.empty(n % kStages));
-    };
+    auto tile_of = [&](int n) { return sm.tile(n); };
+    auto release = [&](int n) { sm.release(n, lane); };
     // The signs of S for the masked dq kernel (kMask): word 32 wi + lane of the tile, stored after item n's
     // G WGMMAs are issued (off the path from S to G).
     uint32_t bits = 0u;
@@ -382,26 +411,11 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   // Row pairs, the last (longest under causal bounds) first.
   const int num_pairs = (row_end - row_begin + 1) / 2;
   const int t_first = row_begin + 2 * (num_pairs - 1 - static_cast<int>(blockIdx.x));
-  int lo_r[2], hi_r[2], u_lo = INT_MAX, u_hi = INT_MIN;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = t_first + r;
-    lo_r[r] = t < row_end ? max(__ldg(ks + t), 0) : 0;
-    hi_r[r] = t < row_end ? min(__ldg(ke + t), num_keys) : 0;
-    if (lo_r[r] < hi_r[r]) u_lo = min(u_lo, lo_r[r]), u_hi = max(u_hi, hi_r[r]);
-  }
+  int lo_r[2], hi_r[2], u_lo, u_hi;
+  training_detail::row_bounds<2>(ks, ke, t_first, row_end, 0, num_keys, lo_r, hi_r, u_lo, u_hi);
   const int num_tiles = u_lo < u_hi ? (u_hi - u_lo + kTileKeys - 1) / kTileKeys : 0;
 
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(sm.full(s), 32);
-      ptx::mbar_init(sm.empty(s), L::kMathWarps);
-    }
-    ptx::fence_mbar_init();
-  }
-  if (warp == 0 && lane == 0) ptx::prefetch_tensor_map(&tmap_k);
-  __syncthreads();
+  sm.init(&tmap_k);
 
   if (warp < 4) {
     // ===================================================================== producer
@@ -409,7 +423,7 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     // Tile j: producer warp j % 4 (as in the dk kernel, to keep several tiles' loads in flight).
     for (int j = static_cast<int>(warp); j < num_tiles; j += L::kProducerWarps) {
       const int s = j % kStages;
-      ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
+      sm.wait_empty(j);
       const int key0 = u_lo + j * kTileKeys;
       float* f = sm.info_f(s);
 #pragma unroll
@@ -456,14 +470,9 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) g[i] = 0.0f;
 
-    auto wait_tile = [&](int j) {
-      ptx::mbar_wait(sm.full(j % kStages), static_cast<uint32_t>(j / kStages) & 1u);
-    };
-    auto tile_of = [&](int j) -> const uint8_t* { return smem + lay.offset_tile(j % kStages); };
-    auto release = [&](int j) {
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(sm.empty(j % kStages));
-    };
+    auto wait_tile = [&](int j) { sm.wait_full(j); };
+    auto tile_of = [&](int j) { return sm.tile(j); };
+    auto release = [&](int j) { sm.release(j, lane); };
     // dw and dS (bf16 A fragments) of tile j from its S accumulator.
     auto make_ds = [&](const float(&acc)[32], int j, uint32_t(&ds)[4][4]) {
       // dI of this thread's columns (keys key0 + 8 gg + 2 quad + c), 0 outside the row's range.
@@ -583,36 +592,20 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
   // Row quads, the last (longest under causal bounds) first.
   const int num_quads = (row_end - row_begin + kRows - 1) / kRows;
   const int t_first = row_begin + kRows * (num_quads - 1 - static_cast<int>(blockIdx.x));
-  int lo_r[kRows], hi_r[kRows], u_lo = INT_MAX, u_hi = INT_MIN;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int t = t_first + r;
-    // the keys that the dk call covered: [mask_key0, mask_key1)
-    lo_r[r] = t < row_end ? max(__ldg(ks + t), mask_key0) : 0;
-    hi_r[r] = t < row_end ? min(__ldg(ke + t), mask_key1) : 0;
-    if (lo_r[r] < hi_r[r]) u_lo = min(u_lo, lo_r[r]), u_hi = max(u_hi, hi_r[r]);
-  }
+  int lo_r[kRows], hi_r[kRows], u_lo, u_hi;  // keys clamped to those the dk call covered
+  training_detail::row_bounds<kRows>(ks, ke, t_first, row_end, mask_key0, mask_key1, lo_r, hi_r, u_lo, u_hi);
   // NOTES: tiles on the dk kernel's 64-key grid (keys mask_key0 + 64 b), whose mask words they read.
   const int base = u_lo < u_hi ? mask_key0 + (u_lo - mask_key0) / kTileKeys * kTileKeys : 0;
   const int num_tiles = u_lo < u_hi ? (u_hi - base + kTileKeys - 1) / kTileKeys : 0;
 
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(sm.full(s), 32);
-      ptx::mbar_init(sm.empty(s), L::kMathWarps);
-    }
-    ptx::fence_mbar_init();
-  }
-  if (warp == 0 && lane == 0) ptx::prefetch_tensor_map(&tmap_k);
-  __syncthreads();
+  sm.init(&tmap_k);
 
   if (warp < 4) {
     // ===================================================================== producer
     ptx::reg_dealloc<L::kProducerRegs>();
     for (int j = static_cast<int>(warp); j < num_tiles; j += L::kProducerWarps) {
       const int s = j % kStages;
-      ptx::mbar_wait(sm.empty(s), (static_cast<uint32_t>(j / kStages) & 1u) ^ 1u);
+      sm.wait_empty(j);
       const int key0 = base + j * kTileKeys;
       uint32_t* f = reinterpret_cast<uint32_t*>(sm.info_f(s));
 #pragma unroll
@@ -657,14 +650,9 @@ __global__ void __launch_bounds__(TrainingIndexerBwdLayout::kThreads, 1)
     for (int i = 0; i < kHeadDim / 2; ++i) g0[i] = g1[i] = 0.0f;
     uint32_t ds0[4][4], ds1[4][4];
 
-    auto wait_tile = [&](int j) {
-      ptx::mbar_wait(sm.full(j % kStages), static_cast<uint32_t>(j / kStages) & 1u);
-    };
-    auto tile_of = [&](int j) -> const uint8_t* { return smem + lay.offset_tile(j % kStages); };
-    auto release = [&](int j) {
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(sm.empty(j % kStages));
-    };
+    auto wait_tile = [&](int j) { sm.wait_full(j); };
+    auto tile_of = [&](int j) { return sm.tile(j); };
+    auto release = [&](int j) { sm.release(j, lane); };
     // dS' = bf16(dI) [S > 0] of row r (of the CTA) at tile j as A fragments (columns = keys 8 gg + 2 quad + c):
     // this thread's (head 16 wi + lane / 4 + 8 i, key 8 gg + 2 quad + c) is in the word of dk thread
     // 32 (gg / 2) + 8 quad + 4 c + lane / 8 (training_detail::mask_bits for the bit).
