@@ -863,3 +863,16 @@ def test_sm90_indexer_logits_packed_causal_large():
     valid = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), valid)
     assert calc_diff(got[valid], ref[valid]) < 1e-5
+
+
+def test_distributed_example_runs():
+    """examples/training_distributed.py: every TP / CP / sparse decomposition matches its one-rank run (it exits
+    non-zero otherwise); on the CPU in float64."""
+    import os
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "training_distributed.py")
+    r = subprocess.run([sys.executable, path, "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all 4 decompositions match" in r.stdout

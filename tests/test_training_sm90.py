@@ -153,6 +153,49 @@ def test_mean_loss_against_fp64(di, bounds, chunked, monkeypatch):
 
 
 @needs_sm90
+@pytest.mark.parametrize("heads", [64, 40])
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_mean_loss_fewer_heads(heads, given_lse, monkeypatch):
+    """Fewer than 128 attention heads (a tensor-parallel rank's share) on the SM90 path, padded in blocks of rows
+    (blocks of 64 rows here): loss and gradients against float64, the computed LSE against float64, and
+    two ranks of heads / 2 (total_heads = heads) whose gradients sum to the one-rank gradients."""
+    monkeypatch.setattr(fast, "_CHUNK_BYTES", 64 * 128 * 576 * 2)
+    (q_i, k_i, w, q, k), ks, ke, kw = _loss_case(128, "random", seed=81 + heads)
+    q = q[:, :heads].contiguous()
+    scale = 576 ** -0.5
+    assert fast.loss_unsupported(q_i, k_i, q, k, False) is None
+    gout = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(5), dtype=F64).cuda()
+    ref, g_ref = _grads64(lambda a, b, c: _naive_mean_loss(a, b, c, q, k, scale, ks, ke)[0], (q_i, k_i, w), gout)
+    _, _, valid, ref_lse = _naive_mean_loss(q_i.double(), k_i.double(), w.double(), q, k, scale, ks, ke)
+    lse = ref_lse.float() if given_lse else None
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+    res = indexer_kl_loss(*leaves, q, k, scale, attn_lse=lse, backend="sm90", reduction="sum", **kw)
+    (res.per_token.double() * gout).sum().backward()
+    err = (res.per_token.double() - ref).abs().max().item()
+    assert err <= LOSS_TOL * max(1.0, ref.abs().max().item()), f"loss: max abs error {err:.3g}"
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), [x.grad for x in leaves], g_ref):
+        d = calc_diff(a.double(), b)
+        assert d < GRAD_TOL, f"{name}: calc_diff {d:.3g} vs float64"
+    if not given_lse:
+        live = valid.any(-1)
+        assert res.attn_lse.shape == (q.shape[0], heads) and torch.isneginf(res.attn_lse[~live]).all()
+        e = (res.attn_lse[live].double() - ref_lse[live]).abs().max().item()
+        assert e < 1e-5 * max(1.0, ref_lse[live].abs().max().item()), f"lse: max abs error {e:.3g}"
+    half = heads // 2
+    g_sum = [torch.zeros(x.shape, dtype=F64, device="cuda") for x in (q_i, k_i, w)]
+    for sl in (slice(0, half), slice(half, heads)):
+        part = [x.detach().clone().requires_grad_(True) for x in (q_i, k_i, w)]
+        r = indexer_kl_loss(*part, q[:, sl].contiguous(), k, scale, total_heads=heads, backend="sm90",
+                            reduction="sum", **kw)
+        (r.per_token.double() * gout).sum().backward()
+        for acc, x in zip(g_sum, part):
+            acc += x.grad.double()
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), g_sum, g_ref):
+        d = calc_diff(a, b)
+        assert d < GRAD_TOL, f"{name} summed over two ranks: calc_diff {d:.3g} vs float64"
+
+
+@needs_sm90
 @pytest.mark.parametrize("cluster", [1, 2])
 def test_attention_lse_kernel(cluster, monkeypatch):
     """attn_lse=None on the SM90 path: the kernel's LSE against float64 (fp32 sums, ex2.approx: ~1e-6), -inf for

@@ -494,8 +494,9 @@ def indexer_kl_loss(q_I, k_I, weights, q, k, softmax_scale=None, *, ks=None, ke=
     further effect here).
 
     backend: "auto" (default): the SM90 kernels (sm90.py) when they apply -- an SM90 GPU, bfloat16 q_I, k_I,
-    q, k, and for target "mean" 128 attention heads of one key head with Dqk a multiple of 64 up to 576, 64
-    indexer heads of dim 64 or 128; for target "per_head" any head count, one or H_kv key heads, Dqk 64, 128
+    q, k, and for target "mean" up to 128 attention heads (fewer, e.g. a tensor-parallel rank's share, run
+    padded to 128 and take the time of 128) of one key head with Dqk a multiple of 64 up to 576, 64 indexer
+    heads of dim 64 or 128; for target "per_head" any head count, one or H_kv key heads, Dqk 64, 128
     or 192 and indexer dim 64 -- else the portable code; "torch": the portable code; "sm90": the kernels or an
     error. The kernels compute in fp32 like the portable code, except dS = dI w [S > 0], rounded to bf16 as
     the operand of the dq_I / dk_I WGMMAs; they use no float atomics (deterministic). For "per_head" without

@@ -20,8 +20,9 @@ indexer logits backward (logits_bwd), per chunk of rows:
 
 Everything accumulates in fp32; the only rounding beyond fp32 is dS = dI w [S > 0] (or dI alone, in the masked dq)
 rounded to bf16 as the operand of the dq_I / dk_I WGMMAs (as in flash-attention backwards). No atomics: bitwise reproducible run to run.
-Supported (else the portable path runs): CUDA SM90, bf16 q_I, k_I, q, k; target "mean": 128 attention heads with
-one key head of dim 64..576 (multiple of 64), 64 indexer heads of dim 64 or 128. Target "per_head" (below): any
+Supported (else the portable path runs): CUDA SM90, bf16 q_I, k_I, q, k; target "mean": up to 128 attention heads
+(fewer, e.g. a tensor-parallel rank's share, are padded to 128 per row block: the time of 128) with one key head of
+dim 64..576 (multiple of 64), 64 indexer heads of dim 64 or 128. Target "per_head" (below): any
 head count, one or H_kv key heads, attention dims 64 / 128 / 192 with indexer dim 64.
 
 per_head (training_per_head.cuh), flash-attention style, no chunk buffers:
@@ -45,6 +46,7 @@ def mask_words_per_row(num_keys: int) -> int:
     """TrainingIndexerBwdLayout::mask_words_per_row: 128 int32 words per 64-key tile, whole 128-key blocks."""
     return (num_keys + 127) // 128 * 256
 TARGET_HEADS = 128
+_ABSENT_LSE = 1e30  # a padded head's LSE (finite: the kernel reads LSE values as given)
 INDEXER_HEADS = 64
 INDEXER_DIMS = (64, 128)
 _SM90: dict = {}
@@ -108,8 +110,9 @@ def lse_unsupported(q, k) -> str | None:
     if k.dim() != 2:
         return "needs one key head (k of shape [N, Dqk])"
     dqk = q.shape[2]
-    if q.shape[1] != TARGET_HEADS or dqk % 64 != 0 or not 64 <= dqk <= 576:
-        return f"supports {TARGET_HEADS} attention heads of dim 64..576 (a multiple of 64), got {q.shape[1]} of dim {dqk}"
+    if not 1 <= q.shape[1] <= TARGET_HEADS or dqk % 64 != 0 or not 64 <= dqk <= 576:
+        return (f"supports 1 to {TARGET_HEADS} attention heads of dim 64..576 (a multiple of 64), got {q.shape[1]} of "
+                f"dim {dqk}")
     return None
 
 
@@ -134,14 +137,51 @@ def _safe(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
+def _padded_rows(q: torch.Tensor) -> int:
+    """Rows per call when q has fewer than TARGET_HEADS heads: a padded copy of at most _CHUNK_BYTES."""
+    return max(1, _CHUNK_BYTES // (TARGET_HEADS * q.shape[2] * q.element_size()))
+
+
+def _pad_heads(x: torch.Tensor, value: float) -> torch.Tensor:
+    """x [rows, H, ...] or [rows, H] -> TARGET_HEADS heads, the added ones filled with `value`."""
+    out = x.new_full((x.shape[0], TARGET_HEADS) + tuple(x.shape[2:]), value)
+    out[:, : x.shape[1]] = x
+    return out
+
+
+def _target(_C, q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, inv_heads):
+    """The target kernel over rows [r0, r1) (p's row 0 = row r0). NOTES: the kernel is built for TARGET_HEADS heads;
+    fewer (a tensor-parallel rank's share) are padded per row block with zero q and an LSE of _ABSENT_LSE, so that
+    exp(scale q.k - lse) = 0: a padded head adds nothing to p, and the kernel's time is that of TARGET_HEADS heads."""
+    if q.shape[1] == TARGET_HEADS:
+        _C.bf16_training_target(q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, inv_heads)
+        return
+    step = _padded_rows(q)
+    for a in range(r0, r1, step):
+        b = min(r1, a + step)
+        _C.bf16_training_target(_pad_heads(q[a:b], 0.0), k, _pad_heads(lse[a:b], _ABSENT_LSE), ks32[a:b], ke32[a:b],
+                                p[a - r0:], None if plogp is None else plogp[a:b], None if mass is None else mass[a:b],
+                                0, b - a, scale, inv_heads)
+
+
 def attention_lse(q, k, scale, ks, ke):
-    """lse [T, 128] fp32 of the attention logits over each row's valid keys (-inf for an empty row), on the target
+    """lse [T, H] fp32 of the attention logits over each row's valid keys (-inf for an empty row), on the target
     kernel's structure (an online max / sum per (row, head)): for callers that pass no attn_lse."""
     from .. import _C
 
     q, k = q.contiguous(), k.contiguous()
-    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
-    _C.bf16_attention_lse(q, k, ks.int().contiguous(), ke.int().contiguous(), lse, 0, q.shape[0], scale)
+    ks32, ke32 = ks.int().contiguous(), ke.int().contiguous()
+    heads = q.shape[1]
+    lse = torch.full((q.shape[0], heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if heads == TARGET_HEADS:
+        _C.bf16_attention_lse(q, k, ks32, ke32, lse, 0, q.shape[0], scale)
+        return lse
+    step = _padded_rows(q)
+    for a in range(0, q.shape[0], step):
+        b = min(q.shape[0], a + step)
+        part = torch.empty((b - a, TARGET_HEADS), dtype=torch.float32, device=q.device)
+        _C.bf16_attention_lse(_pad_heads(q[a:b], 0.0), k, ks32[a:b], ke32[a:b], part, 0, b - a, scale)
+        lse[a:b] = part[:, :heads]
     return lse
 
 
@@ -160,7 +200,7 @@ def mean_fwd(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, total_he
     for r0, r1, _lo, _hi in row_chunks(ks_cpu, ke_cpu, rc):
         if p is None:
             p = _chunk_buffer(rc, n_keys, dev)
-        _C.bf16_training_target(q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, 1.0 / total_heads)
+        _target(_C, q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, 1.0 / total_heads)
         _C.bf16_indexer_logits_stats(q_i, k_i, w, ks32, ke32, p, lse_i, pi, r0, r1)
     entropy = torch.zeros_like(plogp) if partial else plogp
     loss = entropy - pi + mass * _safe(lse_i)
@@ -184,7 +224,7 @@ def mean_bwd(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cp
     for r0, r1, lo, hi in row_chunks(ks_cpu, ke_cpu, rc):
         if p is None:
             p, di = _chunk_buffer(rc, n_keys, dev), _chunk_buffer(rc, n_keys, dev)
-        _C.bf16_training_target(q, k, lse, ks32, ke32, p, None, None, r0, r1, scale, 1.0 / total_heads)
+        _target(_C, q, k, lse, ks32, ke32, p, None, None, r0, r1, scale, 1.0 / total_heads)
         part = _C.bf16_indexer_logits_bwd_dk(q_i, k_i, w, ks32, ke32, p, r0, g, mass, lse_i, di, r0, r1, lo, hi)
         dk[lo:hi] += part.sum(0)[: hi - lo]
         _C.bf16_indexer_logits_bwd_dq(q_i, k_i, w, ks32, ke32, di, r0, dq, dw, r0, r1)
