@@ -4,7 +4,7 @@
     python3 tools/ab.py --variants ";DI_JIT_EXTRA_FLAGS=-DX=1 -DY,DI_PAGED_MATH_WGS=4" D3
     python3 tools/ab.py --variants "DI_MQA_SPLIT_RELU=0;DI_MQA_SPLIT_RELU=1" P1 P2 4096:32768:causal:32:64
 
-A shape is a benchmark id (P1..P5, P2c, D1..D7), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill, fp32, clean) or
+A shape is a benchmark id (P1..P5, P2c, D1..D7, K-* top-k), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill, fp32, clean) or
 B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean). The inputs are drawn once
 per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
 median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+import deep_indexer
 from deep_indexer import bench
 
 
@@ -40,7 +41,12 @@ def main() -> None:
     keys = sorted({k for v in variants for k in parse_variant(v)})
     for sid in a.shapes:
         prefill = bench.is_prefill_shape(sid)
-        if prefill:
+        if sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
+            t = bench.topk_case(sid, dev, seed=1)
+            what = f"top-k {bench.TOPK_SHAPES[sid]}"
+            run = lambda t=t: deep_indexer.topk_indices(t["logits"], t["k"], t["ks"], t["ke"])
+            prefill = True  # one callable for every variant
+        elif prefill:
             S, SKV, pattern, H, D = bench.prefill_shape(sid)
             m = bench.prefill_max_seqlen_k(sid)
             what = f"S={S} SKV={SKV} {pattern} H={H} D={D}" + (f" max_seqlen_k={m}" if m else "")

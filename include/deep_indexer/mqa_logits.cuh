@@ -53,7 +53,11 @@ namespace deep_indexer {
 namespace mqa_detail {
 
 DI_DEVICE void store_out(float* ptr, float v) {
+#ifdef DI_MQA_STORE_PLAIN  // experiment: default cache policy for the logits stores
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(ptr), "f"(v) : "memory");
+#else
   asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(ptr), "f"(v) : "memory");
+#endif
 }
 DI_DEVICE void store_out(__nv_bfloat16* ptr, float v) {
   const __nv_bfloat16 b = __float2bfloat16_rn(v);
@@ -381,10 +385,20 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         };
         float sc_next[kOwnJ];
         load_scales(sc_next, 0);
+#ifdef DI_MQA_SCALES_AHEAD2  // experiment: scales two tiles ahead of issue
+        float sc_next2[kOwnJ];
+        load_scales(sc_next2, 1);
+#endif
         auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
+#ifdef DI_MQA_SCALES_AHEAD2
+#pragma unroll
+          for (int jj = 0; jj < kOwnJ; ++jj) sc_next[jj] = sc_next2[jj];
+          load_scales(sc_next2, t + 2);
+#else
           load_scales(sc_next, t + 1);  // clamped: past the last tile it reads a valid scale
+#endif
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
           const uint64_t desc_k = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
