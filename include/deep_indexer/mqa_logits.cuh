@@ -18,7 +18,8 @@
 //   * warpgroup 0 = producer: warp 0 loads the block's ks/ke/weights into an "info" area of the
 //     q stage, TMA-loads the W q tiles (2 q stages), then TMA-loads the KV tiles of 64 rows
 //     covering the union of the block's ranges into a ring of kNumKVStages stages that all math
-//     warpgroups read. Warps 1..3 write the -inf fill (clean) and exit.
+//     warpgroups read (fp8: the warp's lanes also copy each tile's 64 k scales into the stage by
+//     cp.async). Warps 1..3 write the -inf fill (clean) and exit.
 //     With W = 4 the roles are reordered: math warpgroups are warps 0..15, then one TMA warp and
 //     one fill warp (no producer warpgroup, no setmaxnreg; see the layout).
 //   * warpgroups 1..W = math: WGMMA m64n128k32 (A = KV tile: 64 KV rows, B = 128 q rows, both
@@ -31,7 +32,8 @@
 // Synchronisation (all mbarriers, parities derived from running counters, nothing reset):
 //   q_full[s]   count 32 (every lane of producer warp 0 arrives after writing info) + TMA tx bytes
 //   q_empty[s]  count 4 W (lane 0 of each math warp, after its last use of q stage s and its info)
-//   kv_full[s]  count 1 (producer lane 0 arrive.expect_tx) + TMA tx bytes
+//   kv_full[s]  count 1 (producer lane 0 arrive.expect_tx) + TMA tx bytes; fp8: + 32 (each lane of
+//               producer warp 0, once its cp.async copies of the stage's k scales have landed)
 //   kv_empty[s] count 4 W (lane 0 of each math warp after wgmma.wait_group retired the tile)
 // The q stage of the n-th q block of a CTA is n % 2 with parity (n / 2) % 2; the KV ring state
 // (index, parity) runs on across q blocks in both roles, which consume the same tile sequence
@@ -53,11 +55,7 @@ namespace deep_indexer {
 namespace mqa_detail {
 
 DI_DEVICE void store_out(float* ptr, float v) {
-#ifdef DI_MQA_STORE_PLAIN  // experiment: default cache policy for the logits stores
-  asm volatile("st.global.f32 [%0], %1;" ::"l"(ptr), "f"(v) : "memory");
-#else
   asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(ptr), "f"(v) : "memory");
-#endif
 }
 DI_DEVICE void store_out(__nv_bfloat16* ptr, float v) {
   const __nv_bfloat16 b = __float2bfloat16_rn(v);
@@ -99,6 +97,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs,
                               kSplitRelu, kInBytes};
   constexpr bool kBf16 = kInBytes == 2;
+#ifdef DI_MQA_SCALES_LDG  // experiment: the math warps load their k scales from global memory, a tile ahead
+  constexpr bool kStageScales = false;
+#else
+  constexpr bool kStageScales = !kBf16;  // k scales copied into each KV stage by the producer warp
+#endif
   static_assert(L.valid(), "unsupported mqa_logits configuration");
   static_assert(sizeof(OutT) == 4 || sizeof(OutT) == 2, "OutT must be float or __nv_bfloat16");
 
@@ -150,7 +153,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
 #pragma unroll
     for (int s = 0; s < kNumKVStages; ++s) {
-      ptx::mbar_init(kv_full(s), 1);
+      ptx::mbar_init(kv_full(s), kStageScales ? 33 : 1);
       ptx::mbar_init(kv_empty(s), kNumMathWarps);
     }
     ptx::fence_mbar_init();
@@ -226,6 +229,15 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   };
   // KV tile t of the current q block into ring stage kv (free).
   auto produce_kv = [&](int u_lo, int t, const ptx::PipelineState<kNumKVStages>& kv) {
+    if constexpr (kStageScales) {
+      // The tile's 64 k scales (rows past SKV read the last one; their logits are not stored).
+      float* dst = reinterpret_cast<float*>(smem + L.offset_scales(kv.index));
+      const int row0 = u_lo + t * kBlockKV;
+#pragma unroll
+      for (int i = 0; i < kBlockKV / 32; ++i)
+        ptx::cp_async_4(dst + 32 * i + lane, k_scale + min(row0 + 32 * i + static_cast<int>(lane), SKV - 1));
+      ptx::cp_async_mbar_arrive(kv_full(kv.index));
+    }
     if (lane == 0) {
       ptx::mbar_arrive_expect_tx(kv_full(kv.index), kKVTileBytes);
 #pragma unroll
@@ -371,35 +383,29 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         }
 
         const uint64_t desc_q = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_q(qs, wg));
-        const int scale_max = SKV - 1;
 
-        // Waits for the tile's data, loads its k scales and issues its WGMMAs into `acc`.
-        // k scales of this thread's rows of tile t (an L2 round trip under the logits store stream).
-        // NOTES: loaded one tile ahead of issue (sc_next), so that a whole tile's work hides the
-        // latency; loaded at issue, the epilogue of a single-buffered warpgroup waited for them.
-        // bf16 (no k scales): 1, which the compiler folds out of the stores.
+        // Waits for the tile's data, takes its k scales (this thread's rows, from the stage) and issues
+        // its WGMMAs into `acc`. bf16 (no k scales): 1, which the compiler folds out of the stores.
+        float sc_next[kOwnJ];
         auto load_scales = [&](float(&sc)[kOwnJ], int t) {
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj)
-            sc[jj] = kBf16 ? 1.0f : __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), scale_max));
+            sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), SKV - 1));
         };
-        float sc_next[kOwnJ];
-        load_scales(sc_next, 0);
-#ifdef DI_MQA_SCALES_AHEAD2  // experiment: scales two tiles ahead of issue
-        float sc_next2[kOwnJ];
-        load_scales(sc_next2, 1);
-#endif
+        if constexpr (!kBf16 && !kStageScales) load_scales(sc_next, 0);
         auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
+          if constexpr (!kBf16 && !kStageScales) {
 #pragma unroll
-          for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
-#ifdef DI_MQA_SCALES_AHEAD2
-#pragma unroll
-          for (int jj = 0; jj < kOwnJ; ++jj) sc_next[jj] = sc_next2[jj];
-          load_scales(sc_next2, t + 2);
-#else
-          load_scales(sc_next, t + 1);  // clamped: past the last tile it reads a valid scale
-#endif
+            for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
+            load_scales(sc_next, t + 1);
+          }
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
+          const float* stage_sc = reinterpret_cast<const float*>(smem + L.offset_scales(kv_issue.index));
+#pragma unroll
+          for (int jj = 0; jj < kOwnJ; ++jj) {
+            if constexpr (kBf16) sc[jj] = 1.0f;
+            else if constexpr (kStageScales) sc[jj] = stage_sc[row_in_tile + 8 * own_j(jj)];
+          }
           const uint64_t desc_k = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
           ptx::wgmma_fence();

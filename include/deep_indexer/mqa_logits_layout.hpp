@@ -159,7 +159,12 @@ struct MqaLogitsLayout {
   DI_HOST_DEVICE constexpr int info_offset_end() const {
     return info_offset_amax() + (split_relu ? 4 * kLinearPieces * tokens_per_cta() : 0);
   }
-  DI_HOST_DEVICE constexpr int offset_barriers() const { return offset_info(kNumQStages); }
+  // fp8: the k scales of each KV stage's 64 rows (copied by the producer warp's cp.async), 256 B per stage.
+  DI_HOST_DEVICE constexpr int scale_stage_bytes() const { return in_bytes == 1 ? 4 * kBlockKV : 0; }
+  DI_HOST_DEVICE constexpr int offset_scales(int stage) const {
+    return offset_info(kNumQStages) + stage * scale_stage_bytes();
+  }
+  DI_HOST_DEVICE constexpr int offset_barriers() const { return offset_scales(num_kv_stages); }
   DI_HOST_DEVICE constexpr int num_barriers() const { return 2 * kNumQStages + 2 * num_kv_stages; }
   DI_HOST_DEVICE constexpr int offset_q_full(int s) const { return offset_barriers() + 8 * s; }
   DI_HOST_DEVICE constexpr int offset_q_empty(int s) const { return offset_barriers() + 8 * (kNumQStages + s); }

@@ -53,6 +53,15 @@ DI_DEVICE void mbar_init(uint64_t* bar, uint32_t arrive_count) {
 
 DI_DEVICE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 
+// 4-byte asynchronous copy global -> shared (LDGSTS), tracked by cp_async_mbar_arrive.
+DI_DEVICE void cp_async_4(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared::cta.global [%0], [%1], 4;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src) : "memory");
+}
+// One arrival on `bar` once this thread's earlier cp.async copies have landed (.noinc: the barrier's
+// expected count must include it).
+DI_DEVICE void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
 DI_DEVICE void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }

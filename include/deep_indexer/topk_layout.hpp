@@ -18,11 +18,7 @@ struct TopkLayout {
   static constexpr int kCandCap = 8192;
   // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
   // buffer). n > kNumThreads * 8 gives every sample slot a vector of its own.
-#ifdef DI_TOPK_SAMPLE_MIN_KEYS  // experiment (DI_JIT_EXTRA_FLAGS)
-  static constexpr int kSampleMinKeys = DI_TOPK_SAMPLE_MIN_KEYS;
-#else
   static constexpr int kSampleMinKeys = kNumThreads * 8;
-#endif
   static_assert(kSampleMinKeys <= kCandCap, "unsampled rows fit the buffer");
   // Emission: the row's columns in windows of kWindow, one bit per column in two planes.
   static constexpr int kWindow = 32768;
