@@ -381,6 +381,20 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           asm volatile("" : "+l"(obase[m]));
 #endif
         }
+#ifndef DI_MQA_STORE_INDEXED
+        // Running store state, advanced by one tile per epilogue (tiles are retired in order): the
+        // pointer of tile t's first row, and that row's key minus rlo, checked against the range's
+        // width by one unsigned compare (keys before rlo wrap around).
+        OutT* optr[kOwnTok];
+        int dist[kOwnTok];
+        uint32_t width[kOwnTok];
+#pragma unroll
+        for (int m = 0; m < kOwnTok; ++m) {
+          optr[m] = obase[m];
+          dist[m] = u_lo + row_in_tile + (kOwnJ == 1 ? 8 * own_j(0) : 0) - rlo[m];
+          width[m] = static_cast<uint32_t>(max(rhi[m] - rlo[m], 0));
+        }
+#endif
 
         const uint64_t desc_q = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_q(qs, wg));
 
@@ -489,6 +503,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             ptx::reduce_scatter_step<2, 0, 1>(part, res, (quad & 1) != 0);
             res[0] += __shfl_xor_sync(0xffffffffu, res[0], 2);
           }
+#ifdef DI_MQA_STORE_INDEXED  // experiment: addresses and range checks rebuilt from t per store
           const int kv0 = u_lo + t * kBlockKV + row_in_tile;
 #pragma unroll
           for (int m = 0; m < kOwnTok; ++m) {
@@ -499,6 +514,19 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
                 mqa_detail::store_out(obase[m] + (t * kBlockKV + (kOwnJ == 1 ? 0 : 8 * jj)), res[jj + kOwnJ * m] * sc[jj]);
             }
           }
+#else
+#pragma unroll
+          for (int m = 0; m < kOwnTok; ++m) {
+#pragma unroll
+            for (int jj = 0; jj < kOwnJ; ++jj) {
+              const int jo = kOwnJ == 1 ? 0 : 8 * jj;
+              if (static_cast<uint32_t>(dist[m] + jo) < width[m])
+                mqa_detail::store_out(optr[m] + jo, res[jj + kOwnJ * m] * sc[jj]);
+            }
+            optr[m] += kBlockKV;
+            dist[m] += kBlockKV;
+          }
+#endif
         };
 
         // Accumulator double buffering: tile t+1's WGMMAs are in flight while tile t's epilogue
