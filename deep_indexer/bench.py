@@ -111,11 +111,21 @@ def decode_shape(spec: str) -> tuple:
     return tuple(parts) if len(parts) == 4 else (*parts, 64)
 
 
-# The anchor: DeepGEMM on H200 / H100, microseconds.
+# The anchor: DeepGEMM on H200 / H100, microseconds, at H = 64, D = 128, float32 logits (None: not measured).
 ANCHOR_US = {
     "P1": (232, 233), "P2": (1840, 1820), "P3": (4195, 4030), "P4": (578, 606), "P5": (17098, 16127),
     "D1": (7.1, 7.8), "D2": (26.6, 34.8), "D3": (87.1, 116), "D4": (153, 216), "D5": (82.1, 114),
 }
+# Other head counts / dims: {(H, D): {id: (H200, H100)}}.
+ANCHOR_US_HD = {(32, 64): {"P2": (None, 822)}}
+
+
+def anchor_us(sid: str, heads: int, head_dim: int, logits_dtype: str, col: int):
+    """DeepGEMM's time for this shape on this device kind (col 0: H200, 1: H100), or None."""
+    if logits_dtype != "float32":
+        return None
+    table = ANCHOR_US if (heads, head_dim) == (64, 128) else ANCHOR_US_HD.get((heads, head_dim), {})
+    return table.get(sid, (None, None))[col]
 
 
 def source_commit() -> str:
@@ -507,9 +517,10 @@ def run(args) -> dict:
             del x
         else:
             raise SystemExit(f"bench: unknown shape id '{sid}'")
-        if sid in ANCHOR_US:
-            r["anchor_us"] = ANCHOR_US[sid][anchor_col]
-            r["speedup_vs_anchor"] = r["anchor_us"] / r["us"]
+        anc = anchor_us(sid, H, D, args.logits_dtype, anchor_col)
+        if anc is not None:
+            r["anchor_us"] = anc
+            r["speedup_vs_anchor"] = anc / r["us"]
         rows.append(r)
         torch.cuda.empty_cache()
     for r, logits_fn, meta_fn in kernel_time:

@@ -97,11 +97,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   constexpr MqaLogitsLayout L{kNumHeads, kHeadDim, kNumKVStages, static_cast<int>(sizeof(OutT)), kMathWGs,
                               kSplitRelu, kInBytes};
   constexpr bool kBf16 = kInBytes == 2;
-#ifdef DI_MQA_SCALES_LDG  // experiment: the math warps load their k scales from global memory, a tile ahead
-  constexpr bool kStageScales = false;
-#else
   constexpr bool kStageScales = !kBf16;  // k scales copied into each KV stage by the producer warp
-#endif
   static_assert(L.valid(), "unsupported mqa_logits configuration");
   static_assert(sizeof(OutT) == 4 || sizeof(OutT) == 2, "OutT must be float or __nv_bfloat16");
 
@@ -381,10 +377,10 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           asm volatile("" : "+l"(obase[m]));
 #endif
         }
-#ifndef DI_MQA_STORE_INDEXED
         // Running store state, advanced by one tile per epilogue (tiles are retired in order): the
         // pointer of tile t's first row, and that row's key minus rlo, checked against the range's
-        // width by one unsigned compare (keys before rlo wrap around).
+        // width by one unsigned compare (keys before rlo wrap around). NOTES: against an address and a
+        // two-sided check rebuilt from t per store, H100 P2: H = 32 / D = 64 4.6% faster, D = 128 7%.
         OutT* optr[kOwnTok];
         int dist[kOwnTok];
         uint32_t width[kOwnTok];
@@ -394,31 +390,20 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           dist[m] = u_lo + row_in_tile + (kOwnJ == 1 ? 8 * own_j(0) : 0) - rlo[m];
           width[m] = static_cast<uint32_t>(max(rhi[m] - rlo[m], 0));
         }
-#endif
 
         const uint64_t desc_q = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_q(qs, wg));
 
         // Waits for the tile's data, takes its k scales (this thread's rows, from the stage) and issues
         // its WGMMAs into `acc`. bf16 (no k scales): 1, which the compiler folds out of the stores.
-        float sc_next[kOwnJ];
-        auto load_scales = [&](float(&sc)[kOwnJ], int t) {
-#pragma unroll
-          for (int jj = 0; jj < kOwnJ; ++jj)
-            sc[jj] = __ldg(k_scale + min(u_lo + t * kBlockKV + row_in_tile + 8 * own_j(jj), SKV - 1));
-        };
-        if constexpr (!kBf16 && !kStageScales) load_scales(sc_next, 0);
-        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ], int t) {
-          if constexpr (!kBf16 && !kStageScales) {
-#pragma unroll
-            for (int jj = 0; jj < kOwnJ; ++jj) sc[jj] = sc_next[jj];
-            load_scales(sc_next, t + 1);
-          }
+        // NOTES: from shared memory, the scales cost two LDS per tile; loaded from global memory a tile
+        // ahead by the math warps (an L2 round trip under the store stream) H = 32 / D = 64 ran 2.7%
+        // slower, H = 16 11%.
+        auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ]) {
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
           const float* stage_sc = reinterpret_cast<const float*>(smem + L.offset_scales(kv_issue.index));
 #pragma unroll
           for (int jj = 0; jj < kOwnJ; ++jj) {
-            if constexpr (kBf16) sc[jj] = 1.0f;
-            else if constexpr (kStageScales) sc[jj] = stage_sc[row_in_tile + 8 * own_j(jj)];
+            sc[jj] = kStageScales ? stage_sc[row_in_tile + 8 * own_j(jj)] : 1.0f;
           }
           const uint64_t desc_k = ptx::make_kmajor_desc<kSwizzle>(smem + L.offset_kv(kv_issue.index));
           kv_issue.advance();
@@ -503,18 +488,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             ptx::reduce_scatter_step<2, 0, 1>(part, res, (quad & 1) != 0);
             res[0] += __shfl_xor_sync(0xffffffffu, res[0], 2);
           }
-#ifdef DI_MQA_STORE_INDEXED  // experiment: addresses and range checks rebuilt from t per store
-          const int kv0 = u_lo + t * kBlockKV + row_in_tile;
-#pragma unroll
-          for (int m = 0; m < kOwnTok; ++m) {
-#pragma unroll
-            for (int jj = 0; jj < kOwnJ; ++jj) {
-              const int kv_row = kv0 + 8 * own_j(jj);
-              if (kv_row >= rlo[m] && kv_row < rhi[m])
-                mqa_detail::store_out(obase[m] + (t * kBlockKV + (kOwnJ == 1 ? 0 : 8 * jj)), res[jj + kOwnJ * m] * sc[jj]);
-            }
-          }
-#else
 #pragma unroll
           for (int m = 0; m < kOwnTok; ++m) {
 #pragma unroll
@@ -526,7 +499,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             optr[m] += kBlockKV;
             dist[m] += kBlockKV;
           }
-#endif
         };
 
         // Accumulator double buffering: tile t+1's WGMMAs are in flight while tile t's epilogue
@@ -539,7 +511,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
         if constexpr (!L.double_buffered()) {
           // One accumulator set: the other math warpgroups keep the tensor cores busy meanwhile.
           for (int t = 0; t < num_tiles; ++t) {
-            issue(acc0, sc0, t);
+            issue(acc0, sc0);
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
             ptx::fence_accum<kNumAccum>(acc0);
@@ -547,18 +519,18 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
             epilogue(acc0, sc0, t);
           }
         } else {
-        issue(acc0, sc0, 0);
+        issue(acc0, sc0);
         ptx::wgmma_commit();
         int t = 0;
         // Invariant at the loop head: tile t in acc0 is the only pending group.
         while (t + 2 < num_tiles) {
-          issue(acc1, sc1, t + 1);
+          issue(acc1, sc1);
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();
           ptx::fence_accum<kNumAccum>(acc0);
           release();
           epilogue(acc0, sc0, t);
-          issue(acc0, sc0, t + 2);
+          issue(acc0, sc0);
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();
           ptx::fence_accum<kNumAccum>(acc1);
@@ -567,7 +539,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           t += 2;
         }
         if (t + 1 < num_tiles) {
-          issue(acc1, sc1, t + 1);
+          issue(acc1, sc1);
           ptx::wgmma_commit();
           ptx::wgmma_wait<1>();
           ptx::fence_accum<kNumAccum>(acc0);
