@@ -101,6 +101,14 @@ def topk_case(sid: str, device, seed: int) -> dict:
             "shape": f"{rows} x {n} ({pattern}, {valid / rows:.0f} valid keys/row) k={k}"}
 
 
+def topk_run(x: dict, out=None, lib=None):
+    """A call of `lib`.topk_indices (default deep_indexer) on a topk_case's logits."""
+    import deep_indexer as di
+
+    lib = di if lib is None else lib
+    return lambda: lib.topk_indices(x["logits"], x["k"], x["ks"], x["ke"], **({} if out is None else {"out": out}))
+
+
 def decode_shape(spec: str) -> tuple:
     """(B, next_n, avg context, H) of a decode shape id (D1..D9, H = 64) or of 'B:next_n:avg[:H]'."""
     if spec in DECODE_SHAPES:
@@ -467,7 +475,7 @@ def run(args) -> dict:
         elif sid in TOPK_SHAPES:
             x = topk_case(sid, device, seed=n)
             out = torch.empty(x["rows"], x["k"], dtype=torch.int32, device=device)
-            call = lambda x=x, out=out: di.topk_indices(x["logits"], x["k"], x["ks"], x["ke"], out=out)
+            call = topk_run(x, out)
             us = timer(call, args.iters)
             torch_us = timer(lambda x=x: torch.topk(x["logits"], x["k"], dim=1, sorted=False), max(5, args.iters // 3))
             floor = x["valid_bytes"] / ceil["copy_GBps"] / 1e3 if ceil else None
@@ -477,7 +485,7 @@ def run(args) -> dict:
                  "over_floor": us / floor if floor else None, "torch_topk_us": torch_us,
                  "speedup_vs_torch_topk": torch_us / us}
             if other is not None and hasattr(other, "topk_indices"):
-                r["compare_us"] = timer(lambda x=x: other.topk_indices(x["logits"], x["k"], x["ks"], x["ke"]), args.iters)
+                r["compare_us"] = timer(topk_run(x, lib=other), args.iters)
             del x, out
         elif sid.startswith("KF-"):
             base, _, kk = sid[3:].partition(":")

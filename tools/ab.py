@@ -18,7 +18,6 @@ import statistics
 
 import torch
 
-import deep_indexer
 from deep_indexer import bench
 
 
@@ -40,13 +39,11 @@ def main() -> None:
     variants = a.variants.split(";")
     keys = sorted({k for v in variants for k in parse_variant(v)})
     for sid in a.shapes:
-        prefill = bench.is_prefill_shape(sid)
+        one_call = sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
         if sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
-            t = bench.topk_case(sid, dev, seed=1)
             what = f"top-k {bench.TOPK_SHAPES[sid]}"
-            run = lambda t=t: deep_indexer.topk_indices(t["logits"], t["k"], t["ks"], t["ke"])
-            prefill = True  # one callable for every variant
-        elif prefill:
+            run = bench.topk_run(bench.topk_case(sid, dev, seed=1))
+        elif one_call:
             S, SKV, pattern, H, D = bench.prefill_shape(sid)
             m = bench.prefill_max_seqlen_k(sid)
             what = f"S={S} SKV={SKV} {pattern} H={H} D={D}" + (f" max_seqlen_k={m}" if m else "")
@@ -63,7 +60,7 @@ def main() -> None:
                     os.environ.pop(k, None)
                 os.environ.update(parse_variant(v))
                 if v not in runs:
-                    runs[v] = run if prefill else bench.decode_call(x)
+                    runs[v] = run if one_call else bench.decode_call(x)
                 times[v].append(timer(runs[v], iters=a.iters))
         for k in keys:
             os.environ.pop(k, None)

@@ -111,8 +111,7 @@ def main() -> int:
     res = {}
     for sid in args.shapes:
         if sid in bench.TOPK_SHAPES:
-            t = bench.topk_case(sid, dev, seed=1)
-            run = lambda t=t: di.topk_indices(t["logits"], t["k"], t["ks"], t["ke"])
+            run = bench.topk_run(bench.topk_case(sid, dev, seed=1))
             capture(lambda: [run() for _ in range(3)])
             runs = []
             for _ in range(3):

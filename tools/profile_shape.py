@@ -16,8 +16,7 @@ from deep_indexer import bench
 def main(sid: str, calls: int = 4) -> None:
     dev = torch.device("cuda")
     if sid in bench.TOPK_SHAPES:
-        t = bench.topk_case(sid, dev, seed=1)
-        run = lambda: deep_indexer.topk_indices(t["logits"], t["k"], t["ks"], t["ke"])
+        run = bench.topk_run(bench.topk_case(sid, dev, seed=1))
     elif bench.is_prefill_shape(sid):  # P1..P5, P2c or S:SKV:pattern[:H[:D[:max_seqlen_k]]]
         _, run = bench.prefill_case(sid, dev)
     else:

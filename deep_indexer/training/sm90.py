@@ -137,9 +137,10 @@ def _safe(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def _padded_rows(q: torch.Tensor) -> int:
-    """Rows per call when q has fewer than TARGET_HEADS heads: a padded copy of at most _CHUNK_BYTES."""
-    return max(1, _CHUNK_BYTES // (TARGET_HEADS * q.shape[2] * q.element_size()))
+def _padded_blocks(q: torch.Tensor, r0: int, r1: int):
+    """(a, b) row blocks of [r0, r1) for calls on q padded to TARGET_HEADS heads: a copy of at most _CHUNK_BYTES."""
+    step = max(1, _CHUNK_BYTES // (TARGET_HEADS * q.shape[2] * q.element_size()))
+    return [(a, min(r1, a + step)) for a in range(r0, r1, step)]
 
 
 def _pad_heads(x: torch.Tensor, value: float) -> torch.Tensor:
@@ -156,9 +157,7 @@ def _target(_C, q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, inv_heads)
     if q.shape[1] == TARGET_HEADS:
         _C.bf16_training_target(q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, inv_heads)
         return
-    step = _padded_rows(q)
-    for a in range(r0, r1, step):
-        b = min(r1, a + step)
+    for a, b in _padded_blocks(q, r0, r1):
         _C.bf16_training_target(_pad_heads(q[a:b], 0.0), k, _pad_heads(lse[a:b], _ABSENT_LSE), ks32[a:b], ke32[a:b],
                                 p[a - r0:], None if plogp is None else plogp[a:b], None if mass is None else mass[a:b],
                                 0, b - a, scale, inv_heads)
@@ -176,9 +175,7 @@ def attention_lse(q, k, scale, ks, ke):
     if heads == TARGET_HEADS:
         _C.bf16_attention_lse(q, k, ks32, ke32, lse, 0, q.shape[0], scale)
         return lse
-    step = _padded_rows(q)
-    for a in range(0, q.shape[0], step):
-        b = min(q.shape[0], a + step)
+    for a, b in _padded_blocks(q, 0, q.shape[0]):
         part = torch.empty((b - a, TARGET_HEADS), dtype=torch.float32, device=q.device)
         _C.bf16_attention_lse(_pad_heads(q[a:b], 0.0), k, ks32[a:b], ke32[a:b], part, 0, b - a, scale)
         lse[a:b] = part[:, :heads]

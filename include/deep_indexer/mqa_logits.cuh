@@ -149,7 +149,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
     }
 #pragma unroll
     for (int s = 0; s < kNumKVStages; ++s) {
-      ptx::mbar_init(kv_full(s), kStageScales ? 33 : 1);
+      ptx::mbar_init(kv_full(s), 1 + (kStageScales ? 32 : 0));  // + the scale-copying lanes
       ptx::mbar_init(kv_empty(s), kNumMathWarps);
     }
     ptx::fence_mbar_init();
