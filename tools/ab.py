@@ -9,10 +9,14 @@ B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean). The inputs are dra
 per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
 median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
 The switches are read per call by the extension (getenv), so setting os.environ is enough.
+--compare MODULE adds, for prefill shapes, MODULE.fp8_mqa_logits (a module with the reference's API,
+e.g. tools/deepgemm_ref.py with PYTHONPATH=tools) as one more variant on the same inputs, after a
+check that its logits match ours.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 
@@ -25,6 +29,16 @@ def parse_variant(v: str) -> dict:
     return dict(kv.strip().split("=", 1) for kv in v.split(",") if "=" in kv)
 
 
+def logits_agreement(ours: torch.Tensor, theirs: torch.Tensor) -> str:
+    """Relative diff 1 - 2<x,y>/(|x|^2+|y|^2) over our finite entries, and whether the -inf masks agree."""
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    valid = torch.isfinite(ours)
+    x, y = ours[valid].double(), theirs[valid].double()
+    diff = float(1 - 2 * (x * y).sum() / (x * x + y * y).sum().clamp(min=1e-300))
+    masks = bool(torch.equal(ours == float("-inf"), theirs == float("-inf")))
+    return f"relative diff {diff:.2e}, -inf masks {'identical' if masks else 'DIFFER'}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("shapes", nargs="+")
@@ -33,7 +47,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--flush", choices=("write", "read"), default="read", help="L2 flush (see deep_indexer.bench)")
     p.add_argument("--host-slack-us", type=float, default=100.0, help="see deep_indexer.bench")
+    p.add_argument("--compare", default=None, help="module with the reference's fp8_mqa_logits (prefill shapes)")
     a = p.parse_args()
+    other = importlib.import_module(a.compare) if a.compare else None
     dev = torch.device("cuda")
     timer = bench.Timer(dev, a.flush, a.host_slack_us)
     variants = a.variants.split(";")
@@ -47,15 +63,21 @@ def main() -> None:
             S, SKV, pattern, H, D = bench.prefill_shape(sid)
             m = bench.prefill_max_seqlen_k(sid)
             what = f"S={S} SKV={SKV} {pattern} H={H} D={D}" + (f" max_seqlen_k={m}" if m else "")
-            _, run = bench.prefill_case(sid, dev)
+            x, run = bench.prefill_case(sid, dev)
         else:
             B, nn, avg, H = bench.decode_shape(sid)
             what = f"B={B} next_n={nn} H={H}"
             x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
-        times = {v: [] for v in variants}
+        shape_variants = list(variants)
         runs = {}  # decode: per variant, with that variant's schedule (its metadata build may differ)
+        if other is not None and bench.is_prefill_shape(sid):
+            ref = f"compare:{a.compare}"
+            runs[ref] = lambda x=x: other.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True)
+            print(f"{sid:>16} {ref} vs default: {logits_agreement(run(), runs[ref]())}", flush=True)
+            shape_variants.append(ref)
+        times = {v: [] for v in shape_variants}
         for _ in range(a.rounds):
-            for v in variants:
+            for v in shape_variants:
                 for k in keys:
                     os.environ.pop(k, None)
                 os.environ.update(parse_variant(v))
@@ -64,7 +86,7 @@ def main() -> None:
                 times[v].append(timer(runs[v], iters=a.iters))
         for k in keys:
             os.environ.pop(k, None)
-        for v in variants:
+        for v in shape_variants:
             t = times[v]
             print(f"{sid:>16} {what} [{v or 'default'}]: median {statistics.median(t):7.1f} us  "
                   f"rounds {' '.join(f'{u:.1f}' for u in t)}", flush=True)
