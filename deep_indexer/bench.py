@@ -124,8 +124,13 @@ ANCHOR_US = {
     "P1": (232, 233), "P2": (1840, 1820), "P3": (4195, 4030), "P4": (578, 606), "P5": (17098, 16127),
     "D1": (7.1, 7.8), "D2": (26.6, 34.8), "D3": (87.1, 116), "D4": (153, 216), "D5": (82.1, 114),
 }
-# Other head counts / dims: {(H, D): {id: (H200, H100)}}.
-ANCHOR_US_HD = {(32, 64): {"P2": (None, 822)}}
+# Other head counts / dims: {(H, D): {id: (H200, H100)}}; DeepGEMM's kernel timed by the bench's method
+# (docs/performance.md, "side by side with DeepGEMM, every head count and dim").
+ANCHOR_US_HD = {
+    (32, 64): {"P1": (116, 116), "P2": (848, 822), "P3": (1779, 1722), "P4": (288, 299), "P5": (7057, 6922)},
+    (32, 128): {"P1": (143, 144), "P2": (1055, 1065), "P3": (2393, 2381), "P4": (353, None), "P5": (9578, 9337)},
+    (64, 64): {"P1": (189, 189), "P2": (1450, 1465), "P3": (3063, 3053), "P4": (455, 464), "P5": (12601, 12869)},
+}
 
 
 def anchor_us(sid: str, heads: int, head_dim: int, logits_dtype: str, col: int):
