@@ -119,7 +119,7 @@ def main() -> int:
                 runs.append(analyse(capture(run)))
             best = min(runs, key=lambda a: a.get("span_ns", 1e18))
             res[sid] = {"best": best, "spans_ns": [a.get("span_ns") for a in runs]}
-            print(f"== {sid} ({t['shape']}): spans {res[sid]['spans_ns']} ns")
+            print(f"== {sid} ({bench.TOPK_SHAPES[sid]}): spans {res[sid]['spans_ns']} ns")
             show(best)
             continue
         B, nn, avg, H = bench.decode_shape(sid)
