@@ -169,29 +169,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Calls f(i, col, key) for every buffer entry i < ns of this thread (i = tid + m * kThreads),
-  // kEntryBatch entries at a time with their loads issued first. NOTES: f's shared-memory atomics and
-  // stores may alias the buffer for the compiler, so a plain loop waits for each entry's loads in turn.
-  auto for_each_entry = [&](auto with_col, uint32_t ns, auto&& f) {
-    constexpr bool kWithCol = decltype(with_col)::value;
-    constexpr int kEntryBatch = TopkLayout::kEntryBatch;
-    uint32_t i = tid;
-#pragma unroll 1
-    for (; i + (kEntryBatch - 1) * kThreads < ns; i += kEntryBatch * kThreads) {
-      uint32_t col[kEntryBatch], key[kEntryBatch];
-#pragma unroll
-      for (int u = 0; u < kEntryBatch; ++u) {
-        key[u] = cand_key[i + u * kThreads];
-        col[u] = kWithCol ? cand_col[i + u * kThreads] : 0u;
-      }
-#pragma unroll
-      for (int u = 0; u < kEntryBatch; ++u) f(i + u * kThreads, col[u], key[u]);
-    }
-#pragma unroll 1
-    for (; i < ns; i += kThreads) f(i, kWithCol ? cand_col[i] : 0u, cand_key[i]);
-  };
-  using WithCol = std::true_type;
-  using KeyOnly = std::false_type;
   const int& k = a.k;  // read from the parameter bank where used (no register for the whole kernel)
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   if (tid == 0) *count = 0;
@@ -416,10 +393,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
 #pragma unroll 1
         for (int pass = 0; pass < kPasses && !whole; ++pass) {
           const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-            for_each_entry(KeyOnly{}, ns, [&](uint32_t i, uint32_t, uint32_t key) {
+            for (uint32_t i = tid; i < ns; i += kThreads) {
+              uint32_t key = cand_key[i];
               if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
               add(key, true);
-            });
+            }
           });
           whole = st.k_rem == kb.count;
         }
@@ -484,14 +462,14 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
           __syncthreads();
         }
-        for_each_entry(WithCol{}, ns, [&](uint32_t, uint32_t col, uint32_t key) {
-          const uint32_t j = col - static_cast<uint32_t>(w0);
+        for (uint32_t i = tid; i < ns; i += kThreads) {
+          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
           if (j < wn) {
-            const uint32_t mk = key & mask;
+            const uint32_t mk = cand_key[i] & mask;
             if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
             else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
           }
-        });
+        }
         if (eq_from_row) {
           const int vw0 = (w0 + mis) / kVec, vw1 = (w0 + static_cast<int>(wn) - 1 + mis) / kVec + 1;
           for (int v = vw0 + tid; v < vw1; v += kThreads) {
@@ -540,10 +518,10 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           before += cnt[q];
         }
         __syncthreads();
-        for_each_entry(WithCol{}, ns, [&](uint32_t, uint32_t col, uint32_t key) {
-          const uint32_t j = col - static_cast<uint32_t>(w0);
+        for (uint32_t i = tid; i < ns; i += kThreads) {
+          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
           if (j < wn) {
-            const uint32_t mk = key & mask;
+            const uint32_t key = cand_key[i], mk = key & mask;
             const bool is_gt = mk > prefix || (mk == prefix && whole);
             if (is_gt || mk == prefix) {
               const uint32_t word = j >> 5, lower = (1u << (j & 31)) - 1u, wp = word_prefix[word];
@@ -552,7 +530,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
               if (is_gt || e_before < take_eq) emit(g_before + min(e_before, take_eq), static_cast<int>(j) + w0, key);
             }
           }
-        });
+        }
         gt_base += all & 0xFFFFu;
         eq_base += all >> 16;
         __syncthreads();  // planes, word prefixes and warp sums are reused

@@ -6,11 +6,6 @@
 
 namespace deep_indexer {
 
-// Experiment switch (DI_JIT_EXTRA_FLAGS=-DDI_TOPK_ENTRY_BATCH=n): buffer entries per batch of loads.
-#ifndef DI_TOPK_ENTRY_BATCH
-#define DI_TOPK_ENTRY_BATCH 4
-#endif
-
 struct TopkLayout {
   static constexpr int kMaxK = 2048;        // largest supported k
   static constexpr int kHistBins = 2048;    // widest radix digit: 11 bits
@@ -21,7 +16,6 @@ struct TopkLayout {
   static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
   // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
   static constexpr int kCandCap = 8192;
-  static constexpr int kEntryBatch = DI_TOPK_ENTRY_BATCH;  // buffer entries per thread whose loads are issued together
   // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
   // buffer). n > kNumThreads * 8 gives every sample slot a vector of its own.
   static constexpr int kSampleMinKeys = kNumThreads * 8;
