@@ -179,11 +179,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   // 3 survivors complete, 4 selection threshold, 5 emitted, 6 row end; 7 cycles in fallbacks
   Tracer tr;
   tr.start();
-#ifdef DI_TOPK_STAGGER_NS
-  // Experiment: the second CTA of each SM (round-robin launch) starts later, so that the two do not
-  // run their rows' phases in lockstep.
-  if (!kCluster && blockIdx.x >= gridDim.x / 2) __nanosleep(DI_TOPK_STAGGER_NS);
-#endif
   int first_ns = -1;
 
   // The (ks, ke) entries of a row; each row's are loaded one row ahead.
