@@ -42,6 +42,11 @@
 #define DI_TOPK_ASSERT(x) ((void)0)
 #endif
 
+// Experiment switch (DI_JIT_EXTRA_FLAGS=-DDI_TOPK_STAGED_OUTPUT=0): unsorted output stored directly.
+#ifndef DI_TOPK_STAGED_OUTPUT
+#define DI_TOPK_STAGED_OUTPUT 1
+#endif
+
 namespace deep_indexer {
 namespace topk_detail {
 
@@ -444,11 +449,18 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       // of selected columns before it: the prefix counts of the plane words before its word (a
       // block scan, kept in `word_prefix`, in the histogram that is not clean) plus its word's lower
       // bits. The planes are clean when a row starts (cleared after the previous row's emission).
+      // NOTES: unsorted output is staged by position in `hist` (zero and idle here: the last radix
+      // pass counted into the other half; kMaxK words fit), then stored in coalesced runs and the
+      // histogram cleared again (every radix pass starts from a zero `hist`).
+      static_assert(TopkLayout::kMaxK <= kBins, "the staged output fits the histogram");
+      uint32_t* stage = hist;
       auto emit = [&](uint32_t pos, int j, uint32_t key) {
         DI_TOPK_ASSERT(pos < total);
         if (pos >= total) return;  // unreachable; never writes out of bounds
         if constexpr (kSorted)
           sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+        else if constexpr (DI_TOPK_STAGED_OUTPUT)
+          stage[pos] = static_cast<uint32_t>(j);
         else
           store(static_cast<int>(pos), j);
       };
@@ -534,6 +546,13 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         gt_base += all & 0xFFFFu;
         eq_base += all >> 16;
         __syncthreads();  // planes, word prefixes and warp sums are reused
+      }
+      if constexpr (!kSorted && DI_TOPK_STAGED_OUTPUT) {
+        __syncthreads();  // every position is staged
+        for (int p = tid; p < static_cast<int>(total); p += kThreads) {
+          store(p, static_cast<int>(stage[p]));
+          stage[p] = 0u;
+        }
       }
       for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;  // for the next row
       DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
