@@ -42,11 +42,6 @@
 #define DI_TOPK_ASSERT(x) ((void)0)
 #endif
 
-// Experiment switch (DI_JIT_EXTRA_FLAGS=-DDI_TOPK_STAGED_OUTPUT=0): unsorted output stored directly.
-#ifndef DI_TOPK_STAGED_OUTPUT
-#define DI_TOPK_STAGED_OUTPUT 1
-#endif
-
 namespace deep_indexer {
 namespace topk_detail {
 
@@ -459,10 +454,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         if (pos >= total) return;  // unreachable; never writes out of bounds
         if constexpr (kSorted)
           sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
-        else if constexpr (DI_TOPK_STAGED_OUTPUT)
-          stage[pos] = static_cast<uint32_t>(j);
         else
-          store(static_cast<int>(pos), j);
+          stage[pos] = static_cast<uint32_t>(j);
       };
       uint32_t* word_prefix = hist_next;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
       static_assert(TopkLayout::kWindowWords <= kBins, "word prefixes fit the histogram");
@@ -547,7 +540,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         eq_base += all >> 16;
         __syncthreads();  // planes, word prefixes and warp sums are reused
       }
-      if constexpr (!kSorted && DI_TOPK_STAGED_OUTPUT) {
+      if constexpr (!kSorted) {
         __syncthreads();  // every position is staged
         for (int p = tid; p < static_cast<int>(total); p += kThreads) {
           store(p, static_cast<int>(stage[p]));
