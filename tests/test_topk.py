@@ -108,15 +108,12 @@ def radix_pass(keys: np.ndarray, st: dict, shift: int, bits: int) -> tuple:
 
 
 def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, elem_bytes: int, sorted_: bool,
-                       ctas: int = 1, cap: int = CAND_CAP, window: int = WINDOW, stats: dict | None = None,
-                       guess: int = 0, has_next: bool = False) -> list:
+                       ctas: int = 1, cap: int = CAND_CAP, window: int = WINDOW, stats: dict | None = None) -> list:
     """The kernel's algorithm on one row. `buf` holds the keys of the whole allocation (16-byte
     aligned at element 0), the row's first column is element start + lo. Mirrors the vector split
     (mis), the threshold sample, the filter into a buffer of `cap` entries (any order), the
     fallback radix select over the row, the buffer select and the windowed column-order emission.
-    Returns the output columns (relative to lo), in output order; `stats` gets the path taken and
-    the threshold the next row of the CTA tries first (`next_guess`, when `has_next`: the CTA has
-    another row; `guess` is this row's). A
+    Returns the output columns (relative to lo), in output order; `stats` gets the path taken. A
     smaller `cap` scales the sample's thread count (and SAMPLE_MIN) with it."""
     kvec = 16 // elem_bytes
     full_mask = 0xFFFFFFFF if elem_bytes == 4 else 0xFFFF
@@ -141,23 +138,13 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         sk = np.array(sk, dtype=np.int64)
         rank = sample_rank(k, n, len(sv) * kvec, kvec)
         assert 1 <= rank <= len(sk)
+        st = dict(prefix=0, mask=0, greater=0, k_rem=rank)
+        for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
+            above, cnt = radix_pass(sk, st, shift, bits)
+            if d == 0 and (above + cnt) * n <= (cap // 2) * len(sv) * kvec:  # the first digit's edge is enough
+                break
+        kmin = st["prefix"]
         path = "sample"
-        m_keys = len(sv) * kvec
-        has_next = has_next and ctas == 1
-        guess_max = (3 * cap // 4) * m_keys // n
-        c_ge = int((sk >= guess).sum())
-        if guess != 0 and rank <= c_ge <= guess_max:
-            kmin = guess  # the previous row's threshold, as safe as a selected one
-            path = "guess"
-        else:
-            if has_next:  # about 3 standard deviations lower, passed on to the next row
-                rank = min(max(rank, min(rank + 3 * isqrt32(rank) + 1, guess_max)), m_keys - 2 * kvec)
-            st = dict(prefix=0, mask=0, greater=0, k_rem=rank)
-            for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
-                above, cnt = radix_pass(sk, st, shift, bits)
-                if d == 0 and (above + cnt) * n <= (cap // 2) * len(sv) * kvec:  # the first digit's edge is enough
-                    break
-            kmin = st["prefix"]
 
     def filt(kmin_):  # survivors of the whole row (the CTAs' shares together), in some order
         sel = keys >= kmin_
@@ -169,7 +156,6 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
     assert sum(e - b for b, e in shares) == num_vecs
     bk, bc = filt(kmin)
     ns = len(bk)
-    next_guess = kmin if has_next and kmin != 0 and min(k, n) <= ns <= cap else 0
     prefix = mask = greater = 0
     take_eq, whole, eq_from_row = ns, True, False
     if ns < min(k, n) or ns > cap:
@@ -228,7 +214,7 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         w0 += window
     assert gt_base == (total if whole else greater) and None not in out
     if stats is not None:
-        stats["path"], stats["survivors"], stats["next_guess"] = path, ns, next_guess
+        stats["path"], stats["survivors"] = path, ns
     if sorted_:
         comp = np.array([(int(keys[j]) << 32) | (0xFFFFFFFF - j) for j in out], dtype=np.uint64)
         out = [out[i] for i in np.argsort(comp, kind="stable")[::-1]]  # composites are unique
@@ -283,37 +269,6 @@ def test_emulation_sample_survivors(dtype, n, k):
         x = make_rows("random", 1, n + 8, dtype, gen)[0]
         stats = _emulate_vs_reference(x, trial, 0, n, k, False)
         assert stats["path"] == "sample" and k <= stats["survivors"] <= 0.75 * CAND_CAP, stats
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_emulation_threshold_guess(dtype):
-    # The rows of one CTA in turn: each tries the previous row's threshold first. Alike rows take it;
-    # a shifted, shorter or longer row rejects it (too few or too many sample keys above it); a row
-    # whose survivors needed the fallback passes no guess on. Every row stays exact.
-    gen = torch.Generator().manual_seed(5)
-    rows = [(30000, 0.0), (30000, 0.0), (29000, 0.0), (30000, 3.0), (30000, 3.0), (30000, -3.0), (60000, -3.0),
-            (9000, -3.0), (120000, -3.0), (31000, 0.0), (40000, None), (30000, 0.0), (30000, 0.0)]
-    paths, guess = [], 0
-    for i, (n, shift) in enumerate(rows):
-        if shift is None:  # a sample that misjudges the row: its survivors need the fallback
-            x = skewed_row(n, 1, dtype, 8.0, gen, 4)
-            start = 1
-        else:
-            x = (torch.randn(n + 8, generator=gen) + shift).to(dtype)
-            start = i % 4
-        buf = reference.topk_keys(x).numpy()
-        stats = {}
-        got = emulate_kernel_row(buf, start, 0, n, 2048, x.element_size(), False, stats=stats, guess=guess,
-                                 has_next=i + 1 < len(rows))
-        ref = reference.topk_indices(x[start:].unsqueeze(0), 2048, torch.tensor([0], dtype=torch.int32),
-                                     torch.tensor([n], dtype=torch.int32))[0]
-        assert got == ref[ref >= 0].tolist(), i
-        paths.append(stats["path"])
-        guess = stats["next_guess"]
-    assert paths[:3] == ["sample", "guess", "guess"], paths
-    assert paths[3] == "sample" and paths[4] == "guess" and paths[5] == "sample", paths  # shifted up, then down
-    assert paths[6] == "sample" and paths[7] == "sample" and paths[8] == "sample", paths  # longer, shorter, longer
-    assert paths[10] == "sample+fallback" and paths[11] == "sample" and paths[12] == "guess", paths
 
 
 def skewed_row(n: int, mis: int, dtype: torch.dtype, sample_value: float, gen: torch.Generator,
@@ -517,28 +472,6 @@ def test_topk_many_rows_random_ranges(k):
     ke = ks + torch.randint(-50, n, (m,), generator=gen, dtype=torch.int32)
     _check(x, k, ks, ke, index_mode="absolute")
     _check(x.bfloat16(), k, ks, ke, sorted=True)
-
-
-@requires_sm90
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [512, 2048])
-def test_topk_rows_change_distribution(dtype, k):
-    # several rows per CTA, each trying its predecessor's threshold first: runs of alike rows (the
-    # guess holds), then shifted, rescaled, shorter and longer rows (it must be rejected)
-    gen = torch.Generator().manual_seed(k + 3)
-    m, n = 1800, 40000
-    x = torch.randn(m, n, generator=gen)
-    r = torch.arange(m)
-    shift = torch.where((r // 500) % 2 == 0, 0.0, 3.0) + torch.where((r // 1100) == 1, -6.0, 0.0)
-    scale = torch.where(r % 7 == 3, 0.05, 1.0)
-    x = (x * scale[:, None] + shift[:, None]).to(dtype)
-    ks = torch.zeros(m, dtype=torch.int32)
-    ke = torch.full((m,), 30000, dtype=torch.int32)
-    ragged = r >= 1300
-    ke[ragged] = torch.randint(5000, n + 1, (int(ragged.sum()),), generator=gen, dtype=torch.int32)
-    ks[r % 5 == 1] = 777
-    _check(x, k, ks, ke)
 
 
 @requires_sm90

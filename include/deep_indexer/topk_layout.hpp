@@ -71,25 +71,6 @@ struct TopkLayout {
     return j < cap ? j : cap;
   }
 
-  // A CTA with another row to go passes its threshold on as the next row's first try (a guess),
-  // which that row takes when its own sample has at least its j keys at or above the guess and at
-  // most guess_max_count (expected survivors within 3/4 of the buffer). So that an alike row
-  // usually does, the CTA selects the sample key of rank guess_rank: about 3 standard deviations
-  // above j.
-  DI_HOST_DEVICE static uint32_t guess_max_count(int n, uint32_t m_keys) {
-    return static_cast<uint32_t>(static_cast<uint64_t>(3 * kCandCap / 4) * m_keys / static_cast<uint32_t>(n));
-  }
-  DI_HOST_DEVICE static uint32_t guess_rank(uint32_t j, int n, uint32_t m_keys, int vec_keys) {
-    uint32_t g = j + 3 * isqrt(j) + 1;
-    const uint32_t hi = guess_max_count(n, m_keys), cap = m_keys - 2 * static_cast<uint32_t>(vec_keys);
-    g = g < hi ? g : hi;
-    g = g > j ? g : j;
-    return g < cap ? g : cap;
-  }
-  DI_HOST_DEVICE static bool guess_fits(uint32_t count_ge, uint32_t j, int n, uint32_t m_keys) {
-    return count_ge >= j && count_ge <= guess_max_count(n, m_keys);
-  }
-
   // The sample's first-digit bin edge alone is threshold enough when the keys it keeps, about
   // n * count_ge / m (count_ge: sample keys in or above the bin), are at most half the buffer.
   DI_HOST_DEVICE static constexpr bool coarse_sample_enough(uint32_t count_ge, int n, uint32_t m_keys) {
