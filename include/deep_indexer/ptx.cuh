@@ -133,12 +133,6 @@ DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// Asynchronous prefetch of [ptr, ptr + bytes) into L2 (ptr 16-byte aligned, bytes a multiple of 16).
-DI_DEVICE void prefetch_l2_bulk(const void* ptr, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<uint64_t>(ptr)), "r"(bytes)
-               : "memory");
-}
-
 // L2 eviction-priority hints (createpolicy.fractional results, valid on SM90).
 constexpr uint64_t kCacheEvictFirst = 0x12F0000000000000ull;
 constexpr uint64_t kCacheEvictNormal = 0x1000000000000000ull;

@@ -41,14 +41,6 @@
 #else
 #define DI_TOPK_ASSERT(x) ((void)0)
 #endif
-// Bytes of the next row (KiB) a CTA prefetches into L2 while it selects and emits the current row.
-#ifndef DI_TOPK_L2_PREFETCH_KB
-#define DI_TOPK_L2_PREFETCH_KB 0
-#endif
-// Bytes (KiB) the filter keeps prefetched into L2 ahead of its reads of the row.
-#ifndef DI_TOPK_L2_AHEAD_KB
-#define DI_TOPK_L2_AHEAD_KB 0
-#endif
 
 namespace deep_indexer {
 namespace topk_detail {
@@ -196,30 +188,26 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     ks_v = a.ks == nullptr ? 0 : __ldg(a.ks + g);
     ke_v = __ldg(a.ke + g);
   };
-  // Row r's valid columns [lo, lo + n) (rows < 2^31: checked by the API) and its 16-byte vectors.
-  // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
-  // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, lo + n)
-  // they hold are read (never used) safely.
-  auto row_span = [&](int r, int ks_v, int ke_v, int& lo, int& n, int& mis, int& num_vecs) -> const uint4* {
-    const int i_in = r % a.range_next_n;
-    lo = min(max(ks_v, 0), a.num_cols);
-    const int64_t hi64 = static_cast<int64_t>(ke_v) - a.range_next_n + i_in + 1;
-    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
-    n = hi - lo;
-    const uint8_t* row_bytes =
-        static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
-    mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
-    num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
-    return reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
-  };
   int ks_next = 0, ke_next = 0;
   load_range(static_cast<int>(blockIdx.x) / num_ctas, ks_next, ke_next);
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {  // no overflow: rows < 2^31 - 2^20
     // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
     const int ks_r = ks_next, ke_r = ke_next;
     load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
-    int lo, n, mis, num_vecs;
-    const uint4* row_vec = row_span(r, ks_r, ke_r, lo, n, mis, num_vecs);
+    const int i_in = r % a.range_next_n;
+    const int lo = min(max(ks_r, 0), a.num_cols);
+    const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
+    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
+    const int n = hi - lo;
+
+    // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
+    // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi)
+    // they hold are read (never used) safely.
+    const uint8_t* row_bytes =
+        static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
+    const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
+    const uint4* row_vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
+    const int num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
     // Bit c: element c of vector v is a column of the row (0 <= v * kVec + c - mis < n).
@@ -284,24 +272,12 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         ++slot;
       }
     };
-    // A warp's step reads the kWarpVecs vectors from `base`: with DI_TOPK_L2_AHEAD_KB its lane 0 asks
-    // L2 for the ones kAheadVecs further (the first kAheadVecs are asked for before the sample).
-    constexpr int kWarpVecs = 32 * kUnroll, kAheadVecs = DI_TOPK_L2_AHEAD_KB * 1024 / 16;
-    static_assert(kAheadVecs % kWarpVecs == 0 && kAheadVecs / kWarpVecs <= kThreads, "whole warp chunks ahead");
-    auto prefetch_ahead = [&](int v, int vb1) {
-      if (kAheadVecs > 0 && v < vb1)
-        ptx::prefetch_l2_bulk(row_vec + v, static_cast<uint32_t>(min(kWarpVecs, vb1 - v)) * 16u);
-    };
     auto filter = [&](int vb0, int vb1, uint32_t kmin, uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
       const bool all = kmin == 0u;
       const float bound = key_floor_value<kElemBytes>(kmin);
       // Warp-uniform trip counts; buf_a holds the first step (prefetch).
 #pragma unroll 1
       for (int base = vb0 + warp * 32 * kUnroll; base < vb1; base += 2 * kStep) {
-        if (lane == 0) {
-          prefetch_ahead(base + kAheadVecs, vb1);
-          prefetch_ahead(base + kStep + kAheadVecs, vb1);
-        }
         load_step(buf_b, base + kStep, vb1);
         filter_step(buf_a, base, vb1, all, bound, dst_count, dst_key, dst_col);
         if (base + kStep >= vb1) break;
@@ -311,7 +287,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     };
 
     // ---- 1. threshold (every CTA of the cluster computes the same kmin)
-    if (tid < kAheadVecs / kWarpVecs) prefetch_ahead(v_begin + tid * kWarpVecs, v_end);
     prefetch(v_begin, v_end);
     uint32_t kmin = 0;
     if (n > TopkLayout::kSampleMinKeys) {
@@ -359,20 +334,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     tr.mark<2>();
     row_sync();  // every survivor of the cluster is in CTA 0
     tr.mark<3>();
-#if DI_TOPK_L2_PREFETCH_KB > 0
-    // The next row's first bytes go to L2 while this row is selected and emitted (DRAM is idle then).
-    if constexpr (!kCluster) {
-      constexpr int kChunk = 4096, kMaxChunks = DI_TOPK_L2_PREFETCH_KB * 1024 / kChunk;
-      static_assert(kMaxChunks <= kThreads, "one chunk per thread");
-      const int r_next = r + num_clusters;
-      if (r_next < a.num_rows && tid < kMaxChunks) {
-        int lo2, n2, mis2, nv2;
-        const uint4* next_vec = row_span(r_next, ks_next, ke_next, lo2, n2, mis2, nv2);
-        const int first = tid * (kChunk / 16), last = min(first + kChunk / 16, nv2);  // vectors
-        if (first < last) ptx::prefetch_l2_bulk(next_vec + first, static_cast<uint32_t>(last - first) * 16u);
-      }
-    }
-#endif
 
     if (rank() == 0) {
       uint32_t ns = *count;
