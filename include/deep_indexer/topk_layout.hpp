@@ -63,11 +63,16 @@ struct TopkLayout {
   // the sample's j-th only if more than j sample keys are >= it: mu = k * m / n expected, j is mu
   // plus 6 standard deviations plus 8, so a row rarely keeps fewer than k keys; it keeps about
   // n * j / m (for n = 30K, k = 2048: ~3.3K), which must fit cand_cap(). Both outcomes are checked.
-  // At most 4096 keys: 2 float32 vectors per thread, 1 bfloat16 (wide; twice that narrow; registers).
+  // At most 4096 keys and 1 vector of every 32 of the row: with the wide shape at most 2 float32
+  // vectors per thread, 1 bfloat16 (registers). The narrow shape samples as many keys (twice the
+  // vectors per thread) where the row has a vector for each (n > sample_min_keys() keeps 1).
   DI_HOST_DEVICE constexpr int max_sample_vecs() const { return (elem_bytes == 4 ? 2 : 1) * kWideThreads / threads; }
   DI_HOST_DEVICE constexpr int sample_vecs_per_thread(int64_t n) const {
-    const int64_t s = n / (32 * static_cast<int64_t>(threads) * vec());
-    return s < 1 ? 1 : s > max_sample_vecs() ? max_sample_vecs() : static_cast<int>(s);
+    const int64_t s = n / (32 * static_cast<int64_t>(kWideThreads) * vec());
+    const int wide_max = elem_bytes == 4 ? 2 : 1;
+    const int want = (s < 1 ? 1 : s > wide_max ? wide_max : static_cast<int>(s)) * (kWideThreads / threads);
+    const int64_t fit = n / (static_cast<int64_t>(threads) * vec());
+    return fit < 1 ? 1 : fit < want ? static_cast<int>(fit) : want;
   }
   // floor(sqrt(x)) for x < 2^24 (exact in float; the correction covers sqrtf rounding up).
   DI_HOST_DEVICE static uint32_t isqrt(uint32_t x) {
