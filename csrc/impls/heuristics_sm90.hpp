@@ -150,42 +150,33 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   return (cols + align - 1) / align * align;
 }
 
-// Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::ctas_per_sm() CTAs per
+// Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::kCtasPerSm CTAs per
 // SM. C grows (1, 2, 4, 8) while a CTA's share of the longest row needs more than one filter step
-// (threads x kFilterVecs vectors) and rows x C x 4 <= SMs: only a few long rows (1 x 32K) are
+// (kNumThreads x kFilterVecs vectors) and rows x C x 4 <= SMs: only a few long rows (1 x 32K) are
 // split over SMs. CTA 0 of a cluster selects and writes alone, so splitting pays only where the
 // filter's read is the row's critical path. Sorted output takes C = 1 (its sort runs in one CTA
 // anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
-// CTA shape: the narrow one (4 CTAs per SM) when C = 1 and the rows outnumber the wide shape's
-// slots (2 per SM), so that twice the rows are in flight; DI_TOPK_THREADS (256, 512) forces it.
 struct TopkLaunch {
-  unsigned grid, cluster, threads, smem;
+  unsigned grid, cluster, smem;
 };
-inline TopkLaunch topk_launch(int elem_bytes, bool sorted, int64_t rows, int64_t cols, int num_sms) {
-  const int64_t sms = std::max(1, num_sms);
-  TopkLayout l{elem_bytes, sorted, TopkLayout::kWideThreads};
-  const int64_t step_keys = static_cast<int64_t>(l.threads) * TopkLayout::kFilterVecs * l.vec();
+inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms) {
+  const int64_t sms = std::max(1, num_sms), slots = sms * TopkLayout::kCtasPerSm;
+  const int64_t step_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * TopkLayout::kFilterVecs * l.vec();
   int cluster = 1;
   while (cluster < TopkLayout::kMaxClusterCtas && (cols + cluster - 1) / cluster > step_keys &&
          rows * cluster * 2 * 4 <= sms)
     cluster *= 2;
   const int forced = env::get_int("DI_TOPK_CLUSTER");
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;
-  if (sorted) cluster = 1;
-  if (cluster == 1 && rows > sms * l.ctas_per_sm()) l.threads = TopkLayout::kNarrowThreads;
-  const int forced_threads = env::get_int("DI_TOPK_THREADS");
-  if (cluster == 1 && (forced_threads == TopkLayout::kWideThreads || forced_threads == TopkLayout::kNarrowThreads))
-    l.threads = forced_threads;
+  if (l.sorted) cluster = 1;
   TopkLaunch t;
   t.cluster = static_cast<unsigned>(cluster);
-  t.threads = static_cast<unsigned>(l.threads);
   t.smem = l.smem_bytes();
-  const int64_t slots = sms * l.ctas_per_sm();
   const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, slots / cluster));
   t.grid = static_cast<unsigned>(clusters * cluster);
   print_choice([&] {
-    return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, {} threads, smem {} B", rows,
-                       cols, elem_bytes, sorted, t.grid, cluster, t.threads, t.smem);
+    return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, smem {} B", rows, cols,
+                       l.elem_bytes, l.sorted, t.grid, cluster, t.smem);
   });
   return t;
 }

@@ -13,47 +13,39 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
     int elem_bytes;  // 4: float32, 2: bfloat16
     bool sorted;
     bool cluster;    // the form launched with clusters of 2-8 CTAs per row
-    int threads;     // the CTA shape: TopkLayout::kWideThreads or kNarrowThreads
     TopkLayout layout() const {
       DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk: elem_bytes must be 4 or 2, got {}", elem_bytes);
       DI_CHECK_ARG(!(sorted && cluster), "topk: the cluster form is unsorted only");
-      const TopkLayout l{elem_bytes, sorted, threads};
-      DI_CHECK_ARG(l.valid_threads(), "topk: threads must be {} or {}, got {}", TopkLayout::kWideThreads,
-                   TopkLayout::kNarrowThreads, threads);
-      DI_CHECK_ARG(!(cluster && threads != TopkLayout::kWideThreads), "topk: the cluster form has {} threads",
-                   TopkLayout::kWideThreads);
-      return l;
+      return TopkLayout{elem_bytes, sorted};
     }
   };
 
   static const char* kernel_name() { return "topk"; }
   static const char* header() { return "deep_indexer/topk.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("topk<{}, {}{}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16", p.sorted ? "sorted" : "unsorted",
-                       p.cluster ? ", cluster" : "",
-                       p.threads == TopkLayout::kWideThreads ? "" : fmt::format(", {} threads", p.threads));
+    return fmt::format("topk<{}, {}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16", p.sorted ? "sorted" : "unsorted",
+                       p.cluster ? ", cluster" : "");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::topk_kernel<{}, {}, {}, {}>", p.elem_bytes, p.sorted ? "true" : "false",
-                       p.cluster ? "true" : "false", p.threads);
+    return fmt::format("&deep_indexer::topk_kernel<{}, {}, {}>", p.elem_bytes, p.sorted ? "true" : "false",
+                       p.cluster ? "true" : "false");
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
 
-  // `p.cluster` and `p.threads` are chosen here (from the launch heuristic).
+  // `p.cluster` is chosen here (from the launch heuristic).
   static void launch(Params p, const TopkArgs& args, const jit::DeviceInfo& dev, int num_sms, int device,
                      CUstream stream) {
     if (args.num_rows == 0 || args.k == 0) return;
-    const sm90::TopkLaunch t = sm90::topk_launch(p.elem_bytes, p.sorted, args.num_rows, args.num_cols, num_sms);
-    p.cluster = t.cluster > 1;
-    p.threads = static_cast<int>(t.threads);
     const TopkLayout l = p.layout();
     DI_CHECK_ARG(l.smem_bytes() <= static_cast<unsigned>(dev.max_smem_per_block_optin),
                  "topk: needs {} B of shared memory per block, the device allows {}", l.smem_bytes(),
                  dev.max_smem_per_block_optin);
+    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, num_sms);
+    p.cluster = t.cluster > 1;
     const CUfunction f = function(p, device, stream);
     jit::LaunchConfig cfg;
     cfg.grid = t.grid;
-    cfg.block = t.threads;
+    cfg.block = TopkLayout::kNumThreads;
     cfg.smem = t.smem;
     cfg.cluster = t.cluster;
     jit::launch(f, cfg, stream, args);

@@ -91,26 +91,22 @@ __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
 }  // namespace topk_detail
 
 // kCluster: launched with clusters of 2-8 CTAs per row (else one CTA per row, no DSMEM code);
-// unsorted output only. kThreads: TopkLayout::kWideThreads or kNarrowThreads.
-template <int kElemBytes, bool kSorted, bool kCluster, int kThreads>
-__global__ void __launch_bounds__(kThreads, TopkLayout{kElemBytes, kSorted, kThreads}.ctas_per_sm())
-    topk_kernel(const TopkArgs a) {
+// unsorted output only.
+template <int kElemBytes, bool kSorted, bool kCluster>
+__global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerSm) topk_kernel(const TopkArgs a) {
   static_assert(!(kSorted && kCluster), "sorted output runs one CTA per row");
   namespace cg = cooperative_groups;
   using namespace topk_detail;
-  constexpr TopkLayout L{kElemBytes, kSorted, kThreads};
-  static_assert(L.valid_threads(), "a CTA shape of TopkLayout");
-  static_assert(L.ctas_per_sm() * kThreads * 64 <= 65536, "64 registers per thread");
-  constexpr int kWarps = L.warps();
+  constexpr TopkLayout L{kElemBytes, kSorted};
+  constexpr int kThreads = TopkLayout::kNumThreads;
+  constexpr int kWarps = TopkLayout::kNumWarps;
   constexpr int kVec = L.vec();
   constexpr int kPasses = L.num_passes();
-  constexpr int kCap = L.cand_cap();
-  constexpr int kWordsPerThread = L.words_per_thread();
+  constexpr int kCap = TopkLayout::kCandCap;
   constexpr int kBins = TopkLayout::kHistBins;
   // 16-byte vectors per thread per filter step; their pass bits fit one 32-bit word
   constexpr int kUnroll = TopkLayout::kFilterVecs;
   constexpr int kSampleVecs = L.max_sample_vecs();
-  static_assert(kSampleVecs * kVec <= 32, "sample validity bits in a word");
   static_assert(kUnroll * kVec <= 32, "pass bits of one step in a word");
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
@@ -293,10 +289,10 @@ __global__ void __launch_bounds__(kThreads, TopkLayout{kElemBytes, kSorted, kThr
     // ---- 1. threshold (every CTA of the cluster computes the same kmin)
     prefetch(v_begin, v_end);
     uint32_t kmin = 0;
-    if (n > L.sample_min_keys()) {
+    if (n > TopkLayout::kSampleMinKeys) {
       // sample vector t of this thread: (tid + t * kThreads) * stride, stride = num_vecs / m_v >= 1
       const int s_v = L.sample_vecs_per_thread(n);
-      const int m_v = s_v * kThreads;  // <= num_vecs: n > sample_min_keys()
+      const int m_v = s_v * kThreads;  // <= num_vecs: n > kSampleMinKeys
       const int stride = num_vecs / m_v;
       uint4 sample[kSampleVecs];
       uint32_t sample_valid = 0;  // bit t * kVec + c
@@ -322,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout{kElemBytes, kSorted, kThr
         });
         // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
         // that is at most half the buffer (decode-sized rows), else refine by a second digit.
-        if (pass == 0 && L.coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
+        if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
           break;
       }
       kmin = st.prefix;
@@ -493,12 +489,12 @@ __global__ void __launch_bounds__(kThreads, TopkLayout{kElemBytes, kSorted, kThr
         }
         __syncthreads();
         // Block scan of the words' (above, equal) counts, packed in 16-bit halves (< 65536 columns).
-        uint32_t gw[kWordsPerThread], ew[kWordsPerThread], cnt[kWordsPerThread];
+        uint32_t gw[TopkLayout::kWordsPerThread], ew[TopkLayout::kWordsPerThread], cnt[TopkLayout::kWordsPerThread];
         uint32_t mine = 0;
 #pragma unroll
-        for (int q = 0; q < kWordsPerThread; ++q) {
-          gw[q] = plane_gt[tid * kWordsPerThread + q];
-          ew[q] = plane_eq[tid * kWordsPerThread + q];
+        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
+          gw[q] = plane_gt[tid * TopkLayout::kWordsPerThread + q];
+          ew[q] = plane_eq[tid * TopkLayout::kWordsPerThread + q];
           cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
           mine += cnt[q];
         }
@@ -508,8 +504,8 @@ __global__ void __launch_bounds__(kThreads, TopkLayout{kElemBytes, kSorted, kThr
         uint32_t all;
         uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
 #pragma unroll
-        for (int q = 0; q < kWordsPerThread; ++q) {
-          word_prefix[tid * kWordsPerThread + q] = before;
+        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
+          word_prefix[tid * TopkLayout::kWordsPerThread + q] = before;
           if (eq_from_row) {
             // the equal keys are not in the buffer: walk this word's bits in column order
             uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
@@ -519,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout{kElemBytes, kSorted, kThr
               bits &= bits - 1u;
               const bool is_gt = (gw[q] >> b) & 1u;
               if (!is_gt && e_before < take_eq)
-                emit(g_before + e_before, w0 + (tid * kWordsPerThread + q) * 32 + b, prefix);
+                emit(g_before + e_before, w0 + (tid * TopkLayout::kWordsPerThread + q) * 32 + b, prefix);
               g_before += is_gt;
               e_before += !is_gt;
             }

@@ -9,44 +9,27 @@ namespace deep_indexer {
 struct TopkLayout {
   static constexpr int kMaxK = 2048;        // largest supported k
   static constexpr int kHistBins = 2048;    // widest radix digit: 11 bits
+  static constexpr int kNumThreads = 512;
+  static constexpr int kNumWarps = kNumThreads / 32;
+  static constexpr int kCtasPerSm = 2;      // 64 registers per thread; smem_bytes() <= half an SM
   static constexpr int kVecBytes = 16;      // one uint4 of logits per lane access
   static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
-  // Two CTA shapes, 64 registers per thread either way: kWideThreads at 2 CTAs per SM (few rows:
-  // each row's steps run on more threads) or kNarrowThreads at 4 (3 sorted; many rows: twice the
-  // rows in flight on an SM, to overlap their latency-bound steps).
-  static constexpr int kWideThreads = 512;
-  static constexpr int kNarrowThreads = 256;
-  static constexpr int kSmemPerSm = 233472;  // SM90: 228 KiB of shared memory per SM
-  static constexpr int kSmemReservedPerCta = 1024;
-  // Survivor buffer of the wide shape: (key, column) pairs of the keys at or above the row's threshold.
-  static constexpr int kWideCandCap = 8192;
+  // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
+  static constexpr int kCandCap = 8192;
+  // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
+  // buffer). n > kNumThreads * 8 gives every sample slot a vector of its own.
+  static constexpr int kSampleMinKeys = kNumThreads * 8;
+  static_assert(kSampleMinKeys <= kCandCap, "unsampled rows fit the buffer");
   // Emission: the row's columns in windows of kWindow, one bit per column in two planes.
   static constexpr int kWindow = 32768;
   static constexpr int kWindowWords = kWindow / 32;
-  static_assert(kWindowWords % kWideThreads == 0 && kWindowWords % kNarrowThreads == 0, "whole plane words per thread");
+  static constexpr int kWordsPerThread = kWindowWords / kNumThreads;
+  static_assert(kWindowWords % kNumThreads == 0, "whole plane words per thread");
   static_assert(kWindow < 65536, "per-window counts are packed in 16 bits");
   static constexpr int kMaxClusterCtas = 8;
 
   int elem_bytes;  // 4: float32 (32-bit keys), 2: bfloat16 (16-bit keys)
   bool sorted;     // a [kMaxK] uint64 sort buffer
-  int threads;     // kWideThreads or kNarrowThreads
-
-  DI_HOST_DEVICE constexpr bool valid_threads() const { return threads == kWideThreads || threads == kNarrowThreads; }
-  DI_HOST_DEVICE constexpr int warps() const { return threads / 32; }
-  DI_HOST_DEVICE constexpr int words_per_thread() const { return kWindowWords / threads; }
-  DI_HOST_DEVICE constexpr int ctas_per_sm() const {
-    return threads == kWideThreads ? 2 : static_cast<int>(kSmemPerSm / (smem_bytes() + kSmemReservedPerCta));
-  }
-  // The narrow shape's buffer takes what 4 CTAs per SM leave of the shared memory (4080 pairs).
-  DI_HOST_DEVICE constexpr int cand_cap() const {
-    return threads == kWideThreads
-               ? kWideCandCap
-               : static_cast<int>((kSmemPerSm / 4 - kSmemReservedPerCta - 2 * kHistBins * 4 - scratch_bytes() -
-                                   2 * kWindowWords * 4) / 8 / 16 * 16);
-  }
-  // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
-  // buffer). n > threads * 8 gives every sample slot a vector of its own.
-  DI_HOST_DEVICE constexpr int sample_min_keys() const { return threads * 8; }
 
   DI_HOST_DEVICE constexpr int vec() const { return kVecBytes / elem_bytes; }
   // Digit schedule, most significant first: float32 11/11/10 bits, bfloat16 11/5 bits.
@@ -58,21 +41,16 @@ struct TopkLayout {
     return elem_bytes == 4 ? (pass == 2 ? 10 : 11) : (pass == 0 ? 11 : 5);
   }
 
-  // Threshold sample of a row of n > sample_min_keys() valid keys: vectors per thread, then the rank j
+  // Threshold sample of a row of n > kSampleMinKeys valid keys: vectors per thread, then the rank j
   // (1 = largest) of the sample key taken as the threshold. The row's k-th largest key lies above
   // the sample's j-th only if more than j sample keys are >= it: mu = k * m / n expected, j is mu
   // plus 6 standard deviations plus 8, so a row rarely keeps fewer than k keys; it keeps about
-  // n * j / m (for n = 30K, k = 2048: ~3.3K), which must fit cand_cap(). Both outcomes are checked.
-  // At most 4096 keys and 1 vector of every 32 of the row: with the wide shape at most 2 float32
-  // vectors per thread, 1 bfloat16 (registers). The narrow shape samples as many keys (twice the
-  // vectors per thread) where the row has a vector for each (n > sample_min_keys() keeps 1).
-  DI_HOST_DEVICE constexpr int max_sample_vecs() const { return (elem_bytes == 4 ? 2 : 1) * kWideThreads / threads; }
+  // n * j / m (for n = 30K, k = 2048: ~3.3K), which must fit kCandCap. Both outcomes are checked.
+  // At most 2 vectors per thread (4096 float32 keys), 1 for bfloat16 (4096 keys; registers).
+  DI_HOST_DEVICE constexpr int max_sample_vecs() const { return elem_bytes == 4 ? 2 : 1; }
   DI_HOST_DEVICE constexpr int sample_vecs_per_thread(int64_t n) const {
-    const int64_t s = n / (32 * static_cast<int64_t>(kWideThreads) * vec());
-    const int wide_max = elem_bytes == 4 ? 2 : 1;
-    const int want = (s < 1 ? 1 : s > wide_max ? wide_max : static_cast<int>(s)) * (kWideThreads / threads);
-    const int64_t fit = n / (static_cast<int64_t>(threads) * vec());
-    return fit < 1 ? 1 : fit < want ? static_cast<int>(fit) : want;
+    const int64_t s = n / (32 * static_cast<int64_t>(kNumThreads) * vec());
+    return s < 1 ? 1 : s > max_sample_vecs() ? max_sample_vecs() : static_cast<int>(s);
   }
   // floor(sqrt(x)) for x < 2^24 (exact in float; the correction covers sqrtf rounding up).
   DI_HOST_DEVICE static uint32_t isqrt(uint32_t x) {
@@ -95,19 +73,18 @@ struct TopkLayout {
 
   // The sample's first-digit bin edge alone is threshold enough when the keys it keeps, about
   // n * count_ge / m (count_ge: sample keys in or above the bin), are at most half the buffer.
-  DI_HOST_DEVICE constexpr bool coarse_sample_enough(uint32_t count_ge, int n, uint32_t m_keys) const {
-    return static_cast<uint64_t>(count_ge) * static_cast<uint32_t>(n) <= static_cast<uint64_t>(cand_cap() / 2) * m_keys;
+  DI_HOST_DEVICE static constexpr bool coarse_sample_enough(uint32_t count_ge, int n, uint32_t m_keys) {
+    return static_cast<uint64_t>(count_ge) * static_cast<uint32_t>(n) <= static_cast<uint64_t>(kCandCap / 2) * m_keys;
   }
 
   // Byte offsets inside dynamic shared memory (every region 16-byte aligned).
   // Two histograms: a radix pass counts into one while the other is cleared for the next pass.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + 2 * kHistBins * 4; }
-  // warp sums (2 per warp) + row scalars
-  DI_HOST_DEVICE constexpr unsigned scratch_bytes() const { return 2 * warps() * 4 + 16 * 4; }
-  DI_HOST_DEVICE constexpr unsigned cand_key_offset() const { return scratch_offset() + scratch_bytes(); }
-  DI_HOST_DEVICE constexpr unsigned cand_col_offset() const { return cand_key_offset() + cand_cap() * 4; }
-  DI_HOST_DEVICE constexpr unsigned plane_offset() const { return cand_col_offset() + cand_cap() * 4; }
+  static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4;  // warp sums (2 x kNumWarps) + row scalars
+  DI_HOST_DEVICE constexpr unsigned cand_key_offset() const { return scratch_offset() + kScratchBytes; }
+  DI_HOST_DEVICE constexpr unsigned cand_col_offset() const { return cand_key_offset() + kCandCap * 4; }
+  DI_HOST_DEVICE constexpr unsigned plane_offset() const { return cand_col_offset() + kCandCap * 4; }
   DI_HOST_DEVICE constexpr unsigned sort_offset() const { return plane_offset() + 2 * kWindowWords * 4; }
   DI_HOST_DEVICE constexpr unsigned sort_bytes() const { return sorted ? kMaxK * 8u : 0u; }
   DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return sort_offset() + sort_bytes(); }
