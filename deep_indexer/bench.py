@@ -202,6 +202,10 @@ class Timer:
         # them back up. Long calls get `warmup` calls only: tens of ms of prefill at full tilt reach
         # the board's power cap, which lowers the clocks by ~10% (measured on H200: P2 1853-1902 us
         # vs 1990-2090 us).
+        self.warm(fn, warmup, warm_s)
+        return statistics.median(self.times(fn, iters))
+
+    def warm(self, fn: Callable[[], object], warmup: int = 3, warm_s: float = 0.05) -> None:
         fn()  # may compile
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -215,7 +219,17 @@ class Timer:
             if n % 8 == 0:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
-        return statistics.median(self.times(fn, iters))
+
+    def alternated(self, fns: list, iters: int) -> list:
+        """Median times (us) of several calls timed in turn, one of each per round (each after a
+        flush), so that clock and power drift over the run affect them alike: for ratios."""
+        for fn in fns:
+            self.warm(fn)
+        times = [[] for _ in fns]
+        for _ in range(iters):
+            for t, fn in zip(times, fns):
+                t.extend(self.times(fn, 1))
+        return [statistics.median(t) for t in times]
 
     def times(self, fn: Callable[[], object], iters: int, after: Optional[Callable[[], object]] = None) -> list:
         """Event times (us) of `iters` calls, each after a flush (and the slack); `after()` runs on the
@@ -523,8 +537,9 @@ def run(args) -> dict:
                 shape = f"S={S} SKV={SKV} {pat} H={H} D={D} k={k}"
             else:
                 raise SystemExit(f"bench: unknown shape id '{sid}'")
-            us = timer(fused, args.iters)
-            base_us = timer(logits_only, args.iters)
+            # NOTES: timed in turn: the fused call first and the logits after it (as before) favoured the
+            # logits alone, which ran on a GPU already at its power cap (P2: 1.16x instead of 1.26-1.39x)
+            us, base_us = timer.alternated([fused, logits_only], args.iters)
             r = {"id": sid, "kind": "fused_topk", "shape": shape, "us": us, "logits_us": base_us,
                  "over_logits": us / base_us, "GBps": 0.0, "fraction_of_ceiling": None}
             del x
