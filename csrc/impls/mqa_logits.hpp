@@ -63,6 +63,7 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
     cfg.grid = sm90::mqa_logits_grid(l, a.seq_len, num_sms);
     cfg.block = l.num_threads();
     cfg.smem = l.smem_bytes();
+    cfg.pdl = true;
     jit::launch(f, cfg, stream, tmap_q, tmap_k, a.k_scale, a.weights, a.weights_stride,
                 static_cast<int>(a.weights_bf16), a.ks, a.ke, a.logits, a.logits_stride, a.seq_len, a.seq_len_kv,
                 a.max_seqlen_k, static_cast<int>(a.clean));

@@ -33,6 +33,7 @@ struct PagedMqaMetadataRuntime : jit::KernelRuntime<PagedMqaMetadataRuntime> {
     jit::LaunchConfig cfg;
     cfg.grid = 1;
     cfg.block = static_cast<unsigned>(p.threads());
+    cfg.pdl = true;
     jit::launch(f, cfg, stream, context_lens, batch_size, num_sms, schedule);
   }
 };
@@ -103,6 +104,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
     cfg.grid = static_cast<unsigned>(a.num_sms);
     cfg.block = l.num_threads();
     cfg.smem = l.smem_bytes();
+    cfg.pdl = true;
     jit::launch(f, cfg, stream, tmap_q, tmap_kv, a.kv_cache, a.block_stride_bytes, a.weights, a.weights_stride,
                 a.context_lens, a.block_table, a.block_table_stride, a.block_table_cols, a.schedule, a.logits, a.logits_stride,
                 a.batch_size, a.max_context_len, a.indices);

@@ -48,6 +48,7 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
     cfg.block = TopkLayout::kNumThreads;
     cfg.smem = t.smem;
     cfg.cluster = t.cluster;
+    cfg.pdl = true;
     jit::launch(f, cfg, stream, args);
   }
 };

@@ -10,6 +10,7 @@
 
 #include "compiler.hpp"
 #include "driver.hpp"
+#include "../utils/env.hpp"
 
 namespace deep_indexer::jit {
 
@@ -35,6 +36,10 @@ struct LaunchConfig {
   unsigned grid = 1, block = 128;
   unsigned smem = 0;
   unsigned cluster = 1;
+  // Programmatic stream serialization (PDL): the kernel may start while the previous kernel of the
+  // stream finishes; only for kernels that call ptx::grid_dependency_wait() before any global
+  // access. DI_PDL=0 turns it off for every launch.
+  bool pdl = false;
 };
 
 class Kernel {
@@ -73,7 +78,7 @@ size_t num_loaded_kernels();
 template <typename... Args>
 void launch(CUfunction func, const LaunchConfig& cfg, CUstream stream, const Args&... args) {
   void* params[] = {const_cast<void*>(static_cast<const void*>(&args))...};
-  CUlaunchAttribute attrs[1];
+  CUlaunchAttribute attrs[2];
   CUlaunchConfig config{};
   config.gridDimX = cfg.grid;
   config.gridDimY = config.gridDimZ = 1;
@@ -88,6 +93,11 @@ void launch(CUfunction func, const LaunchConfig& cfg, CUstream stream, const Arg
     attrs[0].value.clusterDim.x = cfg.cluster;
     attrs[0].value.clusterDim.y = attrs[0].value.clusterDim.z = 1;
     config.numAttrs = 1;
+  }
+  if (cfg.pdl && env::get_int(env::kPdl, 1) != 0) {
+    attrs[config.numAttrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[config.numAttrs].value.programmaticStreamSerializationAllowed = 1;
+    ++config.numAttrs;
   }
   DI_CU_CHECK(driver::api().cuLaunchKernelEx(&config, func, params, nullptr));
 }

@@ -27,6 +27,7 @@ constexpr const char* kDumpSass = "DI_JIT_DUMP_SASS";      // 1: write kernel.sa
 constexpr const char* kFailOnSpills = "DI_JIT_FAIL_ON_SPILLS";  // 1: a kernel with local-memory spills is an error
 constexpr const char* kNvcc = "DI_NVCC";                   // path of nvcc (else $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc, PATH)
 constexpr const char* kNvccCcbin = "DI_NVCC_CCBIN";        // host compiler nvcc should use (-ccbin)
+constexpr const char* kPdl = "DI_PDL";                     // 0: no programmatic dependent launches
 constexpr const char* kExtraFlags = "DI_JIT_EXTRA_FLAGS";  // extra nvcc flags (space-separated), part of the cache key
 constexpr const char* kCutlassInclude = "DI_CUTLASS_INCLUDE";  // override of the CUTLASS/CuTe include folder
 

@@ -130,6 +130,7 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   const uint32_t warp = ptx::warp_idx();
   const uint32_t lane = ptx::lane_idx();
   const int num_blocks = (S + T2 - 1) / T2;
+  ptx::grid_dependency_wait();  // PDL: inputs and the logits buffer only after the previous kernel
   // NOTES: q blocks are dealt in snake order: wave w (gridDim.x blocks) runs forward when w is even
   // and backward when odd, so with the causal pattern (later blocks longer) every CTA's total
   // stays near the mean. Only the last, partial wave yields indices >= num_blocks.

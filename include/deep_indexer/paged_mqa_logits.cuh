@@ -86,7 +86,6 @@ __device__ __forceinline__ void static_for(F&& f) {
   }
 }
 
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // Branch-free helpers for the math warpgroups (predicated PTX instead of C++ branches: keeps the
 // control flow around the WGMMAs simple for ptxas, which serializes WGMMAs across divergent paths).
@@ -314,7 +313,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 
   // A launch with programmatic stream serialization (PDL) may start before the previous kernel has
   // finished: every read of the inputs comes after this (a no-op otherwise).
-  grid_dependency_wait();
+  ptx::grid_dependency_wait();
 
   // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes measured 1.3 us slower)
   // while the producers resolve their first work items (schedule rows -> context lengths -> block

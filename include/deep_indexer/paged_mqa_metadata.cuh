@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   Tracer tr;
   tr.start();
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  ptx::grid_dependency_wait();
 
   // Exclusive block scan of one value per thread; returns the prefix, *total = block sum.
   // Ends with the shared scratch free for reuse (trailing barrier).

@@ -128,6 +128,12 @@ DI_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
       : "memory");
 }
 
+// ---------------------------------------------------------------- programmatic dependent launch
+// A kernel launched with programmatic stream serialization (jit::LaunchConfig::pdl) may start while
+// the previous kernel of the stream finishes: it waits here, before its first global read or write,
+// until that kernel has completed and its writes are visible (a no-op in a plain launch).
+DI_DEVICE void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // ---------------------------------------------------------------- TMA
 DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");

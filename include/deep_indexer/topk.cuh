@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
   const int& k = a.k;  // read from the parameter bank where used (no register for the whole kernel)
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   if (tid == 0) *count = 0;
