@@ -569,6 +569,57 @@ def test_fused_decode_matches_standalone(next_n, two_d, mode):
 
 @requires_sm90
 @pytest.mark.gpu
+def test_stream_order_with_programmatic_launches(monkeypatch):
+    # PDL lets each of our kernels start while the previous kernel of the stream finishes; each must
+    # still see the inputs that torch kernels wrote just before it and must not overwrite an output
+    # that a torch kernel is still reading. Inputs alternate between two cases, rewritten in place.
+    from deep_indexer.bench import decode_inputs
+
+    B, next_n, avg, H, D, block_kv, k = 16, 2, 9000, 64, 128, 64, 2048
+    a = decode_inputs(B, next_n, avg, H, D, block_kv, DEV, seed=1)
+    b = dict(a)  # the same layout, other contents: q, weights, cache values, shorter context lengths
+    b["q"] = torch.randn(a["q"].shape, device=DEV).to(torch.float8_e4m3fn)
+    b["weights"] = torch.randn_like(a["weights"])
+    b["kv_cache"] = a["kv_cache"].clone()
+    b["kv_cache"].view(a["kv_cache"].shape[0], -1)[:, : block_kv * D].copy_(
+        torch.randn(a["kv_cache"].shape[0], block_kv * D, device=DEV).to(torch.float8_e4m3fn).view(torch.uint8))
+    b["context_lens"] = (a["context_lens"] - torch.randint(0, 3000, (B,), device=DEV, dtype=torch.int32)).clamp(min=next_n)
+    cases = [a, b]
+    mcl = a["max_context_len"]
+    names = ("q", "kv_cache", "weights", "context_lens", "block_table")
+    want = []
+    monkeypatch.setenv("DI_PDL", "0")
+    for c in cases:
+        meta = di.get_paged_mqa_logits_metadata(c["context_lens"], block_kv)
+        logits = di.fp8_paged_mqa_logits(c["q"], c["kv_cache"], c["weights"], c["context_lens"], c["block_table"],
+                                         meta, mcl, False)
+        want.append((di.topk_indices(logits, k, context_lens=c["context_lens"], next_n=next_n), logits))
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("DI_PDL", pdl)
+        live = {n: torch.empty_like(cases[0][n]) for n in names}
+        ws = di.topk_workspace(B * next_n, mcl, device=DEV)
+        out = torch.full((B * next_n, k), -7, dtype=torch.int32, device=DEV)
+        logits_live = torch.empty_like(want[0][1])
+        prev = None
+        for step in range(6):
+            c = step % 2
+            for n in names:  # torch kernels right before ours
+                live[n].copy_(cases[c][n])
+            seen = out.clone()  # read by a torch kernel while our next call may already start
+            meta = di.get_paged_mqa_logits_metadata(live["context_lens"], block_kv)
+            di.fp8_paged_mqa_topk_indices(live["q"], live["kv_cache"], live["weights"], live["context_lens"],
+                                          live["block_table"], meta, mcl, k, workspace=ws, out=out)
+            if prev is not None:
+                assert torch.equal(seen, want[prev][0]), (pdl, step)
+            assert torch.equal(out, want[c][0]), (pdl, step)
+            logits_live.copy_(want[1 - c][1])  # the standalone top-k right after a torch write of its input
+            got = di.topk_indices(logits_live, k, context_lens=cases[1 - c]["context_lens"], next_n=next_n)
+            assert torch.equal(got, want[1 - c][0]), (pdl, step)
+            prev = c
+
+
+@requires_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("pattern", ["causal", "cp"])
 @pytest.mark.parametrize("k,chunk", [(2048, None), (512, 300)])
 def test_fused_prefill_matches_standalone(pattern, k, chunk):
