@@ -86,7 +86,6 @@ __device__ __forceinline__ void static_for(F&& f) {
   }
 }
 
-
 // Branch-free helpers for the math warpgroups (predicated PTX instead of C++ branches: keeps the
 // control flow around the WGMMAs simple for ptxas, which serializes WGMMAs across divergent paths).
 __device__ __forceinline__ void mbar_wait_loop(uint64_t* bar, uint32_t phase) {

@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         __syncthreads();  // planes, word prefixes and warp sums are reused
       }
       if constexpr (!kSorted) {
-        __syncthreads();  // every position is staged
+        // every position is staged: each emit is followed by the window loop's closing barrier
         for (int p = tid; p < static_cast<int>(total); p += kThreads) {
           store(p, static_cast<int>(stage[p]));
           stage[p] = 0u;
