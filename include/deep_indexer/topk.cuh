@@ -352,21 +352,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       // Threshold kmin from a sample (each owner's first vector; the long rows' rank rule, whose cap
       // leaves room for the two partial vectors at the row's ends): the selection counts only the
       // keys >= kmin if at least k of them are (else every key).
-      // Key i of this owner (element i % kVec of its vector i / kVec), and a walk over the keys
-      // whose bits are set, in column order.
-      auto key_at = [&](int i) -> uint32_t {
-        const int u = rslot(tid, i / kVec);
-        if constexpr (kElemBytes == 4) return reinterpret_cast<const uint32_t*>(rkeys)[u * kVec + i % kVec];
-        else return reinterpret_cast<const uint16_t*>(rkeys)[u * kVec + i % kVec];
-      };
-      auto for_each_set = [&](uint32_t bits, auto&& f) {
-        while (bits != 0u) {
-          const int i = __ffs(bits) - 1;
-          bits &= bits - 1u;
-          f(key_at(i), i);
-        }
-      };
-      uint32_t surv = rvalid, survivors = static_cast<uint32_t>(n);  // bit i: key i takes part (>= the threshold)
+      uint32_t kmin = 0, survivors = static_cast<uint32_t>(n);
       if (n > k && n > TopkLayout::kSampleMinKeys) {
         const uint4 sv = rkeys[rslot(tid, 0)];
         const uint32_t m_keys = static_cast<uint32_t>((num_vecs + kResidentVecs - 1) / kResidentVecs * kVec);
@@ -381,13 +367,13 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, m_keys)) break;
         }
         uint32_t ge = 0;
-        for_each_key([&](uint32_t key, bool valid, int i) { ge |= static_cast<uint32_t>(valid && key >= ss.prefix) << i; });
-        const uint32_t incl = radix::warp_prefix_sum(__popc(ge));
+        for_each_key([&](uint32_t key, bool valid, int) { ge += valid && key >= ss.prefix; });
+        const uint32_t incl = radix::warp_prefix_sum(ge);
         if (lane == 31) warp_sums[warp] = incl;
         __syncthreads();
         uint32_t all;
         radix::sum_of_warps_below<kWarps>(warp_sums, all);
-        if (all >= static_cast<uint32_t>(k)) surv = ge, survivors = all;  // else (rare): every key
+        if (all >= static_cast<uint32_t>(k)) kmin = ss.prefix, survivors = all;  // else (rare): every key
       }
       if (first_ns < 0) first_ns = static_cast<int>(survivors);
       tr.mark<1>();
@@ -397,20 +383,22 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       bool whole = n <= k;
 #pragma unroll 1
       for (int pass = 0; pass < kPasses && !whole; ++pass) {
-        const radix::KthBin kb =
-            radix_pass(pass, st, [&](auto&& add) { for_each_set(surv, [&](uint32_t key, int) { add(key, true); }); });
+        const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+          for_each_key([&](uint32_t key, bool valid, int) { add(key, valid && key >= kmin); });
+        });
         whole = st.k_rem == kb.count;
       }
       total = st.greater + st.k_rem;
       DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
       tr.mark<4>();
-      // NOTES: keys below the sample's threshold are below the k-th key but may share its resolved
-      // bits (the threshold can split a first-digit bin): only the keys in `surv` are classified, as
-      // only they were counted.
+      // NOTES: keys below kmin are below the k-th key; they may share its resolved bits (kmin can
+      // split a first-digit bin), so they are excluded explicitly, as in the counts above.
       auto is_gt = [&](uint32_t key) { return (key & st.mask) > st.prefix || ((key & st.mask) == st.prefix && whole); };
       auto is_eq = [&](uint32_t key) { return (key & st.mask) == st.prefix; };
       uint32_t mine = 0;  // (above, equal) in 16-bit halves: <= 16384 columns per row
-      for_each_set(surv, [&](uint32_t key, int) { mine += is_gt(key) ? 1u : is_eq(key) ? 0x10000u : 0u; });
+      for_each_key([&](uint32_t key, bool valid, int) {
+        if (valid && key >= kmin) mine += is_gt(key) ? 1u : is_eq(key) ? 0x10000u : 0u;
+      });
       const uint32_t incl = radix::warp_prefix_sum(mine);
       if (lane == 31) warp_sums[warp] = incl;
       __syncthreads();
@@ -418,7 +406,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       const uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
       uint32_t g_before = before & 0xFFFFu, e_before = before >> 16;
       const int col0 = tid * kResidentVecs * kVec - mis;
-      for_each_set(surv, [&](uint32_t key, int i) {
+      for_each_key([&](uint32_t key, bool valid, int i) {
+        if (!valid || key < kmin) return;
         if (is_gt(key)) {
           emit(g_before + min(e_before, st.k_rem), col0 + i, key);
           ++g_before;
