@@ -140,35 +140,18 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         return [out[i] for i in np.argsort(comp, kind="stable")[::-1]]  # composites are unique
 
     if ctas == 1 and num_vecs <= resident_row_vecs(resident_keys, elem_bytes):
-        # every key at once; a threshold kmin from a sample (each thread's first vector), kept if at
-        # least k keys are >= it; radix passes over those until the k-th key's bin is taken whole (or
-        # the last digit), then positions from the column-order counts of the keys above / equal to it
-        kmin, ns = 0, n
-        if n > k and n > SAMPLE_MIN:
-            per_thread = resident_keys // (THREADS * kvec)
-            sv = range(0, num_vecs, per_thread)
-            sk = np.array([int(buf[(vec0 + v) * kvec + c]) for v in sv for c in range(kvec)
-                           if 0 <= v * kvec + c - mis < n], dtype=np.int64)
-            m_keys = len(sv) * kvec
-            rank = sample_rank(k, n, m_keys, kvec)
-            assert 1 <= rank <= len(sk)
-            st = dict(prefix=0, mask=0, greater=0, k_rem=rank)
-            for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
-                above, cnt = radix_pass(sk, st, shift, bits)
-                if d == 0 and (above + cnt) * n <= (CAND_CAP // 2) * m_keys:
-                    break
-            if int((keys >= st["prefix"]).sum()) >= k:
-                kmin, ns = st["prefix"], int((keys >= st["prefix"]).sum())
+        # every key at once: radix passes until the k-th key's bin is taken whole (or the last digit),
+        # then positions from the column-order counts of the keys above / equal to it
         st = dict(prefix=0, mask=0, greater=0, k_rem=min(k, n))
         whole = n <= k
         for shift, bits in digits(elem_bytes):
             if whole:
                 break
-            _, cnt = radix_pass(keys[keys >= kmin], st, shift, bits)
+            _, cnt = radix_pass(keys, st, shift, bits)
             whole = st["k_rem"] == cnt
         mk = keys & st["mask"]
-        gt = (keys >= kmin) & ((mk > st["prefix"]) | ((mk == st["prefix"]) & whole))
-        eq = (keys >= kmin) & (mk == st["prefix"]) & ~gt
+        gt = (mk > st["prefix"]) | ((mk == st["prefix"]) & whole)
+        eq = (mk == st["prefix"]) & ~gt
         g_before = np.cumsum(gt) - gt
         e_before = np.cumsum(eq) - eq
         total = st["greater"] + st["k_rem"]
@@ -180,7 +163,7 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
             out[pos] = int(j)
         assert None not in out
         if stats is not None:
-            stats["path"], stats["survivors"] = "resident" if kmin == 0 else "resident+sample", ns
+            stats["path"], stats["survivors"] = "resident", n
         return sort_output(out)
 
     kmin = 0
@@ -299,7 +282,7 @@ def test_emulation_matches_reference(dtype, kind, n, k, sorted_):
     for start, lo, cap, window, rk in ((0, 0, CAND_CAP, WINDOW, RESIDENT_KEYS), (3, 5, 2500, 1024, 0), (1, 2, 2048, 64, 0)):
         hi = min(lo + n, width - start)
         stats = _emulate_vs_reference(x, start, lo, hi, k, sorted_, cap=cap, window=window, resident_keys=rk)
-        assert stats["path"].startswith("resident") == (rk > 0), stats
+        assert (stats["path"] == "resident") == (rk > 0), stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -341,73 +324,7 @@ def test_emulation_resident_boundary(dtype, kind, delta, mis, k):
     x = make_rows(kind, 1, n + mis + 16, dtype, gen)[0]
     for sorted_ in (False, True):
         stats = _emulate_vs_reference(x, mis, 0, n, k, sorted_)
-        assert stats["path"].startswith("resident") == (delta <= 0), stats
-        if delta <= 0 and kind == "random" and n > SAMPLE_MIN:
-            assert stats["path"] == "resident+sample" and k <= stats["survivors"] <= 3 * k, stats
-
-
-def resident_skewed_row(n: int, mis: int, dtype: torch.dtype, sample_value: float, every: int,
-                        gen: torch.Generator) -> torch.Tensor:
-    """A random resident row (16-byte aligned at element 0, starting at `mis`) whose sample vectors
-    (every `every`-th of them) hold `sample_value`."""
-    kvec = 16 // torch.tensor([], dtype=dtype).element_size()
-    per_thread = RESIDENT_KEYS // (THREADS * kvec)
-    num_vecs = (mis + n + kvec - 1) // kvec
-    x = torch.randn(num_vecs * kvec + kvec, generator=gen)
-    for v in range(0, num_vecs, per_thread * every):
-        x[v * kvec:(v + 1) * kvec] = sample_value
-    return x.to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sample_value,every,path", [(8.0, 4, "resident"), (-8.0, 1, "resident+sample")])
-def test_emulation_resident_skewed_sample(dtype, sample_value, every, path):
-    # a sample too high keeps fewer than k keys: every key is selected over; too low: all survive
-    gen = torch.Generator().manual_seed(13)
-    n, mis = 10000, 3
-    x = resident_skewed_row(n, mis, dtype, sample_value, every, gen)
-    for sorted_ in (False, True):
-        stats = _emulate_vs_reference(x, mis, 0, n, 2048, sorted_)
-        assert stats["path"] == path, stats
-        if path == "resident+sample":
-            assert stats["survivors"] > n // 2, stats
-
-
-def skewed_row(n: int, mis: int, dtype: torch.dtype, sample_value: float, gen: torch.Generator,
-               every: int = 1) -> torch.Tensor:
-    """A random row whose threshold-sample vectors (every `every`-th of them) hold `sample_value`:
-    a sample that misjudges the row (too high: fewer than k survivors; too low: more than the buffer)."""
-    kvec = 16 // torch.tensor([], dtype=dtype).element_size()
-    x = torch.randn(mis + n + 2 * kvec, generator=gen)
-    for v in sample_vectors(n, mis, 16 // kvec)[::every]:
-        x[v * kvec:(v + 1) * kvec] = sample_value
-    return x.to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sample_value,every", [(8.0, 4), (-8.0, 1)])
-def test_emulation_fallback_on_skewed_sample(dtype, sample_value, every):
-    gen = torch.Generator().manual_seed(11)
-    n, mis = 40000, 1
-    x = skewed_row(n, mis, dtype, sample_value, gen, every)
-    stats = _emulate_vs_reference(x, mis, 0, n, 2048, True)
-    assert stats["path"] == "sample+fallback"
-
-
-@pytest.mark.parametrize("elem_bytes", [4, 2])
-@pytest.mark.parametrize("ctas", [1, 2, 8])
-@pytest.mark.parametrize("start,lo,hi,k", [(0, 0, 5000, 512), (3, 7, 4100, 2048), (1, 0, 1, 1), (5, 9, 9, 4),
-                                           (2, 1, 60, 100), (6, 3, 3000, 2047), (0, 5, 300, 37),
-                                           (1, 0, 20000, 2048), (4, 17, 12000, 100)])
-@pytest.mark.parametrize("kind", ["random", "ties", "low_contrast"])
-def test_emulation_ranges_and_clusters(elem_bytes, ctas, start, lo, hi, k, kind):
-    dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
-    gen = torch.Generator().manual_seed(start * 100 + hi + ctas)
-    width = start + hi + 40
-    width += (-width) % 8
-    x = make_rows(kind, 1, width, dtype, gen)[0]
-    for sorted_ in (False, True):
-        _emulate_vs_reference(x, start, lo, hi, k, sorted_, ctas=ctas)
+        assert (stats["path"] == "resident") == (delta <= 0), stats
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -782,29 +699,3 @@ def test_topk_fallback_paths(monkeypatch, dtype, cluster):
     pad.copy_(x)
     for sorted_ in (False, True):
         _check(pad, 2048, ks, ke, sorted=sorted_, return_values=True)
-
-
-@requires_sm90
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_resident_rows(monkeypatch, dtype):
-    # launches whose rows fit the resident form: samples too high (fewer than k keys above: every key
-    # is selected over) and too low, heavy ties, n <= k, misaligned starts; then the same rows on the
-    # non-resident form (DI_TOPK_RESIDENT=0)
-    gen = torch.Generator().manual_seed(21)
-    n, mis = 10000, 3
-    width = n + mis + 16
-    rows = [resident_skewed_row(n, mis, dtype, 8.0, 4, gen), resident_skewed_row(n, mis, dtype, -8.0, 1, gen)]
-    rows += [make_rows(kind, 1, width, dtype, gen)[0] for kind in ("ties", "low_contrast", "random", "nan")]
-    x = torch.stack([torch.nn.functional.pad(r.float(), (0, width - r.shape[0])).to(dtype) for r in rows])
-    paths = [_emulate_vs_reference(x[i], 0, mis, n + mis, 2048, False)["path"] for i in (0, 1)]
-    assert paths == ["resident", "resident+sample"], paths
-    ks = torch.tensor([mis, mis, 0, 5, mis, 1], dtype=torch.int32)
-    ke = torch.tensor([n + mis, n + mis, width, 1500, n + mis, width - 2], dtype=torch.int32)
-    pad = torch.empty(len(rows), width + (-width) % 8 + 8, dtype=dtype)[:, :width]  # rows start 16-byte aligned
-    pad.copy_(x)
-    for resident in ("1", "0"):
-        monkeypatch.setenv("DI_TOPK_RESIDENT", resident)
-        for sorted_ in (False, True):
-            _check(pad, 2048, ks, ke, sorted=sorted_, return_values=True)
-            _check(pad, 300, ks, ke, sorted=sorted_, index_mode="absolute")

@@ -113,7 +113,7 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   args.out_stride = idx.stride(0);
   args.out_values = return_values ? vals.data_ptr() : nullptr;
   args.values_stride = return_values ? vals.stride(0) : 0;
-  TopkRuntime::launch({static_cast<int>(logits.element_size()), sorted, false, false}, args, *d.info, d.num_sms, d.device,
+  TopkRuntime::launch({static_cast<int>(logits.element_size()), sorted, false}, args, *d.info, d.num_sms, d.device,
                       d.stream);
   return result;
 }

@@ -57,13 +57,6 @@ DI_DEVICE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.clu
 DI_DEVICE void cp_async_4(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.ca.shared::cta.global [%0], [%1], 4;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src) : "memory");
 }
-// 16-byte asynchronous copy global -> shared, L1 bypassed (LDGSTS), awaited by cp_async_wait_all.
-DI_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src) {
-  asm volatile("cp.async.cg.shared::cta.global [%0], [%1], 16;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src) : "memory");
-}
-// Waits until this thread's earlier cp.async copies have landed (visible to this thread; a block
-// barrier after it makes them visible to the others).
-DI_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // One arrival on `bar` once this thread's earlier cp.async copies have landed (.noinc: the barrier's
 // expected count must include it).
 DI_DEVICE void cp_async_mbar_arrive(uint64_t* bar) {

@@ -91,12 +91,10 @@ __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
 }  // namespace topk_detail
 
 // kCluster: launched with clusters of 2-8 CTAs per row (else one CTA per row, no DSMEM code);
-// unsorted output only. kResident: every row of the launch fits TopkLayout::resident_vecs()
-// vectors per thread (checked by the host: num_cols); only the resident path is compiled.
-template <int kElemBytes, bool kSorted, bool kCluster, bool kResident>
+// unsorted output only.
+template <int kElemBytes, bool kSorted, bool kCluster>
 __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerSm) topk_kernel(const TopkArgs a) {
   static_assert(!(kSorted && kCluster), "sorted output runs one CTA per row");
-  static_assert(!(kResident && kCluster), "a resident row runs in one CTA");
   namespace cg = cooperative_groups;
   using namespace topk_detail;
   constexpr TopkLayout L{kElemBytes, kSorted};
@@ -306,15 +304,14 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       }
     };
 
-    if constexpr (kResident) {
+    if (!kCluster && kResidentVecs > 0 && num_vecs <= kThreads * kResidentVecs) {
       // ---- resident row: thread i owns vectors [i * kResidentVecs, (i + 1) * kResidentVecs), kept
       // as keys in the idle survivor buffer (its key and column arrays); an exact radix select over
       // them, then every output position from one block scan of the owners' (above, equal) counts
       // in column order (ties to the smaller column).
-      // NOTES: the row is copied coalesced (vector t * kThreads + i by thread i, cp.async: no
-      // registers held while in flight) to rslot(owner, slot), whose 16-byte unit is rotated by the
-      // owner so that consecutive owners reading one slot, and consecutive vectors being stored,
-      // mostly hit distinct banks. After the barrier each owner turns its vectors into keys in place.
+      // NOTES: the row is read coalesced (vector t * kThreads + i by thread i) and stored at
+      // rslot(owner, slot), whose 16-byte unit is rotated by the owner so that consecutive owners
+      // reading one slot, and consecutive vectors being stored, mostly hit distinct banks.
       uint4* rkeys = reinterpret_cast<uint4*>(cand_key);
       auto rslot = [&](int owner, int slot) {
         return owner * kResidentVecs + (slot + owner * kResidentVecs / 8) % kResidentVecs;
@@ -322,18 +319,13 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
 #pragma unroll
       for (int t = 0; t < kResidentVecs; ++t) {
         const int v = t * kThreads + tid;
-        if (v < num_vecs) ptx::cp_async_16(rkeys + rslot(v / kResidentVecs, v % kResidentVecs), row_vec + v);
-      }
-      ptx::cp_async_wait_all();
-      __syncthreads();
-      tr.mark<0>(static_cast<int>(rkeys[0].x));
-#pragma unroll
-      for (int t = 0; t < kResidentVecs; ++t) {
+        const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+        if (t == 0) tr.mark<0>(static_cast<int>(raw.x));
         uint32_t e[kVec];
-        radix::unpack<kElemBytes>(rkeys[rslot(tid, t)], e);
+        radix::unpack<kElemBytes>(raw, e);
 #pragma unroll
         for (int c = 0; c < kVec; ++c) e[c] = radix::to_key<kElemBytes>(e[c]);
-        rkeys[rslot(tid, t)] = radix::pack<kElemBytes>(e);
+        rkeys[rslot(v / kResidentVecs, v % kResidentVecs)] = radix::pack<kElemBytes>(e);
       }
       uint32_t rvalid = 0;  // bit t * kVec + c: element c of the owner's vector t is a column of the row
 #pragma unroll
@@ -341,6 +333,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         const int v = tid * kResidentVecs + t;
         rvalid |= (v < num_vecs ? valid_bits(v) : 0u) << (t * kVec);
       }
+      __syncthreads();
       auto for_each_key = [&](auto&& f) {
 #pragma unroll 1
         for (int t = 0; t < kResidentVecs; ++t) {
@@ -349,55 +342,23 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           for (int c = 0; c < kVec; ++c) f(raw_at<kElemBytes>(kv, c), (rvalid >> (t * kVec + c)) & 1u, t * kVec + c);
         }
       };
-      // Threshold kmin from a sample (each owner's first vector; the long rows' rank rule, whose cap
-      // leaves room for the two partial vectors at the row's ends): the selection counts only the
-      // keys >= kmin if at least k of them are (else every key).
-      uint32_t kmin = 0, survivors = static_cast<uint32_t>(n);
-      if (n > k && n > TopkLayout::kSampleMinKeys) {
-        const uint4 sv = rkeys[rslot(tid, 0)];
-        const uint32_t m_keys = static_cast<uint32_t>((num_vecs + kResidentVecs - 1) / kResidentVecs * kVec);
-        RadixState ss;
-        ss.k_rem = TopkLayout::sample_rank(k, n, m_keys, kVec);
-#pragma unroll 1
-        for (int pass = 0; pass < 2; ++pass) {
-          const radix::KthBin kb = radix_pass(pass, ss, [&](auto&& add) {
-#pragma unroll
-            for (int c = 0; c < kVec; ++c) add(raw_at<kElemBytes>(sv, c), (rvalid >> c) & 1u);
-          });
-          if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, m_keys)) break;
-        }
-        uint32_t ge = 0;
-        for_each_key([&](uint32_t key, bool valid, int) { ge += valid && key >= ss.prefix; });
-        const uint32_t incl = radix::warp_prefix_sum(ge);
-        if (lane == 31) warp_sums[warp] = incl;
-        __syncthreads();
-        uint32_t all;
-        radix::sum_of_warps_below<kWarps>(warp_sums, all);
-        if (all >= static_cast<uint32_t>(k)) kmin = ss.prefix, survivors = all;  // else (rare): every key
-      }
-      if (first_ns < 0) first_ns = static_cast<int>(survivors);
-      tr.mark<1>();
       // n <= k: every valid key (prefix = mask = 0 matches all of them, taken whole)
       RadixState st;
       st.k_rem = static_cast<uint32_t>(min(k, n));
       bool whole = n <= k;
 #pragma unroll 1
       for (int pass = 0; pass < kPasses && !whole; ++pass) {
-        const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-          for_each_key([&](uint32_t key, bool valid, int) { add(key, valid && key >= kmin); });
-        });
+        const radix::KthBin kb =
+            radix_pass(pass, st, [&](auto&& add) { for_each_key([&](uint32_t key, bool valid, int) { add(key, valid); }); });
         whole = st.k_rem == kb.count;
       }
       total = st.greater + st.k_rem;
       DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
       tr.mark<4>();
-      // NOTES: keys below kmin are below the k-th key; they may share its resolved bits (kmin can
-      // split a first-digit bin), so they are excluded explicitly, as in the counts above.
       auto is_gt = [&](uint32_t key) { return (key & st.mask) > st.prefix || ((key & st.mask) == st.prefix && whole); };
-      auto is_eq = [&](uint32_t key) { return (key & st.mask) == st.prefix; };
       uint32_t mine = 0;  // (above, equal) in 16-bit halves: <= 16384 columns per row
       for_each_key([&](uint32_t key, bool valid, int) {
-        if (valid && key >= kmin) mine += is_gt(key) ? 1u : is_eq(key) ? 0x10000u : 0u;
+        if (valid) mine += is_gt(key) ? 1u : (key & st.mask) == st.prefix ? 0x10000u : 0u;
       });
       const uint32_t incl = radix::warp_prefix_sum(mine);
       if (lane == 31) warp_sums[warp] = incl;
@@ -407,11 +368,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       uint32_t g_before = before & 0xFFFFu, e_before = before >> 16;
       const int col0 = tid * kResidentVecs * kVec - mis;
       for_each_key([&](uint32_t key, bool valid, int i) {
-        if (!valid || key < kmin) return;
+        if (!valid) return;
         if (is_gt(key)) {
           emit(g_before + min(e_before, st.k_rem), col0 + i, key);
           ++g_before;
-        } else if (is_eq(key)) {
+        } else if ((key & st.mask) == st.prefix) {
           if (e_before < st.k_rem) emit(g_before + e_before, col0 + i, key);
           ++e_before;
         }

@@ -14,11 +14,13 @@ struct TopkLayout {
   static constexpr int kCtasPerSm = 2;      // 64 registers per thread; smem_bytes() <= half an SM
   static constexpr int kVecBytes = 16;      // one uint4 of logits per lane access
   static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
-  // Launches whose rows all fit kResidentKeys keys (whole vectors: resident_vecs() per thread) use
-  // the resident form: the row's keys are held in the survivor buffer's memory (keys and columns),
-  // selected without the filter and emitted by one block scan.
-  static constexpr int kResidentKeys = 12288;
-  static_assert(kResidentKeys % (kNumThreads * 8) == 0, "whole vectors per thread for both dtypes");
+  // Rows of at most kResidentKeys keys (in whole vectors: resident_vecs() per thread) are held as
+  // keys in the survivor buffer's memory and selected without the sample, the filter and the
+  // buffer (one CTA per row).
+#ifndef DI_TOPK_RESIDENT_KEYS
+#define DI_TOPK_RESIDENT_KEYS 12288
+#endif
+  static constexpr int kResidentKeys = DI_TOPK_RESIDENT_KEYS;
   // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
   static constexpr int kCandCap = 8192;
   // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
