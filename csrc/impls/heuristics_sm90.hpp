@@ -153,20 +153,18 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
 // Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::kCtasPerSm CTAs per
 // SM. C grows (1, 2, 4, 8) while a CTA's share of the longest row needs more than one filter step
 // (kNumThreads x kFilterVecs vectors) and rows x C x 4 <= SMs: only a few long rows (1 x 32K) are
-// split over SMs. Launches whose rows all fit in registers (kResidentKeys) keep C = 1: resident
-// rows skip the filter. CTA 0 of a cluster selects and writes alone, so splitting pays only where
-// the filter's read is the row's critical path. Sorted output takes C = 1 (its sort runs in one
-// CTA anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
+// split over SMs. CTA 0 of a cluster selects and writes alone, so splitting pays only where the
+// filter's read is the row's critical path. Sorted output takes C = 1 (its sort runs in one CTA
+// anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
 struct TopkLaunch {
   unsigned grid, cluster, smem;
 };
 inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms) {
   const int64_t sms = std::max(1, num_sms), slots = sms * TopkLayout::kCtasPerSm;
   const int64_t step_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * TopkLayout::kFilterVecs * l.vec();
-  const int64_t resident_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * l.resident_vecs() * l.vec();
   int cluster = 1;
-  while (cluster < TopkLayout::kMaxClusterCtas && cols + l.vec() > resident_keys &&
-         (cols + cluster - 1) / cluster > step_keys && rows * cluster * 2 * 4 <= sms)
+  while (cluster < TopkLayout::kMaxClusterCtas && (cols + cluster - 1) / cluster > step_keys &&
+         rows * cluster * 2 * 4 <= sms)
     cluster *= 2;
   const int forced = env::get_int("DI_TOPK_CLUSTER");
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;

@@ -107,11 +107,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   // 16-byte vectors per thread per filter step; their pass bits fit one 32-bit word
   constexpr int kUnroll = TopkLayout::kFilterVecs;
   constexpr int kSampleVecs = L.max_sample_vecs();
-  constexpr int kResidentVecs = L.resident_vecs();
-  static_assert(kResidentVecs * kVec <= 32, "a resident row's valid bits in a word");
-  static_assert(kResidentVecs * kVec * kThreads < 65536, "a resident row's counts in 16 bits");
-  static_assert(kThreads * kResidentVecs * TopkLayout::kVecBytes <= 2 * kCap * 4, "a resident row's keys fit the buffer");
-  static_assert(L.cand_col_offset() == L.cand_key_offset() + kCap * 4, "the buffer's keys and columns are adjacent");
   static_assert(kUnroll * kVec <= 32, "pass bits of one step in a word");
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
@@ -223,55 +218,341 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       return ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
     };
 
-    // ---- output of the row (CTA 0): `total` = min(k, n) entries, staged by position, then stored.
-    uint32_t total = 0;
-    // Writes column j (relative to lo) as output entry `pos` in the requested index convention
-    // (the row's pointers are recomputed here, not kept live through the selection).
-    auto store = [&](int pos, int j) {
-      const int64_t seq = r / a.table_next_n;
-      int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
-      const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
-      int idx = j;
-      if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
-        idx = lo + j;
-      } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
-        const int blk = j / a.block_size;
-        idx = blk < a.table_cols
-                  ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
-                  : -1;
-      }
-      if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
-      out_row[pos] = idx;
-      if (a.out_values != nullptr) {
-        const int64_t src = static_cast<int64_t>(r) * a.row_stride + lo + j;
-        if constexpr (kElemBytes == 4)
-          static_cast<uint32_t*>(a.out_values)[r * a.values_stride + pos] =
-              __ldg(static_cast<const uint32_t*>(a.logits) + src);
-        else
-          static_cast<uint16_t*>(a.out_values)[r * a.values_stride + pos] =
-              __ldg(static_cast<const uint16_t*>(a.logits) + src);
+    // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
+    // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
+    // every key) to `dst_*`. Two register buffers alternate: one step's loads are in flight while
+    // the other step is filtered.
+    constexpr int kStep = kThreads * kUnroll;
+    constexpr uint32_t kVecMask = (1u << kVec) - 1u;
+    constexpr int kCountBits = kUnroll * kVec >= 16 ? 5 : 4;  // bits of a thread's count (<= kUnroll * kVec)
+    static_assert(kUnroll == 2, "raw_of_pair reads a step of two vectors");
+    uint4 buf_a[kUnroll], buf_b[kUnroll];
+    auto load_step = [&](uint4 (&buf)[kUnroll], int base, int vb1) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * 32 + lane;
+        buf[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
       }
     };
-    // NOTES: unsorted output is staged by position in `hist` (zero and idle once the selection is
-    // done: the last radix pass counted into the other half; kMaxK words fit), then stored in
-    // coalesced runs and the histogram cleared again (every radix pass starts from a zero `hist`).
-    static_assert(TopkLayout::kMaxK <= kBins, "the staged output fits the histogram");
-    auto emit = [&](uint32_t pos, int j, uint32_t key) {
-      DI_TOPK_ASSERT(pos < total);
-      if (pos >= total) return;  // unreachable; never writes out of bounds
-      if constexpr (kSorted)
-        sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
-      else
-        hist[pos] = static_cast<uint32_t>(j);
-    };
-    // Once every position is emitted and the block has synchronised: the stores, then -1 padding.
-    auto finish_row = [&]() {
-      if constexpr (!kSorted) {
-        for (int p = tid; p < static_cast<int>(total); p += kThreads) {
-          store(p, static_cast<int>(hist[p]));
-          hist[p] = 0u;
+    auto prefetch = [&](int vb0, int vb1) { load_step(buf_a, vb0 + warp * 32 * kUnroll, vb1); };
+    auto filter_step = [&](const uint4 (&buf)[kUnroll], int base, int vb1, bool all, float bound,
+                           uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
+      uint32_t bits = 0;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * 32 + lane;
+        uint32_t pass = 0;
+        if (v < vb1) pass = v > 0 && v < num_vecs - 1 ? kVecMask : valid_bits(v);  // interior vectors are whole
+        if (!all) {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c)
+            pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(buf[u], c) >= bound)) << c);
         }
+        bits |= pass << (u * kVec);
+      }
+      if (!__any_sync(radix::kFullMask, bits != 0u)) return;
+      // this lane's first slot: the warp's exclusive prefix of the counts, from ballots of their bits
+      const uint32_t my = __popc(bits), below = (1u << lane) - 1u;
+      uint32_t before = 0, total = 0;
+#pragma unroll
+      for (int bit = 0; bit < kCountBits; ++bit) {
+        const uint32_t m = __ballot_sync(radix::kFullMask, (my >> bit) & 1u);
+        before += __popc(m & below) << bit;
+        total += __popc(m) << bit;
+      }
+      uint32_t slot = 0;
+      if (lane == 0) slot = atomicAdd(dst_count, total);
+      slot = __shfl_sync(radix::kFullMask, slot, 0) + before;
+      while (bits != 0u) {
+        const int b = __ffs(bits) - 1;
+        bits &= bits - 1u;
+        if (slot < static_cast<uint32_t>(kCap)) {
+          dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
+          dst_col[slot] = static_cast<uint32_t>((base + (b / kVec) * 32 + lane) * kVec + (b % kVec) - mis);
+        }
+        ++slot;
+      }
+    };
+    auto filter = [&](int vb0, int vb1, uint32_t kmin, uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
+      const bool all = kmin == 0u;
+      const float bound = key_floor_value<kElemBytes>(kmin);
+      // Warp-uniform trip counts; buf_a holds the first step (prefetch).
+#pragma unroll 1
+      for (int base = vb0 + warp * 32 * kUnroll; base < vb1; base += 2 * kStep) {
+        load_step(buf_b, base + kStep, vb1);
+        filter_step(buf_a, base, vb1, all, bound, dst_count, dst_key, dst_col);
+        if (base + kStep >= vb1) break;
+        load_step(buf_a, base + 2 * kStep, vb1);
+        filter_step(buf_b, base + kStep, vb1, all, bound, dst_count, dst_key, dst_col);
+      }
+    };
+
+    // ---- 1. threshold (every CTA of the cluster computes the same kmin)
+    prefetch(v_begin, v_end);
+    uint32_t kmin = 0;
+    if (n > TopkLayout::kSampleMinKeys) {
+      // sample vector t of this thread: (tid + t * kThreads) * stride, stride = num_vecs / m_v >= 1
+      const int s_v = L.sample_vecs_per_thread(n);
+      const int m_v = s_v * kThreads;  // <= num_vecs: n > kSampleMinKeys
+      const int stride = num_vecs / m_v;
+      uint4 sample[kSampleVecs];
+      uint32_t sample_valid = 0;  // bit t * kVec + c
+#pragma unroll
+      for (int t = 0; t < kSampleVecs; ++t) {
+        const int v = (tid + t * kThreads) * stride;
+        sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+        sample_valid |= (t < s_v ? valid_bits(v) : 0u) << (t * kVec);
+      }
+      tr.mark<0>(static_cast<int>(sample[0].x));
+      const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
+      RadixState st;
+      st.k_rem = j;
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+#pragma unroll
+          for (int t = 0; t < kSampleVecs; ++t) {
+#pragma unroll
+            for (int c = 0; c < kVec; ++c)
+              add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)), (sample_valid >> (t * kVec + c)) & 1u);
+          }
+        });
+        // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
+        // that is at most half the buffer (decode-sized rows), else refine by a second digit.
+        if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
+          break;
+      }
+      kmin = st.prefix;
+      tr.mark<1>();
+    }
+
+    // ---- 2. filter this CTA's share into the buffer and counter of CTA 0 of the cluster
+    if constexpr (kCluster)
+      filter(v_begin, v_end, kmin, cluster.map_shared_rank(count, 0), cluster.map_shared_rank(cand_key, 0),
+             cluster.map_shared_rank(cand_col, 0));
+    else
+      filter(v_begin, v_end, kmin, count, cand_key, cand_col);
+    tr.mark<2>();
+    row_sync();  // every survivor of the cluster is in CTA 0
+    tr.mark<3>();
+
+    if (rank() == 0) {
+      uint32_t ns = *count;
+      // ---- 3. the selection's threshold: prefix over the resolved bits `mask`, the keys above it
+      // (`greater`), how many keys equal to it to take (`take_eq`); `whole`: every equal key is taken.
+      uint32_t prefix = 0, mask = 0, greater = 0, take_eq = ns;
+      bool whole = true, eq_from_row = false;
+      if (first_ns < 0) first_ns = static_cast<int>(ns);
+      const uint64_t fallback_t0 = tr.now();
+      if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
+        // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
+        RadixState st;
+        st.k_rem = static_cast<uint32_t>(k);
+        uint32_t count_ge = 0;
+#pragma unroll 1
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+            for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
+              const int v = vb + lane;
+              const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+              const uint32_t valid = v < num_vecs ? valid_bits(v) : 0u;
+#pragma unroll
+              for (int c = 0; c < kVec; ++c) add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)), (valid >> c) & 1u);
+            }
+          });
+          count_ge = st.greater + kb.count;
+          if (count_ge <= static_cast<uint32_t>(kCap)) break;
+        }
+        // NOTES: count_ge > kCap only after the last digit: more keys equal the threshold key than
+        // the buffer holds. The buffer then takes the keys above it; the equal ones come from the row.
+        eq_from_row = count_ge > static_cast<uint32_t>(kCap);
+        if (tid == 0) *count = 0;
+        __syncthreads();
+        prefetch(0, num_vecs);
+        filter(0, num_vecs, eq_from_row ? st.prefix + 1u : st.prefix, count, cand_key, cand_col);
+        __syncthreads();
+        ns = *count;
+        DI_TOPK_ASSERT(ns == (eq_from_row ? st.greater : count_ge));
+        if (eq_from_row) {
+          DI_TOPK_ASSERT(st.mask == kFullKeyMask);
+          prefix = st.prefix;
+          mask = st.mask;
+          greater = st.greater;
+          take_eq = st.k_rem;
+          whole = false;
+        } else {
+          take_eq = ns;
+        }
+        tr.add_since<7>(fallback_t0);
+      }
+      if (!eq_from_row && ns > static_cast<uint32_t>(k)) {
+        // Radix select of the k-th key over the buffer (its first pass turns the raw bits into keys,
+        // in place); stops once the k-th key's bin is taken whole.
+        RadixState st;
+        st.k_rem = static_cast<uint32_t>(k);
+        whole = false;
+#pragma unroll 1
+        for (int pass = 0; pass < kPasses && !whole; ++pass) {
+          const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+            for (uint32_t i = tid; i < ns; i += kThreads) {
+              uint32_t key = cand_key[i];
+              if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
+              add(key, true);
+            }
+          });
+          whole = st.k_rem == kb.count;
+        }
+        prefix = st.prefix;
+        mask = st.mask;
+        greater = st.greater;
+        take_eq = st.k_rem;
       } else {
+        for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
+        __syncthreads();
+      }
+      tr.mark<4>();
+      const uint32_t total = greater + take_eq;
+      DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
+
+      const int64_t seq = r / a.table_next_n;
+      const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
+      int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
+      // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
+      auto store = [&](int pos, int j) {
+        int idx = j;
+        if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
+          idx = lo + j;
+        } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
+          const int blk = j / a.block_size;
+          idx = blk < a.table_cols
+                    ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
+                    : -1;
+        }
+        if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
+        out_row[pos] = idx;
+        if (a.out_values != nullptr) {
+          const int64_t src = static_cast<int64_t>(r) * a.row_stride + lo + j;
+          if constexpr (kElemBytes == 4)
+            static_cast<uint32_t*>(a.out_values)[r * a.values_stride + pos] =
+                __ldg(static_cast<const uint32_t*>(a.logits) + src);
+          else
+            static_cast<uint16_t*>(a.out_values)[r * a.values_stride + pos] =
+                __ldg(static_cast<const uint16_t*>(a.logits) + src);
+        }
+      };
+
+      // ---- 4. emission in column order, window by window. An entry's output position is the count
+      // of selected columns before it: the prefix counts of the plane words before its word (a
+      // block scan, kept in `word_prefix`, in the histogram that is not clean) plus its word's lower
+      // bits. The planes are clean when a row starts (cleared after the previous row's emission).
+      // NOTES: unsorted output is staged by position in `hist` (zero and idle here: the last radix
+      // pass counted into the other half; kMaxK words fit), then stored in coalesced runs and the
+      // histogram cleared again (every radix pass starts from a zero `hist`).
+      static_assert(TopkLayout::kMaxK <= kBins, "the staged output fits the histogram");
+      uint32_t* stage = hist;
+      auto emit = [&](uint32_t pos, int j, uint32_t key) {
+        DI_TOPK_ASSERT(pos < total);
+        if (pos >= total) return;  // unreachable; never writes out of bounds
+        if constexpr (kSorted)
+          sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+        else
+          stage[pos] = static_cast<uint32_t>(j);
+      };
+      uint32_t* word_prefix = hist_next;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
+      static_assert(TopkLayout::kWindowWords <= kBins, "word prefixes fit the histogram");
+      uint32_t gt_base = 0, eq_base = 0;
+#pragma unroll 1
+      for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
+        const uint32_t wn = static_cast<uint32_t>(min(TopkLayout::kWindow, n - w0));
+        if (w0 > 0) {
+          for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
+          __syncthreads();
+        }
+        for (uint32_t i = tid; i < ns; i += kThreads) {
+          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+          if (j < wn) {
+            const uint32_t mk = cand_key[i] & mask;
+            if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
+            else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
+          }
+        }
+        if (eq_from_row) {
+          const int vw0 = (w0 + mis) / kVec, vw1 = (w0 + static_cast<int>(wn) - 1 + mis) / kVec + 1;
+          for (int v = vw0 + tid; v < vw1; v += kThreads) {
+            const uint4 raw = __ldg(row_vec + v);
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              const uint32_t j = static_cast<uint32_t>(v * kVec + c - mis - w0);
+              if (j < wn && radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)) == prefix)
+                atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
+            }
+          }
+        }
+        __syncthreads();
+        // Block scan of the words' (above, equal) counts, packed in 16-bit halves (< 65536 columns).
+        uint32_t gw[TopkLayout::kWordsPerThread], ew[TopkLayout::kWordsPerThread], cnt[TopkLayout::kWordsPerThread];
+        uint32_t mine = 0;
+#pragma unroll
+        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
+          gw[q] = plane_gt[tid * TopkLayout::kWordsPerThread + q];
+          ew[q] = plane_eq[tid * TopkLayout::kWordsPerThread + q];
+          cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
+          mine += cnt[q];
+        }
+        const uint32_t incl = radix::warp_prefix_sum(mine);
+        if (lane == 31) warp_sums[warp] = incl;
+        __syncthreads();
+        uint32_t all;
+        uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
+#pragma unroll
+        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
+          word_prefix[tid * TopkLayout::kWordsPerThread + q] = before;
+          if (eq_from_row) {
+            // the equal keys are not in the buffer: walk this word's bits in column order
+            uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
+            uint32_t bits = gw[q] | ew[q];
+            while (bits != 0u) {
+              const int b = __ffs(bits) - 1;
+              bits &= bits - 1u;
+              const bool is_gt = (gw[q] >> b) & 1u;
+              if (!is_gt && e_before < take_eq)
+                emit(g_before + e_before, w0 + (tid * TopkLayout::kWordsPerThread + q) * 32 + b, prefix);
+              g_before += is_gt;
+              e_before += !is_gt;
+            }
+          }
+          before += cnt[q];
+        }
+        __syncthreads();
+        for (uint32_t i = tid; i < ns; i += kThreads) {
+          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+          if (j < wn) {
+            const uint32_t key = cand_key[i], mk = key & mask;
+            const bool is_gt = mk > prefix || (mk == prefix && whole);
+            if (is_gt || mk == prefix) {
+              const uint32_t word = j >> 5, lower = (1u << (j & 31)) - 1u, wp = word_prefix[word];
+              const uint32_t g_before = gt_base + (wp & 0xFFFFu) + __popc(plane_gt[word] & lower);
+              const uint32_t e_before = eq_base + (wp >> 16) + __popc(plane_eq[word] & lower);
+              if (is_gt || e_before < take_eq) emit(g_before + min(e_before, take_eq), static_cast<int>(j) + w0, key);
+            }
+          }
+        }
+        gt_base += all & 0xFFFFu;
+        eq_base += all >> 16;
+        __syncthreads();  // planes, word prefixes and warp sums are reused
+      }
+      if constexpr (!kSorted) {
+        // every position is staged: each emit is followed by the window loop's closing barrier
+        for (int p = tid; p < static_cast<int>(total); p += kThreads) {
+          store(p, static_cast<int>(stage[p]));
+          stage[p] = 0u;
+        }
+      }
+      for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;  // for the next row
+      DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
+      tr.mark<5>();
+
+      if constexpr (kSorted) {
         // Bitonic sort (descending) of the composite keys: key, then smaller column first.
         int size = 1;
         while (size < static_cast<int>(total)) size <<= 1;
@@ -292,7 +573,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         for (int p = tid; p < static_cast<int>(total); p += kThreads)
           store(p, static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(sort_buf[p] & 0xFFFFFFFFull)));
       }
-      int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
+
+      // ---- padding
       for (int p = static_cast<int>(total) + tid; p < k; p += kThreads) {
         out_row[p] = -1;
         if (a.out_values != nullptr) {
@@ -302,376 +584,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
             static_cast<uint16_t*>(a.out_values)[r * a.values_stride + p] = static_cast<uint16_t>(kNegInfBits);
         }
       }
-    };
-
-    if (!kCluster && kResidentVecs > 0 && num_vecs <= kThreads * kResidentVecs) {
-      // ---- resident row: thread i owns vectors [i * kResidentVecs, (i + 1) * kResidentVecs), kept
-      // as keys in the idle survivor buffer (its key and column arrays); an exact radix select over
-      // them, then every output position from one block scan of the owners' (above, equal) counts
-      // in column order (ties to the smaller column).
-      // NOTES: the row is read coalesced (vector t * kThreads + i by thread i) and stored at
-      // rslot(owner, slot), whose 16-byte unit is rotated by the owner so that consecutive owners
-      // reading one slot, and consecutive vectors being stored, mostly hit distinct banks.
-      uint4* rkeys = reinterpret_cast<uint4*>(cand_key);
-      auto rslot = [&](int owner, int slot) {
-        return owner * kResidentVecs + (slot + owner * kResidentVecs / 8) % kResidentVecs;
-      };
-#pragma unroll
-      for (int t = 0; t < kResidentVecs; ++t) {
-        const int v = t * kThreads + tid;
-        const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-        if (t == 0) tr.mark<0>(static_cast<int>(raw.x));
-        uint32_t e[kVec];
-        radix::unpack<kElemBytes>(raw, e);
-#pragma unroll
-        for (int c = 0; c < kVec; ++c) e[c] = radix::to_key<kElemBytes>(e[c]);
-        rkeys[rslot(v / kResidentVecs, v % kResidentVecs)] = radix::pack<kElemBytes>(e);
-      }
-      uint32_t rvalid = 0;  // bit t * kVec + c: element c of the owner's vector t is a column of the row
-#pragma unroll
-      for (int t = 0; t < kResidentVecs; ++t) {
-        const int v = tid * kResidentVecs + t;
-        rvalid |= (v < num_vecs ? valid_bits(v) : 0u) << (t * kVec);
-      }
-      __syncthreads();
-      auto for_each_key = [&](auto&& f) {
-#pragma unroll 1
-        for (int t = 0; t < kResidentVecs; ++t) {
-          const uint4 kv = rkeys[rslot(tid, t)];
-#pragma unroll
-          for (int c = 0; c < kVec; ++c) f(raw_at<kElemBytes>(kv, c), (rvalid >> (t * kVec + c)) & 1u, t * kVec + c);
-        }
-      };
-      // n <= k: every valid key (prefix = mask = 0 matches all of them, taken whole)
-      RadixState st;
-      st.k_rem = static_cast<uint32_t>(min(k, n));
-      bool whole = n <= k;
-#pragma unroll 1
-      for (int pass = 0; pass < kPasses && !whole; ++pass) {
-        const radix::KthBin kb =
-            radix_pass(pass, st, [&](auto&& add) { for_each_key([&](uint32_t key, bool valid, int) { add(key, valid); }); });
-        whole = st.k_rem == kb.count;
-      }
-      total = st.greater + st.k_rem;
-      DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
-      tr.mark<4>();
-      auto is_gt = [&](uint32_t key) { return (key & st.mask) > st.prefix || ((key & st.mask) == st.prefix && whole); };
-      uint32_t mine = 0;  // (above, equal) in 16-bit halves: <= 16384 columns per row
-      for_each_key([&](uint32_t key, bool valid, int) {
-        if (valid) mine += is_gt(key) ? 1u : (key & st.mask) == st.prefix ? 0x10000u : 0u;
-      });
-      const uint32_t incl = radix::warp_prefix_sum(mine);
-      if (lane == 31) warp_sums[warp] = incl;
-      __syncthreads();
-      uint32_t all;
-      const uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
-      uint32_t g_before = before & 0xFFFFu, e_before = before >> 16;
-      const int col0 = tid * kResidentVecs * kVec - mis;
-      for_each_key([&](uint32_t key, bool valid, int i) {
-        if (!valid) return;
-        if (is_gt(key)) {
-          emit(g_before + min(e_before, st.k_rem), col0 + i, key);
-          ++g_before;
-        } else if ((key & st.mask) == st.prefix) {
-          if (e_before < st.k_rem) emit(g_before + e_before, col0 + i, key);
-          ++e_before;
-        }
-      });
-      __syncthreads();
-      tr.mark<5>();
-      finish_row();
-    } else {  // ---- long row
-
-      // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
-      // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
-      // every key) to `dst_*`. Two register buffers alternate: one step's loads are in flight while
-      // the other step is filtered.
-      constexpr int kStep = kThreads * kUnroll;
-      constexpr uint32_t kVecMask = (1u << kVec) - 1u;
-      constexpr int kCountBits = kUnroll * kVec >= 16 ? 5 : 4;  // bits of a thread's count (<= kUnroll * kVec)
-      static_assert(kUnroll == 2, "raw_of_pair reads a step of two vectors");
-      uint4 buf_a[kUnroll], buf_b[kUnroll];
-      auto load_step = [&](uint4 (&buf)[kUnroll], int base, int vb1) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = base + u * 32 + lane;
-          buf[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-        }
-      };
-      auto prefetch = [&](int vb0, int vb1) { load_step(buf_a, vb0 + warp * 32 * kUnroll, vb1); };
-      auto filter_step = [&](const uint4 (&buf)[kUnroll], int base, int vb1, bool all, float bound,
-                             uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
-        uint32_t bits = 0;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = base + u * 32 + lane;
-          uint32_t pass = 0;
-          if (v < vb1) pass = v > 0 && v < num_vecs - 1 ? kVecMask : valid_bits(v);  // interior vectors are whole
-          if (!all) {
-#pragma unroll
-            for (int c = 0; c < kVec; ++c)
-              pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(buf[u], c) >= bound)) << c);
-          }
-          bits |= pass << (u * kVec);
-        }
-        if (!__any_sync(radix::kFullMask, bits != 0u)) return;
-        // this lane's first slot: the warp's exclusive prefix of the counts, from ballots of their bits
-        const uint32_t my = __popc(bits), below = (1u << lane) - 1u;
-        uint32_t before = 0, total = 0;
-#pragma unroll
-        for (int bit = 0; bit < kCountBits; ++bit) {
-          const uint32_t m = __ballot_sync(radix::kFullMask, (my >> bit) & 1u);
-          before += __popc(m & below) << bit;
-          total += __popc(m) << bit;
-        }
-        uint32_t slot = 0;
-        if (lane == 0) slot = atomicAdd(dst_count, total);
-        slot = __shfl_sync(radix::kFullMask, slot, 0) + before;
-        while (bits != 0u) {
-          const int b = __ffs(bits) - 1;
-          bits &= bits - 1u;
-          if (slot < static_cast<uint32_t>(kCap)) {
-            dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
-            dst_col[slot] = static_cast<uint32_t>((base + (b / kVec) * 32 + lane) * kVec + (b % kVec) - mis);
-          }
-          ++slot;
-        }
-      };
-      auto filter = [&](int vb0, int vb1, uint32_t kmin, uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
-        const bool all = kmin == 0u;
-        const float bound = key_floor_value<kElemBytes>(kmin);
-        // Warp-uniform trip counts; buf_a holds the first step (prefetch).
-#pragma unroll 1
-        for (int base = vb0 + warp * 32 * kUnroll; base < vb1; base += 2 * kStep) {
-          load_step(buf_b, base + kStep, vb1);
-          filter_step(buf_a, base, vb1, all, bound, dst_count, dst_key, dst_col);
-          if (base + kStep >= vb1) break;
-          load_step(buf_a, base + 2 * kStep, vb1);
-          filter_step(buf_b, base + kStep, vb1, all, bound, dst_count, dst_key, dst_col);
-        }
-      };
-
-      // ---- 1. threshold (every CTA of the cluster computes the same kmin)
-      prefetch(v_begin, v_end);
-      uint32_t kmin = 0;
-      if (n > TopkLayout::kSampleMinKeys) {
-        // sample vector t of this thread: (tid + t * kThreads) * stride, stride = num_vecs / m_v >= 1
-        const int s_v = L.sample_vecs_per_thread(n);
-        const int m_v = s_v * kThreads;  // <= num_vecs: n > kSampleMinKeys
-        const int stride = num_vecs / m_v;
-        uint4 sample[kSampleVecs];
-        uint32_t sample_valid = 0;  // bit t * kVec + c
-#pragma unroll
-        for (int t = 0; t < kSampleVecs; ++t) {
-          const int v = (tid + t * kThreads) * stride;
-          sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-          sample_valid |= (t < s_v ? valid_bits(v) : 0u) << (t * kVec);
-        }
-        tr.mark<0>(static_cast<int>(sample[0].x));
-        const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
-        RadixState st;
-        st.k_rem = j;
-#pragma unroll 1
-        for (int pass = 0; pass < 2; ++pass) {
-          const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-#pragma unroll
-            for (int t = 0; t < kSampleVecs; ++t) {
-#pragma unroll
-              for (int c = 0; c < kVec; ++c)
-                add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)), (sample_valid >> (t * kVec + c)) & 1u);
-            }
-          });
-          // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
-          // that is at most half the buffer (decode-sized rows), else refine by a second digit.
-          if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
-            break;
-        }
-        kmin = st.prefix;
-        tr.mark<1>();
-      }
-
-      // ---- 2. filter this CTA's share into the buffer and counter of CTA 0 of the cluster
-      if constexpr (kCluster)
-        filter(v_begin, v_end, kmin, cluster.map_shared_rank(count, 0), cluster.map_shared_rank(cand_key, 0),
-               cluster.map_shared_rank(cand_col, 0));
-      else
-        filter(v_begin, v_end, kmin, count, cand_key, cand_col);
-      tr.mark<2>();
-      row_sync();  // every survivor of the cluster is in CTA 0
-      tr.mark<3>();
-
-      if (rank() == 0) {
-        uint32_t ns = *count;
-        // ---- 3. the selection's threshold: prefix over the resolved bits `mask`, the keys above it
-        // (`greater`), how many keys equal to it to take (`take_eq`); `whole`: every equal key is taken.
-        uint32_t prefix = 0, mask = 0, greater = 0, take_eq = ns;
-        bool whole = true, eq_from_row = false;
-        if (first_ns < 0) first_ns = static_cast<int>(ns);
-        const uint64_t fallback_t0 = tr.now();
-        if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
-          // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
-          RadixState st;
-          st.k_rem = static_cast<uint32_t>(k);
-          uint32_t count_ge = 0;
-#pragma unroll 1
-          for (int pass = 0; pass < kPasses; ++pass) {
-            const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-              for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
-                const int v = vb + lane;
-                const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-                const uint32_t valid = v < num_vecs ? valid_bits(v) : 0u;
-#pragma unroll
-                for (int c = 0; c < kVec; ++c) add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)), (valid >> c) & 1u);
-              }
-            });
-            count_ge = st.greater + kb.count;
-            if (count_ge <= static_cast<uint32_t>(kCap)) break;
-          }
-          // NOTES: count_ge > kCap only after the last digit: more keys equal the threshold key than
-          // the buffer holds. The buffer then takes the keys above it; the equal ones come from the row.
-          eq_from_row = count_ge > static_cast<uint32_t>(kCap);
-          if (tid == 0) *count = 0;
-          __syncthreads();
-          prefetch(0, num_vecs);
-          filter(0, num_vecs, eq_from_row ? st.prefix + 1u : st.prefix, count, cand_key, cand_col);
-          __syncthreads();
-          ns = *count;
-          DI_TOPK_ASSERT(ns == (eq_from_row ? st.greater : count_ge));
-          if (eq_from_row) {
-            DI_TOPK_ASSERT(st.mask == kFullKeyMask);
-            prefix = st.prefix;
-            mask = st.mask;
-            greater = st.greater;
-            take_eq = st.k_rem;
-            whole = false;
-          } else {
-            take_eq = ns;
-          }
-          tr.add_since<7>(fallback_t0);
-        }
-        if (!eq_from_row && ns > static_cast<uint32_t>(k)) {
-          // Radix select of the k-th key over the buffer (its first pass turns the raw bits into keys,
-          // in place); stops once the k-th key's bin is taken whole.
-          RadixState st;
-          st.k_rem = static_cast<uint32_t>(k);
-          whole = false;
-#pragma unroll 1
-          for (int pass = 0; pass < kPasses && !whole; ++pass) {
-            const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-              for (uint32_t i = tid; i < ns; i += kThreads) {
-                uint32_t key = cand_key[i];
-                if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
-                add(key, true);
-              }
-            });
-            whole = st.k_rem == kb.count;
-          }
-          prefix = st.prefix;
-          mask = st.mask;
-          greater = st.greater;
-          take_eq = st.k_rem;
-        } else {
-          for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
-          __syncthreads();
-        }
-        tr.mark<4>();
-        total = greater + take_eq;
-        DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
-
-        // ---- 4. emission in column order, window by window. An entry's output position is the count
-        // of selected columns before it: the prefix counts of the plane words before its word (a
-        // block scan, kept in `word_prefix`, in the histogram that is not clean) plus its word's lower
-        // bits. The planes are clean when a row starts (cleared after the previous row's emission).
-        uint32_t* word_prefix = hist_next;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
-        static_assert(TopkLayout::kWindowWords <= kBins, "word prefixes fit the histogram");
-        uint32_t gt_base = 0, eq_base = 0;
-#pragma unroll 1
-        for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
-          const uint32_t wn = static_cast<uint32_t>(min(TopkLayout::kWindow, n - w0));
-          if (w0 > 0) {
-            for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
-            __syncthreads();
-          }
-          for (uint32_t i = tid; i < ns; i += kThreads) {
-            const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
-            if (j < wn) {
-              const uint32_t mk = cand_key[i] & mask;
-              if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
-              else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
-            }
-          }
-          if (eq_from_row) {
-            const int vw0 = (w0 + mis) / kVec, vw1 = (w0 + static_cast<int>(wn) - 1 + mis) / kVec + 1;
-            for (int v = vw0 + tid; v < vw1; v += kThreads) {
-              const uint4 raw = __ldg(row_vec + v);
-#pragma unroll
-              for (int c = 0; c < kVec; ++c) {
-                const uint32_t j = static_cast<uint32_t>(v * kVec + c - mis - w0);
-                if (j < wn && radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)) == prefix)
-                  atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
-              }
-            }
-          }
-          __syncthreads();
-          // Block scan of the words' (above, equal) counts, packed in 16-bit halves (< 65536 columns).
-          uint32_t gw[TopkLayout::kWordsPerThread], ew[TopkLayout::kWordsPerThread], cnt[TopkLayout::kWordsPerThread];
-          uint32_t mine = 0;
-#pragma unroll
-          for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
-            gw[q] = plane_gt[tid * TopkLayout::kWordsPerThread + q];
-            ew[q] = plane_eq[tid * TopkLayout::kWordsPerThread + q];
-            cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
-            mine += cnt[q];
-          }
-          const uint32_t incl = radix::warp_prefix_sum(mine);
-          if (lane == 31) warp_sums[warp] = incl;
-          __syncthreads();
-          uint32_t all;
-          uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
-#pragma unroll
-          for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
-            word_prefix[tid * TopkLayout::kWordsPerThread + q] = before;
-            if (eq_from_row) {
-              // the equal keys are not in the buffer: walk this word's bits in column order
-              uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
-              uint32_t bits = gw[q] | ew[q];
-              while (bits != 0u) {
-                const int b = __ffs(bits) - 1;
-                bits &= bits - 1u;
-                const bool is_gt = (gw[q] >> b) & 1u;
-                if (!is_gt && e_before < take_eq)
-                  emit(g_before + e_before, w0 + (tid * TopkLayout::kWordsPerThread + q) * 32 + b, prefix);
-                g_before += is_gt;
-                e_before += !is_gt;
-              }
-            }
-            before += cnt[q];
-          }
-          __syncthreads();
-          for (uint32_t i = tid; i < ns; i += kThreads) {
-            const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
-            if (j < wn) {
-              const uint32_t key = cand_key[i], mk = key & mask;
-              const bool is_gt = mk > prefix || (mk == prefix && whole);
-              if (is_gt || mk == prefix) {
-                const uint32_t word = j >> 5, lower = (1u << (j & 31)) - 1u, wp = word_prefix[word];
-                const uint32_t g_before = gt_base + (wp & 0xFFFFu) + __popc(plane_gt[word] & lower);
-                const uint32_t e_before = eq_base + (wp >> 16) + __popc(plane_eq[word] & lower);
-                if (is_gt || e_before < take_eq) emit(g_before + min(e_before, take_eq), static_cast<int>(j) + w0, key);
-              }
-            }
-          }
-          gt_base += all & 0xFFFFu;
-          eq_base += all >> 16;
-          __syncthreads();  // planes, word prefixes and warp sums are reused
-        }
-        for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;  // for the next row
-        DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
-        tr.mark<5>();
-        finish_row();  // every emit is followed by the window loop's closing barrier
-        __syncthreads();  // every read of the counter and the buffer is done
-        if (tid == 0) *count = 0;
-      }
+      __syncthreads();  // every read of the counter and the buffer is done
+      if (tid == 0) *count = 0;
     }
     row_sync();  // CTA 0's buffer and counter are reused by the next row
     tr.mark<6>();

@@ -14,13 +14,6 @@ struct TopkLayout {
   static constexpr int kCtasPerSm = 2;      // 64 registers per thread; smem_bytes() <= half an SM
   static constexpr int kVecBytes = 16;      // one uint4 of logits per lane access
   static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
-  // Rows of at most kResidentKeys keys (in whole vectors: resident_vecs() per thread) are held as
-  // keys in the survivor buffer's memory and selected without the sample, the filter and the
-  // buffer (one CTA per row).
-#ifndef DI_TOPK_RESIDENT_KEYS
-#define DI_TOPK_RESIDENT_KEYS 12288
-#endif
-  static constexpr int kResidentKeys = DI_TOPK_RESIDENT_KEYS;
   // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
   static constexpr int kCandCap = 8192;
   // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
@@ -39,7 +32,6 @@ struct TopkLayout {
   bool sorted;     // a [kMaxK] uint64 sort buffer
 
   DI_HOST_DEVICE constexpr int vec() const { return kVecBytes / elem_bytes; }
-  DI_HOST_DEVICE constexpr int resident_vecs() const { return kResidentKeys / (kNumThreads * vec()); }
   // Digit schedule, most significant first: float32 11/11/10 bits, bfloat16 11/5 bits.
   DI_HOST_DEVICE constexpr int num_passes() const { return elem_bytes == 4 ? 3 : 2; }
   DI_HOST_DEVICE constexpr int digit_shift(int pass) const {
