@@ -187,7 +187,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("topk_indices", &topk_indices, py::arg("logits"), py::arg("k"), py::arg("cu_seq_len_k_start"),
         py::arg("cu_seq_len_k_end"), py::arg("context_lens"), py::arg("next_n"), py::arg("sorted"),
         py::arg("index_mode"), py::arg("block_table"), py::arg("block_size"), py::arg("row_offset"),
-        py::arg("return_values"), py::arg("out"), py::arg("out_values"));
+        py::arg("return_values"), py::arg("out"), py::arg("out_values"), py::arg("indices") = py::none());
   m.def("bf16_indexer_logits", &bf16_indexer_logits, py::arg("q"), py::arg("k"), py::arg("weights"), py::arg("ks"),
         py::arg("ke"), py::arg("out"), py::arg("clean") = true);
   m.def("bf16_training_target", &bf16_training_target, py::arg("q"), py::arg("k"), py::arg("lse"), py::arg("ks"),

@@ -167,6 +167,7 @@ def topk_indices(
     return_values: bool = False,
     out: Optional[torch.Tensor] = None,
     out_values: Optional[torch.Tensor] = None,
+    indices: Optional[torch.Tensor] = None,
 ):
     """Exact, deterministic top-k column indices of every row of `logits` (see docs/topk.md).
 
@@ -181,7 +182,9 @@ def topk_indices(
     index_mode: "relative" (j - row start), "absolute" (j) or "slot" (p = j - row start ->
     block_table[seq, p // block_size] * block_size + p % block_size, seq = row // next_n; -1 past
     the table's columns). row_offset int32 [M] is added to every index != -1. out / out_values:
-    preallocated outputs ([M, k], stride(1) == 1) for CUDA graphs.
+    preallocated outputs ([M, k], stride(1) == 1) for CUDA graphs. indices (varlen decode, next_n = 1):
+    int32 [M] request id per row; with index_mode="slot" row r maps through the block-table row of
+    the first row of its run of equal ids (as fp8_paged_mqa_logits reads the cache).
     """
     if _compiling():
         if out is None:
@@ -190,11 +193,11 @@ def topk_indices(
             out_values = logits.new_empty((logits.shape[0], k))
         _ops().topk_indices_out(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, sorted,
                                 index_mode, block_table, 0 if block_size is None else block_size, row_offset, out,
-                                out_values if return_values else None)
+                                out_values if return_values else None, indices)
         return (out, out_values) if return_values else out
     res = _C.topk_indices(logits, int(k), cu_seq_len_k_start, cu_seq_len_k_end, context_lens, int(next_n),
                           bool(sorted), str(index_mode), block_table, 0 if block_size is None else int(block_size),
-                          row_offset, bool(return_values), out, out_values)
+                          row_offset, bool(return_values), out, out_values, indices)
     return (res[0], res[1]) if return_values else res[0]
 
 
@@ -244,6 +247,7 @@ def fp8_paged_mqa_topk_indices(
     workspace: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     out_values: Optional[torch.Tensor] = None,
+    indices: Optional[torch.Tensor] = None,
 ):
     """Decode indexer -> top-k in one call: fp8_paged_mqa_logits (clean_logits=False) into
     `workspace`, then topk_indices with the decode row grouping of `context_lens` ([B] or
@@ -251,17 +255,20 @@ def fp8_paged_mqa_topk_indices(
 
     index_mode "slot" maps through `block_table` with block_size = kv_cache.shape[1]. `workspace`
     (from topk_workspace(B * next_n, >= max_context_len, logits_dtype)) is reused across calls;
-    without it a buffer is allocated per call (pass one for CUDA graphs). The logits still go
-    through memory once (a fused kernel that keeps them on chip is future work).
+    without it a buffer is allocated per call (pass one for CUDA graphs). indices: varlen batches, as
+    in fp8_paged_mqa_logits (q [R, 1, H, D]; "slot" maps each row through the block-table row of its
+    run's first row). The logits still go through memory once (a fused kernel that keeps them on
+    chip is future work).
     """
     rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
     logits = _logits_workspace(q, rows, int(max_context_len), logits_dtype, workspace, "fp8_paged_mqa_topk_indices")
     fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, False,
-                         logits_dtype=logits_dtype, out=logits)
+                         logits_dtype=logits_dtype, out=logits, indices=indices)
     slot = index_mode == "slot"
     return topk_indices(logits, k, context_lens=context_lens, next_n=q.shape[1], sorted=sorted, index_mode=index_mode,
                         block_table=block_table if slot else None, block_size=kv_cache.shape[1] if slot else None,
-                        row_offset=row_offset, return_values=return_values, out=out, out_values=out_values)
+                        row_offset=row_offset, return_values=return_values, out=out, out_values=out_values,
+                        indices=indices)
 
 
 def fp8_mqa_topk_indices(

@@ -379,6 +379,7 @@ def topk_indices(
     block_size: int | None = None,
     row_offset: torch.Tensor | None = None,
     return_values: bool = False,
+    indices: torch.Tensor | None = None,
 ):
     """Exact top-k of every row's valid range (the rule deep_indexer.topk_indices implements).
 
@@ -387,7 +388,8 @@ def topk_indices(
     (sorted=True). Rows with n < k valid keys return all n, then -1 (values -inf). Index p of
     column j in a row [lo, hi) of group g = r // next_n: relative j - lo, absolute j, slot
     block_table[g, p // bs] * bs + p % bs with p = j - lo (-1 when p // bs is past the table);
-    then + row_offset[r] (int32 arithmetic) for every index != -1.
+    then + row_offset[r] (int32 arithmetic) for every index != -1. indices (varlen, next_n = 1): int32
+    [M] request ids; the slot of row r uses the block-table row of the first row of its run of equal ids.
     """
     lg = _check("logits", logits, dtypes=_LOGITS_DTYPES, ndim=2)
     m, n = lg.shape
@@ -406,6 +408,13 @@ def topk_indices(
         _check_int("block_size", block_size, min_value=1)
     if row_offset is not None:
         _check("row_offset", row_offset, dtypes=(torch.int32,), shape=(m,), device=dev)
+    table_row = [r // next_n for r in range(m)]
+    if indices is not None:
+        if next_n != 1:
+            raise ValueError(f"next_n: expected 1 with indices (varlen), got {next_n}")
+        ids = _check("indices", indices, dtypes=(torch.int32,), shape=(m,), device=dev).cpu().tolist()
+        for r in range(1, m):
+            table_row[r] = table_row[r - 1] if ids[r] == ids[r - 1] else r
     idx_out = torch.full((m, k), -1, dtype=torch.int32, device=dev)
     val_out = torch.full((m, k), _NEG_INF, dtype=lg.dtype, device=dev)
     for r in range(m):
@@ -425,7 +434,7 @@ def topk_indices(
         else:
             blk = p // block_size
             ok = blk < bt.shape[1]
-            phys = bt[r // next_n, blk.clamp(max=max(bt.shape[1] - 1, 0))].long() if bt.shape[1] else torch.zeros_like(p)
+            phys = bt[table_row[r], blk.clamp(max=max(bt.shape[1] - 1, 0))].long() if bt.shape[1] else torch.zeros_like(p)
             idx = torch.where(ok, phys * block_size + p % block_size, torch.full_like(p, -1))
         if row_offset is not None:
             idx = torch.where(idx != -1, idx + int(row_offset[r]), idx)

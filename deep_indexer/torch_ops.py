@@ -121,24 +121,24 @@ def _(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n=1):
 def topk_indices_out(logits: Tensor, k: int, cu_seq_len_k_start: Optional[Tensor], cu_seq_len_k_end: Optional[Tensor],
                      context_lens: Optional[Tensor], next_n: int, sorted: bool, index_mode: str,
                      block_table: Optional[Tensor], block_size: int, row_offset: Optional[Tensor], out: Tensor,
-                     out_values: Optional[Tensor]) -> None:
+                     out_values: Optional[Tensor], indices: Optional[Tensor] = None) -> None:
     _C.topk_indices(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, sorted, index_mode,
-                    block_table, block_size, row_offset, out_values is not None, out, out_values)
+                    block_table, block_size, row_offset, out_values is not None, out, out_values, indices)
 
 @topk_indices_out.register_fake
 def _(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, sorted, index_mode, block_table,
-      block_size, row_offset, out, out_values):
+      block_size, row_offset, out, out_values, indices=None):
     return None
 
 @torch.library.custom_op(f"{_LIB}::topk_indices", mutates_args=(), device_types="cuda")
 def topk_indices(logits: Tensor, k: int, cu_seq_len_k_start: Optional[Tensor] = None,
                  cu_seq_len_k_end: Optional[Tensor] = None, context_lens: Optional[Tensor] = None, next_n: int = 1,
                  sorted: bool = False, index_mode: str = "relative", block_table: Optional[Tensor] = None,
-                 block_size: int = 0, row_offset: Optional[Tensor] = None) -> Tensor:
+                 block_size: int = 0, row_offset: Optional[Tensor] = None, indices: Optional[Tensor] = None) -> Tensor:
     return _C.topk_indices(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, sorted, index_mode,
-                           block_table, block_size, row_offset, False, None, None)[0]
+                           block_table, block_size, row_offset, False, None, None, indices)[0]
 
 @topk_indices.register_fake
 def _(logits, k, cu_seq_len_k_start=None, cu_seq_len_k_end=None, context_lens=None, next_n=1, sorted=False,
-      index_mode="relative", block_table=None, block_size=0, row_offset=None):
+      index_mode="relative", block_table=None, block_size=0, row_offset=None, indices=None):
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)

@@ -357,6 +357,38 @@ def test_reference_ranges_modes_and_padding():
     assert torch.equal(s, exp)
 
 
+def _varlen_ids(runs, gen):
+    """int32 request ids with consecutive runs of the given lengths (neighbouring runs differ)."""
+    ids, prev = [], None
+    for n in runs:
+        rid = prev
+        while rid == prev:
+            rid = int(torch.randint(-2**31, 2**31 - 1, (1,), generator=gen))
+        ids += [rid] * n
+        prev = rid
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def test_reference_varlen_slot_uses_the_runs_first_table_row():
+    gen = torch.Generator().manual_seed(3)
+    runs = [1, 3, 40, 2, 1]
+    m, n, bs = sum(runs), 300, 16
+    ids = _varlen_ids(runs, gen)
+    x = torch.randn(m, n, generator=gen)
+    ctx = torch.randint(0, n + 1, (m,), generator=gen, dtype=torch.int32)
+    bt = torch.randint(0, 10000, (m, n // bs + 1), generator=gen, dtype=torch.int32)
+    first = torch.repeat_interleave(torch.tensor([sum(runs[:i]) for i in range(len(runs))]), torch.tensor(runs))
+    got = reference.topk_indices(x, 64, context_lens=ctx, index_mode="slot", block_table=bt, block_size=bs, indices=ids)
+    want = reference.topk_indices(x, 64, context_lens=ctx, index_mode="slot", block_table=bt[first], block_size=bs)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, reference.topk_indices(x, 64, context_lens=ctx, index_mode="slot", block_table=bt,
+                                                       block_size=bs))
+    # the ids do not change the other modes
+    for mode in ("relative", "absolute"):
+        assert torch.equal(reference.topk_indices(x, 64, context_lens=ctx, index_mode=mode, indices=ids),
+                           reference.topk_indices(x, 64, context_lens=ctx, index_mode=mode))
+
+
 # ------------------------------------------------------------------------------------ validation (CPU tensors)
 def _args(m=4, n=64):
     return torch.randn(m, n), torch.full((m,), n, dtype=torch.int32)
@@ -403,6 +435,13 @@ def test_validation_arguments():
         di.topk_indices(x, 4, None, ke, return_values=True, out_values=torch.zeros(4, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="needs return_values"):
         di.topk_indices(x, 4, None, ke, out_values=torch.zeros(4, 4))
+    ids = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="next_n must be 1"):
+        di.topk_indices(x, 4, context_lens=ke[:2], next_n=2, indices=ids)
+    with pytest.raises(ValueError, match="indices must have shape"):
+        di.topk_indices(x, 4, None, ke, indices=ids[:3])
+    with pytest.raises(ValueError, match="indices must have dtype"):
+        di.topk_indices(x, 4, None, ke, indices=ids.long())
     with pytest.raises(ValueError, match="CUDA device"):
         di.topk_indices(x, 4, None, ke)
 
@@ -498,6 +537,31 @@ def test_topk_decode_grouping_and_modes(next_n, two_d, mode):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("runs", [[1] * 7, [2, 5, 1, 3], [40, 1, 70, 3]], ids=["ones", "mixed", "long_runs"])
+@pytest.mark.parametrize("cluster", ["0", "4"])
+def test_topk_varlen_slot(monkeypatch, runs, cluster):
+    # a row's block-table row is the first row of its run of equal ids (runs longer than the 32-id look-back
+    # window too); the other rows of the table hold garbage that must not be read
+    if cluster != "0":
+        monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
+    gen = torch.Generator().manual_seed(len(runs))
+    m, n, bs = sum(runs), 9000, 32
+    ids = _varlen_ids(runs, gen)
+    x = make_rows("random", m, n, torch.float32, gen)
+    ctx = torch.randint(0, n + 1, (m,), generator=gen, dtype=torch.int32)
+    ctx[0] = n
+    bt = torch.randint(-2**31, 2**31 - 1, (m, n // bs + 1), generator=gen, dtype=torch.int32)
+    starts = [sum(runs[:i]) for i in range(len(runs))]
+    bt[starts] = torch.randint(0, 1 << 20, (len(runs), bt.shape[1]), generator=gen, dtype=torch.int32)
+    off = torch.randint(0, 1000, (m,), generator=gen, dtype=torch.int32)
+    for k in (2048, 100):
+        _check(x, k, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=bs, indices=ids,
+               row_offset=off)
+    _check(x, 512, None, None, context_lens=ctx[:, None].contiguous(), index_mode="relative", indices=ids)
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_topk_deterministic_and_graph_replay():
     gen = torch.Generator().manual_seed(5)
     m, n, k = 64, 8192, 2048
@@ -565,6 +629,69 @@ def test_fused_decode_matches_standalone(next_n, two_d, mode):
                                  block_table=x["block_table"].cpu() if slot else None,
                                  block_size=block_kv if slot else None)
     assert torch.equal(want.cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n,H,D,block_kv", [(3, 32, 64, 32), (8, 16, 128, 64), (5, 128, 64, 32), (1, 32, 128, 32)])
+def test_fused_decode_heads_dims_blocks(next_n, H, D, block_kv):
+    from deep_indexer.bench import decode_inputs
+
+    B, avg, k = 5, 3000, 1024
+    x = decode_inputs(B, next_n, avg, H, D, block_kv, DEV, seed=next_n * H + D)
+    ctx = x["context_lens"]
+    meta = di.get_paged_mqa_logits_metadata(ctx, block_kv)
+    logits = di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                     x["max_context_len"], False)
+    for mode in ("relative", "slot"):
+        slot = mode == "slot"
+        kw = dict(index_mode=mode, block_table=x["block_table"] if slot else None, block_size=block_kv if slot else None)
+        want = di.topk_indices(logits, k, context_lens=ctx, next_n=next_n, **kw)
+        got = di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                            x["max_context_len"], k, index_mode=mode)
+        assert torch.equal(got, want), mode
+        ref = reference.topk_indices(logits.cpu(), k, context_lens=ctx.cpu(), next_n=next_n, index_mode=mode,
+                                     block_table=x["block_table"].cpu() if slot else None,
+                                     block_size=block_kv if slot else None)
+        assert torch.equal(want.cpu(), ref), mode
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("two_d", [False, True])
+def test_fused_decode_varlen(two_d):
+    # varlen rows (indices): one q row per request token, runs of equal ids; the block table's rows other
+    # than each run's first hold garbage
+    from deep_indexer.bench import varlen_inputs
+
+    x = varlen_inputs(6, 37, 3000, 64, 128, 64, DEV, seed=4)  # runs of 37 rows: past the 32-id look-back window
+    ids, ctx, R, k = x["indices"], x["context_lens"], x["q"].shape[0], 2048
+    if two_d:
+        ctx = ctx[:, None].contiguous()
+    table = x["block_table"].clone()
+    junk = torch.ones(R, dtype=torch.bool, device=DEV)
+    junk[::37] = False
+    table[junk] = torch.randint(-2**31, 2**31 - 1, (int(junk.sum()), table.shape[1]), dtype=torch.int32, device=DEV)
+    meta = di.get_paged_mqa_logits_metadata(ctx, 64, indices=ids)
+    logits = di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], ctx, table, meta, x["max_context_len"],
+                                     False, indices=ids)
+    ws = di.topk_workspace(R, x["max_context_len"], device=DEV)
+    for mode in ("relative", "slot"):
+        slot = mode == "slot"
+        kw = dict(index_mode=mode, block_table=table if slot else None, block_size=64 if slot else None)
+        want = di.topk_indices(logits, k, context_lens=ctx, indices=ids, **kw)
+        out = torch.full((R, k), -7, dtype=torch.int32, device=DEV)
+        got = di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], ctx, table, meta,
+                                            x["max_context_len"], k, index_mode=mode, workspace=ws, out=out,
+                                            indices=ids)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got, want), mode
+        ref = reference.topk_indices(logits.cpu(), k, context_lens=ctx.cpu(), index_mode=mode, indices=ids.cpu(),
+                                     block_table=table.cpu() if slot else None, block_size=64 if slot else None)
+        assert torch.equal(want.cpu(), ref), mode
+        if slot:  # every selected slot lies in a block of the request's own (first-row) table
+            req_blocks = set(x["block_table"][::37].flatten().tolist())
+            assert set((got[got >= 0] // 64).tolist()) <= req_blocks
 
 
 @requires_sm90

@@ -20,7 +20,8 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
                                             const std::optional<at::Tensor>& block_table, int64_t block_size,
                                             const std::optional<at::Tensor>& row_offset, bool return_values,
                                             const std::optional<at::Tensor>& out,
-                                            const std::optional<at::Tensor>& out_values) {
+                                            const std::optional<at::Tensor>& out_values,
+                                            const std::optional<at::Tensor>& indices = std::nullopt) {
   constexpr const char* op = "deep_indexer.topk_indices";
   TensorCheck(op, logits, "logits").dtype_in({at::kFloat, at::kBFloat16}).ndim(2).row_major_2d();
   DI_CHECK_ARG(k >= 1 && k <= TopkLayout::kMaxK, "{}: k must be in [1, {}], got {}", op, TopkLayout::kMaxK, k);
@@ -70,6 +71,13 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
                  op, index_mode);
   }
   if (row_offset.has_value()) TensorCheck(op, *row_offset, "row_offset").dtype(at::kInt).shape({m}).contiguous();
+  // Varlen request ids (one q row per request token): with index_mode='slot' a row's block-table row is
+  // the first row of its run of equal ids.
+  if (indices.has_value()) {
+    DI_CHECK_ARG(next_n == 1, "{}: with indices (varlen) every row is its own sequence: next_n must be 1, got {}", op,
+                 next_n);
+    TensorCheck(op, *indices, "indices").dtype(at::kInt).shape({m}).contiguous();
+  }
   if (out.has_value())
     TensorCheck(op, *out, "out").dtype(at::kInt).shape({m, k}).row_major_2d();
   DI_CHECK_ARG(!out_values.has_value() || return_values, "{}: out_values needs return_values=True", op);
@@ -82,6 +90,7 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   if (ks.has_value()) TensorCheck(op, *ks, "cu_seq_len_k_start").on(dev);
   if (block_table.has_value()) TensorCheck(op, *block_table, "block_table").on(dev);
   if (row_offset.has_value()) TensorCheck(op, *row_offset, "row_offset").on(dev);
+  if (indices.has_value()) TensorCheck(op, *indices, "indices").on(dev);
   if (out.has_value()) TensorCheck(op, *out, "out").on(dev);
   if (out_values.has_value()) TensorCheck(op, *out_values, "out_values").on(dev);
 
@@ -105,6 +114,7 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   args.k = static_cast<int>(k);
   args.index_mode = static_cast<int>(mode);
   args.block_table = block_table.has_value() ? block_table->data_ptr<int>() : nullptr;
+  args.indices = indices.has_value() ? indices->data_ptr<int>() : nullptr;
   args.table_stride = block_table.has_value() ? block_table->stride(0) : 0;
   args.table_cols = block_table.has_value() ? static_cast<int>(block_table->size(1)) : 0;
   args.block_size = static_cast<int>(block_size);

@@ -69,6 +69,7 @@
 #include <deep_indexer/ptx.cuh>
 #include <deep_indexer/split_relu.cuh>
 #include <deep_indexer/trace.cuh>
+#include <deep_indexer/varlen.cuh>
 
 // L2 policy of the KV-cache TMA loads (read once per call).
 #ifndef DI_PAGED_MQA_KV_CACHE_HINT
@@ -345,29 +346,15 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   const int p = static_cast<int>(warp) - static_cast<int>(kProducerWarp0) - 1;  // KV producer index
   const bool is_q_producer = warp == kProducerWarp0;
   const bool is_kv_producer = p >= 0 && p < kP;
-  // Varlen: the block-table row of row b is the first row of its run of equal request ids (warp-collective;
-  // ids are only compared, so any value is safe). One 32-row window back per iteration; the last lookup
-  // is cached (a sequence's groups share it).
+  // Varlen: the block-table row of row b is the first row of its run of equal request ids
+  // (varlen::run_first_row, warp-collective); the last lookup is cached (a sequence's groups share it).
   [[maybe_unused]] int cached_b = -1, cached_row = 0;
   auto table_row = [&](int b) -> int {
     if constexpr (!kVarlen) {
       return b;
     } else {
-      if (b != cached_b) {
-        const int id = __ldg(indices + b);
-        int base = b, row = 0;  // rows [base - 32, base) are examined next
-        while (base > 0) {
-          const int r = base - 32 + static_cast<int>(lane);
-          const uint32_t bal = __ballot_sync(0xffffffffu, r >= 0 && __ldg(indices + r) != id);
-          if (bal != 0) {
-            row = base - 32 + (31 - __clz(static_cast<int>(bal))) + 1;
-            break;
-          }
-          base -= 32;
-        }
-        cached_b = b;
-        cached_row = row;
-      }
+      if (b != cached_b) cached_row = varlen::run_first_row(indices, b, lane);
+      cached_b = b;
       return cached_row;
     }
   };

@@ -26,6 +26,7 @@
 #include "radix_select.cuh"
 #include "topk_layout.hpp"
 #include "trace.cuh"
+#include "varlen.cuh"
 
 // -DDI_TOPK_DEBUG (through DI_JIT_EXTRA_FLAGS): device checks of the selection invariants (the JIT
 // builds with -DNDEBUG, so these trap instead of using assert).
@@ -126,7 +127,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     hist_next = t;
   };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
-  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's)
+  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's); [kScalarTableRow]: the
+  // row's block-table row (slot mode; written by warp 0 at the row's start, read after its row_sync)
   uint32_t* scalars = warp_sums + 2 * kWarps;
   uint32_t* count = scalars + 4;
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
@@ -200,6 +202,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
     const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
     const int n = hi - lo;
+    const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
+    if (slot_mode && warp == 0) {
+      const int seq = a.indices != nullptr ? varlen::run_first_row(a.indices, r, lane) : r / a.table_next_n;
+      if (lane == 0) scalars[TopkLayout::kScalarTableRow] = static_cast<uint32_t>(seq);
+    }
 
     // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
     // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi)
@@ -414,7 +421,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       const uint32_t total = greater + take_eq;
       DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
 
-      const int64_t seq = r / a.table_next_n;
+      const int64_t seq = slot_mode ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : 0;
       const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
       int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
@@ -422,7 +429,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         int idx = j;
         if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
           idx = lo + j;
-        } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
+        } else if (slot_mode) {
           const int blk = j / a.block_size;
           idx = blk < a.table_cols
                     ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
