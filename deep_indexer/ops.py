@@ -288,14 +288,19 @@ def fp8_mqa_topk_indices(
     workspace: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     out_values: Optional[torch.Tensor] = None,
+    overlap: bool = True,
 ):
     """Prefill indexer -> top-k: [S, k] int32 (and values) without an [S, SKV] logits buffer.
 
-    Query rows are processed `chunk_rows` at a time (default: a 256 MiB logits chunk): for each
-    chunk fp8_mqa_logits (clean_logits=False) writes into `workspace` (from
+    Query rows are processed in chunks that share `chunk_rows` rows of logits (default: 256 MiB):
+    for each chunk fp8_mqa_logits (clean_logits=False) writes into `workspace` (from
     topk_workspace(chunk_rows, SKV, logits_dtype); allocated once per call when None), then
-    topk_indices selects from it. Memory: O(chunk_rows * SKV + S * k). Arguments as in
-    fp8_mqa_logits and topk_indices (index_mode "relative" or "absolute").
+    topk_indices selects from it. With `overlap` (default) and more than one chunk, the workspace is
+    split in two halves used in turn by the current stream and a second stream (joined before the
+    call returns), so that one chunk's top-k runs while the next chunk's logits start on the SMs it
+    leaves idle; overlap=False runs every chunk on the current stream, one after the other.
+    Memory: O(chunk_rows * SKV + S * k). Arguments as in fp8_mqa_logits and topk_indices
+    (index_mode "relative" or "absolute"). The result is the same either way.
     """
     op = "fp8_mqa_topk_indices"
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
@@ -312,12 +317,53 @@ def fp8_mqa_topk_indices(
     if return_values and out_values is None:
         out_values = q.new_empty((S, k), dtype=logits_dtype)
     ws = _logits_workspace(q, chunk_rows, SKV, logits_dtype, workspace, op)
-    for s0 in range(0, S, chunk_rows):
-        s1 = min(S, s0 + chunk_rows)
+    # two streams take chunks of half the workspace in turn (one stream: whole-workspace chunks)
+    two = bool(overlap) and chunk_rows >= 2 and S > chunk_rows // 2 and not _compiling() and q.is_cuda
+    step = chunk_rows // 2 if two else chunk_rows
+    bufs = (ws[:step], ws[step: 2 * step]) if two else (ws,)
+
+    def chunk(i: int, s0: int) -> None:
+        s1 = min(S, s0 + step)
         logits = fp8_mqa_logits(q[s0:s1], (kv[0], kv[1]), weights[s0:s1], cu_seq_len_k_start[s0:s1],
-                                cu_seq_len_k_end[s0:s1], False, logits_dtype=logits_dtype, out=ws[: s1 - s0])
+                                cu_seq_len_k_end[s0:s1], False, logits_dtype=logits_dtype,
+                                out=bufs[i % len(bufs)][: s1 - s0])
         topk_indices(logits, k, cu_seq_len_k_start[s0:s1], cu_seq_len_k_end[s0:s1], sorted=sorted,
                      index_mode=index_mode, row_offset=None if row_offset is None else row_offset[s0:s1],
                      return_values=return_values, out=out[s0:s1],
                      out_values=out_values[s0:s1] if return_values else None)
+
+    starts = range(0, S, step)
+    if not two:
+        for i, s0 in enumerate(starts):
+            chunk(i, s0)
+        return (out, out_values) if return_values else out
+    # NOTES: stream order keeps each half's reuse safe (a stream's next logits follow its own top-k);
+    # the side stream forks from and joins the current one, so callers (and the caching allocator,
+    # and CUDA graph capture) see one stream.
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device)
+    fork = torch.cuda.Event()
+    fork.record(main)
+    side.wait_event(fork)
+    for i, s0 in enumerate(starts):
+        if i % 2 == 0:
+            chunk(i, s0)
+        else:
+            with torch.cuda.stream(side):
+                chunk(i, s0)
+    join = torch.cuda.Event()
+    join.record(side)
+    main.wait_event(join)
     return (out, out_values) if return_values else out
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One second stream per device for fp8_mqa_topk_indices' overlapped chunks (created once)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    st = _SIDE_STREAMS.get(idx)
+    if st is None:
+        st = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return st

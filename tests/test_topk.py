@@ -748,19 +748,53 @@ def test_stream_order_with_programmatic_launches(monkeypatch):
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern", ["causal", "cp"])
-@pytest.mark.parametrize("k,chunk", [(2048, None), (512, 300)])
-def test_fused_prefill_matches_standalone(pattern, k, chunk):
+@pytest.mark.parametrize("k,chunk", [(2048, None), (512, 300), (100, 3), (2048, 1023)])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fused_prefill_matches_standalone(pattern, k, chunk, overlap):
     from deep_indexer.bench import prefill_inputs
 
     S, SKV, H, D = 1024, 8192, 64, 128
     x = prefill_inputs(S, SKV, pattern, H, D, DEV)
     logits = di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], False)
     want = di.topk_indices(logits, k, x["ks"], x["ke"], return_values=True)
+    out = torch.full((S, k), -7, dtype=torch.int32, device=DEV)
     got = di.fp8_mqa_topk_indices(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], k, chunk_rows=chunk,
-                                  return_values=True)
+                                  return_values=True, out=out, overlap=overlap)
+    # the caller's stream sees the result without a device-wide synchronization (the side stream joined it)
+    assert got[0].data_ptr() == out.data_ptr()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     ref = reference.topk_indices(logits.cpu(), k, x["ks"].cpu(), x["ke"].cpu())
     assert torch.equal(want[0].cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_fused_prefill_overlapped_graph_replay():
+    # the two-stream chunks inside a CUDA graph on a non-default stream, replayed on new inputs
+    from deep_indexer.bench import prefill_inputs
+
+    S, SKV, H, D, k, chunk = 600, 4096, 64, 128, 256, 200
+    x = prefill_inputs(S, SKV, "causal", H, D, DEV)
+    ws = di.topk_workspace(chunk, SKV, device=DEV)
+    out = torch.full((S, k), -7, dtype=torch.int32, device=DEV)
+    run = lambda: di.fp8_mqa_topk_indices(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], k, workspace=ws, out=out)
+    run()  # loads the kernels
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        with torch.cuda.graph(g, stream=st):
+            run()
+    torch.cuda.current_stream().wait_stream(st)
+    for seed in (1, 2):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        x["q"].copy_(torch.randn(S, H, D, device=DEV, generator=gen).to(torch.float8_e4m3fn))
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        logits = di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], False)
+        assert torch.equal(out, di.topk_indices(logits, k, x["ks"], x["ke"])), seed
 
 
 @requires_sm90
