@@ -181,13 +181,9 @@ def paged_mqa_logits(
         raise ValueError(f"context_lens: expected shape [{b_sz}] or [{b_sz}, {next_n}], got {list(ctx.shape)}")
     bt = _check("block_table", block_table, dtypes=(torch.int32,), shape=(b_sz, None), device=dev)
     mcl = _check_int("max_context_len", max_context_len, min_value=0)
-    bt_row = list(range(b_sz))  # block-table row of each sequence
-    if indices is not None:
-        if next_n != 1:
-            raise ValueError(f"q: expected shape [R, 1, H, D] with indices (varlen), got {list(q.shape)}")
-        idx = _check("indices", indices, dtypes=(torch.int32,), shape=(b_sz,), device=dev).cpu().tolist()
-        for r in range(1, b_sz):
-            bt_row[r] = bt_row[r - 1] if idx[r] == idx[r - 1] else r
+    if indices is not None and next_n != 1:
+        raise ValueError(f"q: expected shape [R, 1, H, D] with indices (varlen), got {list(q.shape)}")
+    bt_row = _table_rows(b_sz, 1, indices, dev)  # block-table row of each sequence
 
     ctx_c = ctx.cpu().long()
     if ctx_c.dim() == 1:
@@ -348,6 +344,17 @@ TOPK_MAX_K = 2048
 TOPK_INDEX_MODES = ("relative", "absolute", "slot")
 
 
+def _table_rows(rows: int, next_n: int, indices: torch.Tensor | None, dev) -> list:
+    """The block-table row of each of `rows` rows: r // next_n, or with varlen `indices` (int32 [rows]) the
+    first row of the run of equal ids that holds r."""
+    table_row = [r // next_n for r in range(rows)]
+    if indices is not None:
+        ids = _check("indices", indices, dtypes=(torch.int32,), shape=(rows,), device=dev).cpu().tolist()
+        for r in range(1, rows):
+            table_row[r] = table_row[r - 1] if ids[r] == ids[r - 1] else r
+    return table_row
+
+
 def topk_keys(x: torch.Tensor) -> torch.Tensor:
     """The order-preserving unsigned key of every logit, as int64 (the kernels' key transform).
 
@@ -408,13 +415,9 @@ def topk_indices(
         _check_int("block_size", block_size, min_value=1)
     if row_offset is not None:
         _check("row_offset", row_offset, dtypes=(torch.int32,), shape=(m,), device=dev)
-    table_row = [r // next_n for r in range(m)]
-    if indices is not None:
-        if next_n != 1:
-            raise ValueError(f"next_n: expected 1 with indices (varlen), got {next_n}")
-        ids = _check("indices", indices, dtypes=(torch.int32,), shape=(m,), device=dev).cpu().tolist()
-        for r in range(1, m):
-            table_row[r] = table_row[r - 1] if ids[r] == ids[r - 1] else r
+    if indices is not None and next_n != 1:
+        raise ValueError(f"next_n: expected 1 with indices (varlen), got {next_n}")
+    table_row = _table_rows(m, next_n, indices, dev)
     idx_out = torch.full((m, k), -1, dtype=torch.int32, device=dev)
     val_out = torch.full((m, k), _NEG_INF, dtype=lg.dtype, device=dev)
     for r in range(m):
