@@ -1,7 +1,9 @@
 """The public ops (docs/api.md). Thin wrappers over deep_indexer._C: validation, allocation and the
-launch all happen in C++ on PyTorch's current stream of the inputs' device."""
+launch all happen in C++ on PyTorch's current stream of the inputs' device (fp8_mqa_topk_indices also
+forks a second stream from it and joins it back before returning)."""
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -373,13 +375,17 @@ def _default_chunk_rows(q: torch.Tensor, row_bytes: int) -> int:
     return rows
 
 
-_SIDE_STREAMS: dict = {}
+_SIDE_STREAMS = threading.local()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One second stream per device for fp8_mqa_topk_indices' overlapped chunks (created once)."""
+    """The second stream of fp8_mqa_topk_indices' overlapped chunks: one per device and host thread (threads
+    that call concurrently do not queue behind each other's chunks), created once."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    st = _SIDE_STREAMS.get(idx)
+    streams = getattr(_SIDE_STREAMS, "by_device", None)
+    if streams is None:
+        streams = _SIDE_STREAMS.by_device = {}
+    st = streams.get(idx)
     if st is None:
-        st = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+        st = streams[idx] = torch.cuda.Stream(device=idx)
     return st
