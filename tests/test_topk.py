@@ -769,6 +769,34 @@ def test_fused_prefill_matches_standalone(pattern, k, chunk, overlap):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("H,D", [(16, 64), (32, 32), (32, 128), (128, 128), (64, 64)])
+def test_fused_prefill_heads_dims_ragged(H, D):
+    # every supported head count / dim, ragged per-row ranges (empty, reversed, negative starts, ends past
+    # SKV), absolute indices with a row offset, chunks on one stream and on two
+    from deep_indexer import quant
+
+    gen = torch.Generator().manual_seed(H * 1000 + D)
+    S, SKV, k = 700, 5000, 300
+    q = torch.randn(S, H, D, generator=gen).to(DEV).to(torch.float8_e4m3fn)
+    kk, ksc = quant.per_token_cast_to_fp8(torch.randn(SKV, D, generator=gen).to(DEV))
+    w = torch.randn(S, H, generator=gen).to(DEV)
+    ks = torch.randint(-50, SKV, (S,), generator=gen, dtype=torch.int32)
+    ke = ks + torch.randint(-20, SKV // 2, (S,), generator=gen, dtype=torch.int32)
+    ke[:5] = torch.tensor([SKV + 100, 0, SKV, 1, 7], dtype=torch.int32)
+    ks, ke = ks.to(DEV), ke.to(DEV)
+    off = torch.randint(0, 1 << 20, (S,), generator=gen, dtype=torch.int32).to(DEV)
+    logits = di.fp8_mqa_logits(q, (kk, ksc), w, ks, ke, False)
+    want = di.topk_indices(logits, k, ks, ke, index_mode="absolute", row_offset=off)
+    for overlap, chunk in ((True, 256), (False, 256), (True, None)):
+        got = di.fp8_mqa_topk_indices(q, (kk, ksc), w, ks, ke, k, index_mode="absolute", row_offset=off,
+                                      chunk_rows=chunk, overlap=overlap)
+        assert torch.equal(got, want), (overlap, chunk)
+    ref = reference.topk_indices(logits.cpu(), k, ks.cpu(), ke.cpu(), index_mode="absolute", row_offset=off.cpu())
+    assert torch.equal(want.cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_fused_prefill_overlapped_graph_replay():
     # the two-stream chunks inside a CUDA graph on a non-default stream, replayed on new inputs
     from deep_indexer.bench import prefill_inputs
