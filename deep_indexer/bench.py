@@ -73,9 +73,12 @@ TOPK_SHAPES = {
 
 
 # Logits -> top-k in one call (fp8_paged_mqa_topk_indices / fp8_mqa_topk_indices, k = 2048 unless
-# noted) against the logits alone (clean_logits=False): "KF-<decode or prefill id>[:k]".
+# noted) against the logits alone (clean_logits=False): "KF-<decode or prefill id>[:k]". KF-D5:512 /
+# KF-D5:1024 are the DeepSeek-V4 decode steps (256 sequences of ~8K compressed entries = ~32K tokens,
+# k = 512 Flash / 1024 Pro).
 def fused_topk_ids() -> list:
-    return [f"KF-{d}" for d in ("D1", "D2", "D3", "D4", "D5", "D8")] + ["KF-P2", "KF-P2:512", "KF-P3", "KF-P5"]
+    return ([f"KF-{d}" for d in ("D1", "D2", "D3", "D4", "D5", "D8")] + ["KF-D5:512", "KF-D5:1024"] +
+            ["KF-P2", "KF-P2:512", "KF-P3", "KF-P5"])
 
 
 def topk_case(sid: str, device, seed: int) -> dict:
