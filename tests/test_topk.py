@@ -389,6 +389,44 @@ def test_reference_varlen_slot_uses_the_runs_first_table_row():
                            reference.topk_indices(x, 64, context_lens=ctx, index_mode=mode))
 
 
+@pytest.mark.parametrize("S,chunk", [(37, 10), (37, 1), (40, 40), (40, 100), (0, 8)])
+def test_fused_prefill_chunking_cpu(monkeypatch, S, chunk):
+    # the chunk walk of fp8_mqa_topk_indices (the one-stream form, all a CPU can run), with the reference ops
+    # standing in for the kernels: every row once, each chunk through the workspace, outputs sliced in place
+    import deep_indexer.ops as ops
+    from deep_indexer import quant
+
+    gen = torch.Generator().manual_seed(S * 100 + chunk)
+    H, D, SKV, k = 4, 32, 300, 16
+    q = torch.randn(S, H, D, generator=gen).to(torch.float8_e4m3fn)
+    kk, ksc = quant.per_token_cast_to_fp8(torch.randn(SKV, D, generator=gen))
+    w = torch.randn(S, H, generator=gen)
+    ks = torch.randint(-5, SKV, (S,), generator=gen, dtype=torch.int32)
+    ke = ks + torch.randint(-3, SKV, (S,), generator=gen, dtype=torch.int32)
+    off = torch.randint(0, 100, (S,), generator=gen, dtype=torch.int32)
+    rows_seen = []
+
+    def fake_logits(q_, kv_, w_, ks_, ke_, clean, *, logits_dtype, out):
+        assert out.shape == (q_.shape[0], SKV) and q_.shape[0] <= max(chunk, 1)
+        rows_seen.append(q_.shape[0])
+        out.copy_(reference.mqa_logits(q_, kv_, w_, ks_, ke_, False))
+        return out
+
+    def fake_topk(logits, k_, ks_, ke_, *, out, out_values, return_values, row_offset, **kw):
+        r = reference.topk_indices(logits, k_, ks_, ke_, row_offset=row_offset, return_values=True, **kw)
+        out.copy_(r[0])
+        out_values.copy_(r[1])
+
+    monkeypatch.setattr(ops, "fp8_mqa_logits", fake_logits)
+    monkeypatch.setattr(ops, "topk_indices", fake_topk)
+    got = ops.fp8_mqa_topk_indices(q, (kk, ksc), w, ks, ke, k, index_mode="absolute", row_offset=off,
+                                   chunk_rows=chunk, return_values=True)
+    assert sum(rows_seen) == S
+    want = reference.topk_indices(reference.mqa_logits(q, (kk, ksc), w, ks, ke, False), k, ks, ke,
+                                  index_mode="absolute", row_offset=off, return_values=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ------------------------------------------------------------------------------------ validation (CPU tensors)
 def _args(m=4, n=64):
     return torch.randn(m, n), torch.full((m,), n, dtype=torch.int32)
