@@ -369,7 +369,7 @@ def _default_chunk_rows(q: torch.Tensor, row_bytes: int) -> int:
     (2 x 256 rows) 1.15x the logits alone, 2 x 512 rows 1.12x, 2 x 2048 rows 1.11x.
     """
     rows = max(1, (256 << 20) // max(1, row_bytes))
-    if q.is_cuda and q.dim() == 3 and q.shape[1] > 0:
+    if q.is_cuda and q.dim() == 3 and q.shape[1] > 0 and not _compiling():  # (no extension call while tracing)
         sms = _C.get_num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
         rows = max(rows, 2 * sms * max(4, 256 // q.shape[1]))
     return rows
