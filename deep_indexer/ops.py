@@ -335,28 +335,24 @@ def fp8_mqa_topk_indices(
                      return_values=return_values, out=out[s0:s1],
                      out_values=out_values[s0:s1] if return_values else None)
 
-    starts = range(0, S, step)
-    if not two:
-        for i, s0 in enumerate(starts):
-            chunk(i, s0)
-        return (out, out_values) if return_values else out
     # NOTES: stream order keeps each half's reuse safe (a stream's next logits follow its own top-k);
     # the side stream forks from and joins the current one, so callers (and the caching allocator,
     # and CUDA graph capture) see one stream.
-    main = torch.cuda.current_stream(q.device)
-    side = _side_stream(q.device)
-    fork = torch.cuda.Event()
-    fork.record(main)
-    side.wait_event(fork)
-    for i, s0 in enumerate(starts):
-        if i % 2 == 0:
-            chunk(i, s0)
-        else:
+    if two:
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        fork = torch.cuda.Event()
+        fork.record(main)
+        side.wait_event(fork)
+    for i, s0 in enumerate(range(0, S, step)):
+        if two and i % 2 == 1:
             with torch.cuda.stream(side):
                 chunk(i, s0)
-    join = torch.cuda.Event()
-    join.record(side)
-    main.wait_event(join)
+        else:
+            chunk(i, s0)
+    if two:
+        join = torch.cuda.Event()
+        join.record(side)
+        main.wait_event(join)
     return (out, out_values) if return_values else out
 
 
@@ -370,9 +366,13 @@ def _default_chunk_rows(q: torch.Tensor, row_bytes: int) -> int:
     """
     rows = max(1, (256 << 20) // max(1, row_bytes))
     if q.is_cuda and q.dim() == 3 and q.shape[1] > 0 and not _compiling():  # (no extension call while tracing)
-        sms = _C.get_num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        sms = _C.get_num_sms(_device_index(q.device))
         rows = max(rows, 2 * sms * max(4, 256 // q.shape[1]))
     return rows
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 _SIDE_STREAMS = threading.local()
@@ -381,7 +381,7 @@ _SIDE_STREAMS = threading.local()
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The second stream of fp8_mqa_topk_indices' overlapped chunks: one per device and host thread (threads
     that call concurrently do not queue behind each other's chunks), created once."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _device_index(device)
     streams = getattr(_SIDE_STREAMS, "by_device", None)
     if streams is None:
         streams = _SIDE_STREAMS.by_device = {}
