@@ -86,6 +86,17 @@ def main() -> None:
                 times[v].append(timer(runs[v], iters=a.iters))
         for k in keys:
             os.environ.pop(k, None)
+        if sid in bench.TOPK_SHAPES:  # deterministic: every variant must return the same indices
+            outs = {}
+            for v in shape_variants:
+                os.environ.update(parse_variant(v))
+                outs[v] = runs[v]().clone()
+                for k in keys:
+                    os.environ.pop(k, None)
+            first = shape_variants[0]
+            same = [v or "default" for v in shape_variants if torch.equal(outs[v], outs[first])]
+            print(f"{sid:>16} identical indices to [{first or 'default'}]: {len(same)} of {len(shape_variants)} variants"
+                  + ("" if len(same) == len(shape_variants) else " (DIFFER)"), flush=True)
         for v in shape_variants:
             t = times[v]
             print(f"{sid:>16} {what} [{v or 'default'}]: median {statistics.median(t):7.1f} us  "

@@ -2,7 +2,7 @@
 # One iteration on the GPU machine (run from the repo root through the device tool):
 # install carried wheels, build the extension, precompile, run the GPU tests, the benchmark and
 # the host-overhead / cache-reuse probes. Logs and JSON go to $OUT (default ./.out).
-#   tools/gpu_check.sh [all|tests|bench] [PYTEST_K] [BENCH_SHAPES...]
+#   tools/gpu_check.sh [all|tests|bench|build] [PYTEST_K] [BENCH_SHAPES...]   (build: the install and build only)
 # env: PRECOMPILE=0 skips the full precompile, TESTS=files, MAXFAIL=n, TEST_TIMEOUT=s
 set -uo pipefail
 MODE=${1:-all}
