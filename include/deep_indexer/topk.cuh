@@ -203,12 +203,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
     const int n = hi - lo;
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
-#ifdef DI_TOPK_EARLY_TABLE_ROW
-    if (slot_mode && warp == 0) {
-      const int seq = a.indices != nullptr ? varlen::run_first_row(a.indices, r, lane) : r / a.table_next_n;
-      if (lane == 0) scalars[TopkLayout::kScalarTableRow] = static_cast<uint32_t>(seq);
-    }
-#endif
 
     // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
     // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi)
@@ -244,22 +238,15 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       }
     };
     auto prefetch = [&](int vb0, int vb1) { load_step(buf_a, vb0 + warp * 32 * kUnroll, vb1); };
-#ifdef DI_TOPK_FILTER_V2
-    // One survivor: its raw bits (or key, when the filter counts digit 0) and column go to `slot`.
+    // One survivor of the lane's walk: its raw bits and column go to `slot` (if it is in the buffer).
     auto put = [&](uint32_t* dst_key, uint32_t* dst_col, uint32_t& slot, uint32_t raw, int col) {
       if (slot < static_cast<uint32_t>(kCap)) {
-#ifdef DI_TOPK_FILTER_HIST
-        if constexpr (!kCluster) {
-          const uint32_t key = radix::to_key<kElemBytes>(raw);
-          dst_key[slot] = key;
-          atomicAdd(hist + (key >> L.digit_shift(0)), 1u);
-        } else
-#endif
         dst_key[slot] = raw;
         dst_col[slot] = static_cast<uint32_t>(col);
       }
       ++slot;
     };
+#ifndef DI_TOPK_FILTER_V1
     auto filter_step = [&](const uint4 (&buf)[kUnroll], int base, int vb1, bool all, float bound,
                            uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
       // warp-uniform: every vector of the step is in [vb0, vb1) and a whole interior vector of the row
@@ -280,44 +267,38 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       if (!__any_sync(radix::kFullMask, bits != 0u)) return;
       // this lane's first slot: the warp's exclusive prefix of the counts, from ballots of their bits
       const uint32_t my = __popc(bits), below = (1u << lane) - 1u;
-      uint32_t before = 0;
+      uint32_t before = 0, m[kCountBits];
 #pragma unroll
-      for (int bit = 0; bit < kCountBits; ++bit)
-        before += __popc(__ballot_sync(radix::kFullMask, (my >> bit) & 1u) & below) << bit;
+      for (int bit = 0; bit < kCountBits; ++bit) {
+        m[bit] = __ballot_sync(radix::kFullMask, (my >> bit) & 1u);
+        before += __popc(m[bit] & below) << bit;
+      }
       const uint32_t total = __reduce_add_sync(radix::kFullMask, my);
       uint32_t warp_slot = 0;
       if (lane == 0) warp_slot = kCluster ? ptx::atom_add_generic(dst_count, total) : ptx::atom_add_shared(dst_count, total);
       warp_slot = __shfl_sync(radix::kFullMask, warp_slot, 0);
       uint32_t slot = warp_slot + before;
       const int col0 = (base + lane) * kVec - mis;  // the column of element 0 of the lane's first vector
-      // NOTES: when every survivor of the step has a slot and some lane has more than two, a lane tests
-      // every element position in turn (predicated stores, no divergent loop); else it walks its survivors.
-      if (warp_slot + total <= static_cast<uint32_t>(kCap) && __reduce_max_sync(radix::kFullMask, my) > 2u) {
-        // shared-window addresses, for the non-cluster form (cluster: remote generic addresses)
-        uint32_t* kp = dst_key + slot;
-        uint32_t* cp = dst_col + slot;
-        const uint32_t ka = kCluster ? 0u : ptx::smem_addr(kp), ca = kCluster ? 0u : ptx::smem_addr(cp);
-        int o = 0;
+      // some lane has 3 or more survivors (count bits 0 and 1, or a higher one)
+      uint32_t many = m[0] & m[1];
+#pragma unroll
+      for (int bit = 2; bit < kCountBits; ++bit) many |= m[bit];
+      // NOTES: with a slot for every survivor of the step and some lane holding more than two, a lane
+      // tests every element position in turn (predicated stores to 32-bit shared addresses, no
+      // divergent loop); else (and for the remote buffer of a cluster) it walks its survivors.
+      if (!kCluster && many != 0u && warp_slot + total <= static_cast<uint32_t>(kCap)) {
+        const uint32_t ka = ptx::smem_addr(dst_key + slot), ca = ptx::smem_addr(dst_col + slot);
+        uint32_t o = 0;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
           for (int c = 0; c < kVec; ++c) {
             const uint32_t bit = (bits >> (u * kVec + c)) & 1u;
             if (bit) {
-              const uint32_t raw = raw_at<kElemBytes>(buf[u], c);
-#ifdef DI_TOPK_FILTER_HIST
-              if constexpr (!kCluster) {
-                const uint32_t key = radix::to_key<kElemBytes>(raw);
-                ptx::st_shared_u32(ka + 4u * o, key);
-                atomicAdd(hist + (key >> L.digit_shift(0)), 1u);
-              } else
-#endif
-              if constexpr (!kCluster) ptx::st_shared_u32(ka + 4u * o, raw);
-              else kp[o] = raw;
-              if constexpr (!kCluster) ptx::st_shared_u32(ca + 4u * o, static_cast<uint32_t>(col0 + u * 32 * kVec + c));
-              else cp[o] = static_cast<uint32_t>(col0 + u * 32 * kVec + c);
+              ptx::st_shared_u32(ka + 4u * o, raw_at<kElemBytes>(buf[u], c));
+              ptx::st_shared_u32(ca + 4u * o, static_cast<uint32_t>(col0 + u * 32 * kVec + c));
             }
-            o += static_cast<int>(bit);
+            o += bit;
           }
         }
       } else {
@@ -361,13 +342,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         const int b = __ffs(bits) - 1;
         bits &= bits - 1u;
         if (slot < static_cast<uint32_t>(kCap)) {
-#ifdef DI_TOPK_FILTER_HIST
-          if constexpr (!kCluster) {
-            const uint32_t key = radix::to_key<kElemBytes>(raw_of_pair<kElemBytes>(buf[0], buf[1], b));
-            dst_key[slot] = key;
-            atomicAdd(hist + (key >> L.digit_shift(0)), 1u);
-          } else
-#endif
           dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
           dst_col[slot] = static_cast<uint32_t>((base + (b / kVec) * 32 + lane) * kVec + (b % kVec) - mis);
         }
@@ -421,10 +395,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         });
         // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
         // that is at most half the buffer (decode-sized rows), else refine by a second digit.
-#ifndef DI_TOPK_SAMPLE_FINE
         if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
           break;
-#endif
       }
       kmin = st.prefix;
       tr.mark<1>();
@@ -450,12 +422,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       const uint64_t fallback_t0 = tr.now();
       if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
         // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
-#ifdef DI_TOPK_FILTER_HIST
-        if constexpr (!kCluster) {
-          for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
-          __syncthreads();
-        }
-#endif
         RadixState st;
         st.k_rem = static_cast<uint32_t>(k);
         uint32_t count_ge = 0;
@@ -504,13 +470,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
 #pragma unroll 1
         for (int pass = 0; pass < kPasses && !whole; ++pass) {
           const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-#ifdef DI_TOPK_FILTER_HIST
-            if constexpr (!kCluster) {
-              if (pass == 0) return;
-              for (uint32_t i = tid; i < ns; i += kThreads) add(cand_key[i], true);
-              return;
-            }
-#endif
             for (uint32_t i = tid; i < ns; i += kThreads) {
               uint32_t key = cand_key[i];
               if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
@@ -524,11 +483,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         greater = st.greater;
         take_eq = st.k_rem;
       } else {
-#ifdef DI_TOPK_FILTER_HIST
-        if constexpr (!kCluster) {
-          for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
-        } else
-#endif
         for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
         __syncthreads();
       }
@@ -536,9 +490,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       const uint32_t total = greater + take_eq;
       DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
 
-#ifdef DI_TOPK_EARLY_TABLE_ROW
-      const int64_t seq = slot_mode ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : 0;
-#else
       // NOTES: a varlen row's block-table row is looked up by warp 0 here, under the emission, and read
       // by the stores after the window loop's barriers (the loop runs at least once when total > 0).
       if (slot_mode && a.indices != nullptr && warp == 0) {
@@ -548,7 +499,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       auto table_row = [&]() -> int64_t {
         return a.indices != nullptr ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : r / a.table_next_n;
       };
-#endif
       const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
       int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
@@ -557,9 +507,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
           idx = lo + j;
         } else if (slot_mode) {
-#ifndef DI_TOPK_EARLY_TABLE_ROW
           const int64_t seq = table_row();
-#endif
           const int blk = j / a.block_size;
           idx = blk < a.table_cols
                     ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
