@@ -3,7 +3,7 @@
 # A/B of the variants (tools/ab.py, read flush; the variants must return identical indices), then
 # optionally the top-k GPU tests and debug checks with TEST_FLAGS (TESTS=1), the K-* / KF-* bench
 # (BENCH=1) and ncu's per-SASS-instruction counters of one shape (NCU=K-P2). Logs to $OUT.
-#   OUT=... VARIANTS="flags;flags;..." [TESTS=1 TEST_FLAGS="-D..."] [BENCH=1] [NCU=K-P2] \
+#   OUT=... VARIANTS="flags;flags;..." ('default': no extra flags) [TESTS=1 TEST_FLAGS="-D..."] [BENCH=1] [NCU=K-P2] \
 #     bash tools/topk_variants_gpu.sh [SHAPES...]
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
@@ -14,7 +14,7 @@ PRECOMPILE=0 bash tools/gpu_check.sh build
 if [ -n "${VARIANTS:-}" ]; then
   V=""
   IFS=';' read -ra parts <<<"$VARIANTS"
-  for f in "${parts[@]}"; do V+="${V:+;}DI_JIT_EXTRA_FLAGS=$f"; done
+  for f in "${parts[@]}"; do [ "$f" = default ] && f=""; V+="${V:+;}DI_JIT_EXTRA_FLAGS=$f"; done
   SHAPES=("$@")
   [ ${#SHAPES[@]} = 0 ] && SHAPES=(K-P2 K-P3 K-P5 K-D1 K-D2 K-D5 K-D8)
   echo "== $(date +%T) A/B: $V" | tee -a "$OUT/gpu.log"
@@ -32,6 +32,10 @@ if [ "${BENCH:-0}" = 1 ]; then
   echo "== $(date +%T) bench" | tee -a "$OUT/gpu.log"
   DI_JIT_DEBUG=1 timeout 200 python3 -m deep_indexer bench --png "" --no-kernel-time --iters 20 --json "$OUT/bench-topk.json" \
     --shapes topk fused_topk 2>&1 | grep -E "K-|KF-|heuristic topk|rror|ceiling" | tee -a "$OUT/gpu.log"
+fi
+if [ -n "${CHUNKS:-}" ]; then  # e.g. CHUNKS="P2 P3 P5": fused prefill / logits alone, 5 rounds
+  echo "== $(date +%T) fused prefill" | tee -a "$OUT/gpu.log"
+  timeout 240 python3 tools/fused_prefill_chunks.py $CHUNKS --k 2048 512 --chunks 0 --overlap 1 --rounds 5 --iters 5 2>&1 | tee -a "$OUT/gpu.log"
 fi
 if [ -n "${NCU:-}" ]; then
   echo "== $(date +%T) ncu $NCU" | tee -a "$OUT/gpu.log"
