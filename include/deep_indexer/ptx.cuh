@@ -46,20 +46,6 @@ DI_DEVICE bool elect_one() {
   return pred != 0;
 }
 
-// One thread's atomic add that returns the old value. Unlike atomicAdd, not rewritten by the compiler into a
-// warp-aggregated form (which costs a dozen instructions when only one lane adds anyway). `p`: a generic
-// address of shared memory, of this CTA or (cluster) of another CTA of the cluster.
-DI_DEVICE uint32_t atom_add_generic(uint32_t* p, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-DI_DEVICE uint32_t atom_add_shared(uint32_t* p, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.shared.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(smem_addr(p)), "r"(v) : "memory");
-  return old;
-}
-
 // A 32-bit store to this CTA's shared memory at shared-window address `addr` (smem_addr).
 DI_DEVICE void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");

@@ -238,15 +238,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       }
     };
     auto prefetch = [&](int vb0, int vb1) { load_step(buf_a, vb0 + warp * 32 * kUnroll, vb1); };
-    // One survivor of the lane's walk: its raw bits and column go to `slot` (if it is in the buffer).
-    auto put = [&](uint32_t* dst_key, uint32_t* dst_col, uint32_t& slot, uint32_t raw, int col) {
-      if (slot < static_cast<uint32_t>(kCap)) {
-        dst_key[slot] = raw;
-        dst_col[slot] = static_cast<uint32_t>(col);
-      }
-      ++slot;
-    };
-#ifndef DI_TOPK_FILTER_V1
     auto filter_step = [&](const uint4 (&buf)[kUnroll], int base, int vb1, bool all, float bound,
                            uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
       // warp-uniform: every vector of the step is in [vb0, vb1) and a whole interior vector of the row
@@ -275,7 +266,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       }
       const uint32_t total = __reduce_add_sync(radix::kFullMask, my);
       uint32_t warp_slot = 0;
-      if (lane == 0) warp_slot = kCluster ? ptx::atom_add_generic(dst_count, total) : ptx::atom_add_shared(dst_count, total);
+      if (lane == 0) warp_slot = atomicAdd(dst_count, total);
       warp_slot = __shfl_sync(radix::kFullMask, warp_slot, 0);
       uint32_t slot = warp_slot + before;
       const int col0 = (base + lane) * kVec - mis;  // the column of element 0 of the lane's first vector
@@ -305,50 +296,14 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         while (bits != 0u) {
           const int b = __ffs(bits) - 1;
           bits &= bits - 1u;
-          put(dst_key, dst_col, slot, raw_of_pair<kElemBytes>(buf[0], buf[1], b), col0 + (b / kVec) * 32 * kVec + b % kVec);
+          if (slot < static_cast<uint32_t>(kCap)) {
+            dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
+            dst_col[slot] = static_cast<uint32_t>(col0 + (b / kVec) * 32 * kVec + b % kVec);
+          }
+          ++slot;
         }
       }
     };
-#else
-    auto filter_step = [&](const uint4 (&buf)[kUnroll], int base, int vb1, bool all, float bound,
-                           uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
-      uint32_t bits = 0;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = base + u * 32 + lane;
-        uint32_t pass = 0;
-        if (v < vb1) pass = v > 0 && v < num_vecs - 1 ? kVecMask : valid_bits(v);  // interior vectors are whole
-        if (!all) {
-#pragma unroll
-          for (int c = 0; c < kVec; ++c)
-            pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(buf[u], c) >= bound)) << c);
-        }
-        bits |= pass << (u * kVec);
-      }
-      if (!__any_sync(radix::kFullMask, bits != 0u)) return;
-      // this lane's first slot: the warp's exclusive prefix of the counts, from ballots of their bits
-      const uint32_t my = __popc(bits), below = (1u << lane) - 1u;
-      uint32_t before = 0, total = 0;
-#pragma unroll
-      for (int bit = 0; bit < kCountBits; ++bit) {
-        const uint32_t m = __ballot_sync(radix::kFullMask, (my >> bit) & 1u);
-        before += __popc(m & below) << bit;
-        total += __popc(m) << bit;
-      }
-      uint32_t slot = 0;
-      if (lane == 0) slot = atomicAdd(dst_count, total);
-      slot = __shfl_sync(radix::kFullMask, slot, 0) + before;
-      while (bits != 0u) {
-        const int b = __ffs(bits) - 1;
-        bits &= bits - 1u;
-        if (slot < static_cast<uint32_t>(kCap)) {
-          dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
-          dst_col[slot] = static_cast<uint32_t>((base + (b / kVec) * 32 + lane) * kVec + (b % kVec) - mis);
-        }
-        ++slot;
-      }
-    };
-#endif
     auto filter = [&](int vb0, int vb1, uint32_t kmin, uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
       const bool all = kmin == 0u;
       const float bound = key_floor_value<kElemBytes>(kmin);
