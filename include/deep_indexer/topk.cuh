@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   uint32_t* count = scalars + 4;
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
   uint32_t* cand_col = reinterpret_cast<uint32_t*>(smem + L.cand_col_offset());
+  const uint32_t cand_key_s = ptx::smem_addr(cand_key), cand_col_s = ptx::smem_addr(cand_col);  // shared-window addresses
   uint32_t* plane_gt = reinterpret_cast<uint32_t*>(smem + L.plane_offset());
   uint32_t* plane_eq = plane_gt + TopkLayout::kWindowWords;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
@@ -143,10 +144,19 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   };
   // One radix pass (digit `pass`): `count(add)` calls add(key, valid) for its keys; those valid and
   // matching the prefix are counted by their digit. Returns the k_rem-th key's bin; refines `st`.
+  // Zeroes `words` 32-bit words of shared memory (16-byte aligned, a multiple of 4), 16 bytes per store.
+  auto clear_words = [&](uint32_t* p, int words) {
+#ifdef DI_TOPK_UNTRIMMED
+    for (int i = threadIdx.x; i < words; i += kThreads) p[i] = 0u;
+#else
+    for (int i = threadIdx.x; i < words / 4; i += kThreads) reinterpret_cast<uint4*>(p)[i] = make_uint4(0u, 0u, 0u, 0u);
+#endif
+  };
+  static_assert(kBins % 4 == 0 && TopkLayout::kWindowWords % 4 == 0, "whole 16-byte clears");
   auto radix_pass = [&](int pass, RadixState& st, auto&& count) -> radix::KthBin {
     const int shift = L.digit_shift(pass);
     const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
-    for (int b = threadIdx.x; b < kBins; b += kThreads) hist_next[b] = 0;
+    clear_words(hist_next, kBins);
     count([&](uint32_t key, bool valid) {
       if (valid && (key & st.mask) == st.prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
     });
@@ -175,8 +185,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   const int& k = a.k;  // read from the parameter bank where used (no register for the whole kernel)
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   if (tid == 0) *count = 0;
-  for (int b = tid; b < 2 * kBins; b += kThreads) hist[b] = 0;
-  for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
+  clear_words(hist, 2 * kBins);
+  clear_words(plane_gt, 2 * TopkLayout::kWindowWords);
   row_sync();
   // DI_KERNEL_TRACE: thread 0's first row; marks 0 sample in, 1 threshold, 2 own filter done,
   // 3 survivors complete, 4 selection threshold, 5 emitted, 6 row end; 7 cycles in fallbacks
@@ -278,7 +288,12 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       // tests every element position in turn (predicated stores to 32-bit shared addresses, no
       // divergent loop); else (and for the remote buffer of a cluster) it walks its survivors.
       if (!kCluster && many != 0u && warp_slot + total <= static_cast<uint32_t>(kCap)) {
+#ifdef DI_TOPK_UNTRIMMED
         const uint32_t ka = ptx::smem_addr(dst_key + slot), ca = ptx::smem_addr(dst_col + slot);
+#else
+        DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
+        const uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot;
+#endif
         uint32_t o = 0;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -343,6 +358,9 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
 #pragma unroll
           for (int t = 0; t < kSampleVecs; ++t) {
+#ifndef DI_TOPK_UNTRIMMED
+            if (t >= s_v) break;
+#endif
 #pragma unroll
             for (int c = 0; c < kVec; ++c)
               add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)), (sample_valid >> (t * kVec + c)) & 1u);
@@ -505,7 +523,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
         const uint32_t wn = static_cast<uint32_t>(min(TopkLayout::kWindow, n - w0));
         if (w0 > 0) {
-          for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;
+          clear_words(plane_gt, 2 * TopkLayout::kWindowWords);
           __syncthreads();
         }
         for (uint32_t i = tid; i < ns; i += kThreads) {
@@ -588,7 +606,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
           stage[p] = 0u;
         }
       }
-      for (int w = tid; w < 2 * TopkLayout::kWindowWords; w += kThreads) plane_gt[w] = 0;  // for the next row
+      clear_words(plane_gt, 2 * TopkLayout::kWindowWords);  // for the next row
       DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
       tr.mark<5>();
 
