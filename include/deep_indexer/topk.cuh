@@ -146,11 +146,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   // matching the prefix are counted by their digit. Returns the k_rem-th key's bin; refines `st`.
   // Zeroes `words` 32-bit words of shared memory (16-byte aligned, a multiple of 4), 16 bytes per store.
   auto clear_words = [&](uint32_t* p, int words) {
-#ifdef DI_TOPK_UNTRIMMED
-    for (int i = threadIdx.x; i < words; i += kThreads) p[i] = 0u;
-#else
     for (int i = threadIdx.x; i < words / 4; i += kThreads) reinterpret_cast<uint4*>(p)[i] = make_uint4(0u, 0u, 0u, 0u);
-#endif
   };
   static_assert(kBins % 4 == 0 && TopkLayout::kWindowWords % 4 == 0, "whole 16-byte clears");
   auto radix_pass = [&](int pass, RadixState& st, auto&& count) -> radix::KthBin {
@@ -288,12 +284,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       // tests every element position in turn (predicated stores to 32-bit shared addresses, no
       // divergent loop); else (and for the remote buffer of a cluster) it walks its survivors.
       if (!kCluster && many != 0u && warp_slot + total <= static_cast<uint32_t>(kCap)) {
-#ifdef DI_TOPK_UNTRIMMED
-        const uint32_t ka = ptx::smem_addr(dst_key + slot), ca = ptx::smem_addr(dst_col + slot);
-#else
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         const uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot;
-#endif
         uint32_t o = 0;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -358,9 +350,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
 #pragma unroll
           for (int t = 0; t < kSampleVecs; ++t) {
-#ifndef DI_TOPK_UNTRIMMED
             if (t >= s_v) break;
-#endif
 #pragma unroll
             for (int c = 0; c < kVec; ++c)
               add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)), (sample_valid >> (t * kVec + c)) & 1u);

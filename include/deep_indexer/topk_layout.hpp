@@ -49,10 +49,7 @@ struct TopkLayout {
   // At most 2 vectors per thread (4096 float32 keys), 1 for bfloat16 (4096 keys; registers).
   DI_HOST_DEVICE constexpr int max_sample_vecs() const { return elem_bytes == 4 ? 2 : 1; }
   DI_HOST_DEVICE constexpr int sample_vecs_per_thread(int64_t n) const {
-#ifndef DI_TOPK_SAMPLE_DIV
-#define DI_TOPK_SAMPLE_DIV 32
-#endif
-    const int64_t s = n / (DI_TOPK_SAMPLE_DIV * static_cast<int64_t>(kNumThreads) * vec());
+    const int64_t s = n / (32 * static_cast<int64_t>(kNumThreads) * vec());
     return s < 1 ? 1 : s > max_sample_vecs() ? max_sample_vecs() : static_cast<int>(s);
   }
   // floor(sqrt(x)) for x < 2^24 (exact in float; the correction covers sqrtf rounding up).
@@ -68,11 +65,7 @@ struct TopkLayout {
   }
   // m_keys: keys in the sample (the rank is clamped below it, leaving room for the row's ends).
   DI_HOST_DEVICE static uint32_t sample_rank(int k, int n, uint32_t m_keys, int vec_keys) {
-#ifdef DI_TOPK_UNTRIMMED
-    const uint32_t mu = static_cast<uint32_t>(static_cast<uint64_t>(k) * m_keys / static_cast<uint32_t>(n));
-#else
     const uint32_t mu = static_cast<uint32_t>(k) * m_keys / static_cast<uint32_t>(n);  // k * m_keys <= 2^11 * 2^12
-#endif
     const uint32_t j = mu + 6 * isqrt(mu) + 9;
     const uint32_t cap = m_keys - 2 * static_cast<uint32_t>(vec_keys);
     return j < cap ? j : cap;
@@ -81,10 +74,7 @@ struct TopkLayout {
   // The sample's first-digit bin edge alone is threshold enough when the keys it keeps, about
   // n * count_ge / m (count_ge: sample keys in or above the bin), are at most half the buffer.
   DI_HOST_DEVICE static constexpr bool coarse_sample_enough(uint32_t count_ge, int n, uint32_t m_keys) {
-#ifndef DI_TOPK_COARSE_KEEP
-#define DI_TOPK_COARSE_KEEP (kCandCap / 2)
-#endif
-    return static_cast<uint64_t>(count_ge) * static_cast<uint32_t>(n) <= static_cast<uint64_t>(DI_TOPK_COARSE_KEEP) * m_keys;
+    return static_cast<uint64_t>(count_ge) * static_cast<uint32_t>(n) <= static_cast<uint64_t>(kCandCap / 2) * m_keys;
   }
 
   // Byte offsets inside dynamic shared memory (every region 16-byte aligned).
