@@ -142,13 +142,13 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   struct RadixState {
     uint32_t prefix = 0, mask = 0, greater = 0, k_rem = 0;
   };
-  // One radix pass (digit `pass`): `count(add)` calls add(key, valid) for its keys; those valid and
-  // matching the prefix are counted by their digit. Returns the k_rem-th key's bin; refines `st`.
   // Zeroes `words` 32-bit words of shared memory (16-byte aligned, a multiple of 4), 16 bytes per store.
   auto clear_words = [&](uint32_t* p, int words) {
     for (int i = threadIdx.x; i < words / 4; i += kThreads) reinterpret_cast<uint4*>(p)[i] = make_uint4(0u, 0u, 0u, 0u);
   };
   static_assert(kBins % 4 == 0 && TopkLayout::kWindowWords % 4 == 0, "whole 16-byte clears");
+  // One radix pass (digit `pass`): `count(add)` calls add(key, valid) for its keys; those valid and
+  // matching the prefix are counted by their digit. Returns the k_rem-th key's bin; refines `st`.
   auto radix_pass = [&](int pass, RadixState& st, auto&& count) -> radix::KthBin {
     const int shift = L.digit_shift(pass);
     const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
@@ -193,7 +193,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   // The (ks, ke) entries of a row; each row's are loaded one row ahead.
   auto load_range = [&](int64_t r, int& ks_v, int& ke_v) {
     if (r >= a.num_rows) return;
+#ifdef DI_TOPK_DIV_ALWAYS
     const int g = static_cast<int>(r) / a.range_next_n;
+#else
+    const int g = a.range_next_n == 1 ? static_cast<int>(r) : static_cast<int>(r) / a.range_next_n;  // no division per row
+#endif
     ks_v = a.ks == nullptr ? 0 : __ldg(a.ks + g);
     ke_v = __ldg(a.ke + g);
   };
@@ -203,7 +207,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
     const int ks_r = ks_next, ke_r = ke_next;
     load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
+#ifdef DI_TOPK_DIV_ALWAYS
     const int i_in = r % a.range_next_n;
+#else
+    const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
+#endif
     const int lo = min(max(ks_r, 0), a.num_cols);
     const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
     const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
