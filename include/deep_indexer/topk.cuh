@@ -193,11 +193,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   // The (ks, ke) entries of a row; each row's are loaded one row ahead.
   auto load_range = [&](int64_t r, int& ks_v, int& ke_v) {
     if (r >= a.num_rows) return;
-#ifdef DI_TOPK_DIV_ALWAYS
-    const int g = static_cast<int>(r) / a.range_next_n;
-#else
     const int g = a.range_next_n == 1 ? static_cast<int>(r) : static_cast<int>(r) / a.range_next_n;  // no division per row
-#endif
     ks_v = a.ks == nullptr ? 0 : __ldg(a.ks + g);
     ke_v = __ldg(a.ke + g);
   };
@@ -207,11 +203,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
     const int ks_r = ks_next, ke_r = ke_next;
     load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
-#ifdef DI_TOPK_DIV_ALWAYS
-    const int i_in = r % a.range_next_n;
-#else
     const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
-#endif
     const int lo = min(max(ks_r, 0), a.num_cols);
     const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
     const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
