@@ -46,25 +46,31 @@ __device__ __forceinline__ uint32_t to_key(uint32_t raw) {
   return kElemBytes == 4 ? float_key(raw) : bf16_key(raw);
 }
 
+// v plus the v of the lane `off` above (down) or below (up) this one where that lane exists: the
+// shuffle's own in-range predicate guards the add (no lane compare, no select).
+template <bool kDown>
+__device__ __forceinline__ uint32_t add_shifted(uint32_t v, int off) {
+  uint32_t r;
+  if constexpr (kDown)
+    asm("{\n.reg .b32 o;\n.reg .pred p;\nshfl.sync.down.b32 o|p, %1, %2, 0x1f, 0xffffffff;\n"
+        "mov.b32 %0, %1;\n@p add.u32 %0, %1, o;\n}" : "=r"(r) : "r"(v), "r"(off));
+  else
+    asm("{\n.reg .b32 o;\n.reg .pred p;\nshfl.sync.up.b32 o|p, %1, %2, 0x0, 0xffffffff;\n"
+        "mov.b32 %0, %1;\n@p add.u32 %0, %1, o;\n}" : "=r"(r) : "r"(v), "r"(off));
+  return r;
+}
+
 // Inclusive warp scan of `v` from the top lane down: returns the sum over lanes >= this lane.
 __device__ __forceinline__ uint32_t warp_suffix_sum(uint32_t v) {
-  const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t o = __shfl_down_sync(kFullMask, v, off);
-    if (lane + off < 32) v += o;
-  }
+  for (int off = 1; off < 32; off <<= 1) v = add_shifted<true>(v, off);
   return v;
 }
 
 // Inclusive warp scan from lane 0 up.
 __device__ __forceinline__ uint32_t warp_prefix_sum(uint32_t v) {
-  const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t o = __shfl_up_sync(kFullMask, v, off);
-    if (lane >= off) v += o;
-  }
+  for (int off = 1; off < 32; off <<= 1) v = add_shifted<false>(v, off);
   return v;
 }
 
@@ -114,14 +120,17 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
   if (lane == 0) warp_sums[warp] = incl;
   __syncthreads();
   uint32_t above = incl - own + sum_of_warps_above<kWarps>(warp_sums);
+  if (above < k && k <= above + own) {  // one thread: the k-th key's bin is one of its own
 #pragma unroll
-  for (int i = kPer - 1; i >= 0; --i) {
-    if (above < k && k <= above + c[i]) {
-      result[0] = t * kPer + i;
-      result[1] = above;
-      result[2] = c[i];
+    for (int i = kPer - 1; i >= 0; --i) {
+      if (k <= above + c[i]) {
+        result[0] = t * kPer + i;
+        result[1] = above;
+        result[2] = c[i];
+        break;
+      }
+      above += c[i];
     }
-    above += c[i];
   }
   __syncthreads();
   return {result[0], result[1], result[2]};

@@ -156,7 +156,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     count([&](uint32_t key, bool valid) {
       if (valid && (key & st.mask) == st.prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
     });
-    const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return hist[b]; }, st.k_rem,
+    const uint32_t* h = hist;  // 16-byte aligned: a thread's kBins / kThreads bins in one vector load
+    const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return h[b]; }, st.k_rem,
                                                                   warp_sums, scalars);
     next_hist_pass();
     st.prefix |= kb.bin << shift;
