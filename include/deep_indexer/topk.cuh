@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     hist_next = t;
   };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
-  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's); [kScalarTableRow]: the
-  // row's block-table row (slot mode; written by warp 0 at the row's start, read after its row_sync)
+  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's); [kScalarTableRow]: a
+  // varlen row's block-table row (slot mode; written by warp 0 before the emission, read by the stores)
   uint32_t* scalars = warp_sums + 2 * kWarps;
   uint32_t* count = scalars + 4;
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
