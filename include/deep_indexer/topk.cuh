@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     hist_next = t;
   };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
-  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's); [kScalarTableRow]: the
-  // row's block-table row (slot mode; written by warp 0 at the row's start, read after its row_sync)
+  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's); [kScalarTableRow]: a
+  // varlen row's block-table row (slot mode; written by warp 0 before the emission, read by the stores)
   uint32_t* scalars = warp_sums + 2 * kWarps;
   uint32_t* count = scalars + 4;
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
@@ -455,14 +455,12 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
 
       // NOTES: a varlen row's block-table row is looked up by warp 0 here, under the emission, and read
-      // by the stores after the window loop's barriers (the loop runs at least once when total > 0).
+      // into `seq` after the window loop's barriers (the loop runs at least once when total > 0).
       if (slot_mode && a.indices != nullptr && warp == 0) {
         const int first = varlen::run_first_row(a.indices, r, lane);
         if (lane == 0) scalars[TopkLayout::kScalarTableRow] = static_cast<uint32_t>(first);
       }
-      auto table_row = [&]() -> int64_t {
-        return a.indices != nullptr ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : r / a.table_next_n;
-      };
+      int64_t seq = 0;  // slot mode: the row's block-table row, set once before the stores
       const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
       int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
@@ -471,7 +469,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
           idx = lo + j;
         } else if (slot_mode) {
-          const int64_t seq = table_row();
           const int blk = j / a.block_size;
           idx = blk < a.table_cols
                     ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
@@ -590,6 +587,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         eq_base += all >> 16;
         __syncthreads();  // planes, word prefixes and warp sums are reused
       }
+      if (slot_mode)
+        seq = a.indices != nullptr ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : r / a.table_next_n;
       if constexpr (!kSorted) {
         // every position is staged: each emit is followed by the window loop's closing barrier
         for (int p = tid; p < static_cast<int>(total); p += kThreads) {
