@@ -48,15 +48,8 @@ __device__ __forceinline__ uint32_t to_key(uint32_t raw) {
 
 // v plus the v of the lane `off` above (down) or below (up) this one where that lane exists: the
 // shuffle's own in-range predicate guards the add (no lane compare, no select).
-// NOTES: -DDI_RADIX_PLAIN_SCAN (A/B switch, through DI_JIT_EXTRA_FLAGS): the earlier forms (shuffle + lane
-// compare; every thread testing each of its bins) for timing against these.
 template <bool kDown>
 __device__ __forceinline__ uint32_t add_shifted(uint32_t v, int off) {
-#ifdef DI_RADIX_PLAIN_SCAN
-  const int lane = threadIdx.x & 31;
-  const uint32_t o = kDown ? __shfl_down_sync(kFullMask, v, off) : __shfl_up_sync(kFullMask, v, off);
-  return (kDown ? lane + off < 32 : lane >= off) ? v + o : v;
-#endif
   uint32_t r;
   if constexpr (kDown)
     asm("{\n.reg .b32 o;\n.reg .pred p;\nshfl.sync.down.b32 o|p, %1, %2, 0x1f, 0xffffffff;\n"
@@ -127,17 +120,6 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
   if (lane == 0) warp_sums[warp] = incl;
   __syncthreads();
   uint32_t above = incl - own + sum_of_warps_above<kWarps>(warp_sums);
-#ifdef DI_RADIX_PLAIN_SCAN
-#pragma unroll
-  for (int i = kPer - 1; i >= 0; --i) {
-    if (above < k && k <= above + c[i]) {
-      result[0] = t * kPer + i;
-      result[1] = above;
-      result[2] = c[i];
-    }
-    above += c[i];
-  }
-#else
   if (above < k && k <= above + own) {  // one thread: the k-th key's bin is one of its own
 #pragma unroll
     for (int i = kPer - 1; i >= 0; --i) {
@@ -150,7 +132,6 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
       above += c[i];
     }
   }
-#endif
   __syncthreads();
   return {result[0], result[1], result[2]};
 }
