@@ -9,6 +9,7 @@
 #   CHUNKS="P2 P3 P5": fused prefill (two streams, default workspace) against the logits alone, 5 rounds
 #   FUSED_CHUNKS=1: the fused prefill on one stream against two (P2 P3 P5)
 #   NCU=K-P2: ncu's per-SASS-instruction counters of one shape (tools/ncu_stalls.py summary)
+#   TRACE="K-D1 K-P2": per-row phase timelines (tools/kernel_trace.py, a -DDI_KERNEL_TRACE build)
 #   positional arguments: DI_TOPK_CLUSTER sizes to time on K-D1 K-D2 K-D3
 #   OUT=... [VARIANTS=...] [TESTS=0] [BENCH=0] ... bash tools/topk_gpu.sh [CLUSTER_SIZES...]
 set -uo pipefail
@@ -58,6 +59,10 @@ if [ -n "${NCU:-}" ]; then
   ncu -i "$OUT/ncu-$NCU.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$NCU-sass.csv" 2>>"$OUT/ncu.log"
   ncu -i "$OUT/ncu-$NCU.ncu-rep" --page details >>"$OUT/ncu.log" 2>&1
   python3 tools/ncu_stalls.py "$OUT/ncu-$NCU-sass.csv" --top 15 2>&1 | tee -a "$OUT/gpu.log"
+fi
+if [ -n "${TRACE:-}" ]; then
+  log "trace $TRACE"
+  timeout 200 python3 tools/kernel_trace.py $TRACE 2>&1 | tee -a "$OUT/gpu.log"
 fi
 for v in "$@"; do
   log "DI_TOPK_CLUSTER=$v"
