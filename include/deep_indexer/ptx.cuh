@@ -51,8 +51,15 @@ DI_DEVICE void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 
-// Asks L2 for the 128-byte line holding p (no register written, nothing waits on it).
-DI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+// atomicAdd(addr, v) on a 32-bit shared word (shared-window address), for lane 0 alone. NOTES: the
+// PTX address is addr + 4 * %laneid (= addr in lane 0): ptxas cannot prove it warp-uniform, so it
+// does not wrap the atomic in a warp aggregation (vote, scan, shuffles: ~20 instructions per call).
+DI_DEVICE uint32_t atom_add_shared_lane0(uint32_t addr, uint32_t v) {
+  uint32_t old;
+  asm volatile("{\n.reg .u32 l, a;\nmov.u32 l, %%laneid;\nmad.lo.u32 a, l, 4, %1;\n"
+               "atom.shared.add.u32 %0, [a], %2;\n}" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+  return old;
+}
 
 // ---------------------------------------------------------------- mbarrier
 DI_DEVICE void mbar_init(uint64_t* bar, uint32_t arrive_count) {

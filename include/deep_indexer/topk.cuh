@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   uint32_t* count = scalars + 4;
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
   uint32_t* cand_col = reinterpret_cast<uint32_t*>(smem + L.cand_col_offset());
-  const uint32_t cand_key_s = ptx::smem_addr(cand_key), cand_col_s = ptx::smem_addr(cand_col);  // shared-window addresses
+  // shared-window addresses
+  const uint32_t cand_key_s = ptx::smem_addr(cand_key), cand_col_s = ptx::smem_addr(cand_col), count_s = ptx::smem_addr(count);
   uint32_t* plane_gt = reinterpret_cast<uint32_t*>(smem + L.plane_offset());
   uint32_t* plane_eq = plane_gt + TopkLayout::kWindowWords;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
@@ -274,8 +275,10 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         bits |= pass << (u * kVec);
       }
       if (!__any_sync(radix::kFullMask, bits != 0u)) return;
+      const uint32_t my = __popc(bits);
+#ifdef DI_TOPK_BALLOT_SLOTS
       // this lane's first slot: the warp's exclusive prefix of the counts, from ballots of their bits
-      const uint32_t my = __popc(bits), below = (1u << lane) - 1u;
+      const uint32_t below = (1u << lane) - 1u;
       uint32_t before = 0, m[kCountBits];
 #pragma unroll
       for (int bit = 0; bit < kCountBits; ++bit) {
@@ -287,15 +290,31 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       if (lane == 0) warp_slot = atomicAdd(dst_count, total);
       warp_slot = __shfl_sync(radix::kFullMask, warp_slot, 0);
       uint32_t slot = warp_slot + before;
-      const int col0 = (base + lane) * kVec - mis;  // the column of element 0 of the lane's first vector
       // some lane has 3 or more survivors (count bits 0 and 1, or a higher one)
-      uint32_t many = m[0] & m[1];
+      uint32_t many_bits = m[0] & m[1];
 #pragma unroll
-      for (int bit = 2; bit < kCountBits; ++bit) many |= m[bit];
+      for (int bit = 2; bit < kCountBits; ++bit) many_bits |= m[bit];
+      const bool many = many_bits != 0u;
+      const uint32_t end = warp_slot + total;
+#else
+      // NOTES: lane 0 reserves the warp's slots with the suffix sum it holds (the warp's total); a
+      // lane's first slot is the end of the reservation less its suffix sum (lanes in order).
+      const uint32_t suffix = radix::warp_suffix_sum(my);  // survivors of the lanes >= this one
+      uint32_t end = 0;
+      if (lane == 0) {
+        if constexpr (kCluster) end = atomicAdd(dst_count, suffix) + suffix;
+        else end = ptx::atom_add_shared_lane0(count_s, suffix) + suffix;
+        DI_TOPK_ASSERT(kCluster || dst_count == count);  // one CTA: the filter's counter is `count`
+      }
+      end = __shfl_sync(radix::kFullMask, end, 0);
+      uint32_t slot = end - suffix;
+      const bool many = __any_sync(radix::kFullMask, my >= 3u);  // some lane has 3 or more survivors
+#endif
+      const int col0 = (base + lane) * kVec - mis;  // the column of element 0 of the lane's first vector
       // NOTES: with a slot for every survivor of the step and some lane holding more than two, a lane
       // tests every element position in turn (predicated stores to 32-bit shared addresses, no
       // divergent loop); else (and for the remote buffer of a cluster) it walks its survivors.
-      if (!kCluster && many != 0u && warp_slot + total <= static_cast<uint32_t>(kCap)) {
+      if (!kCluster && many && end <= static_cast<uint32_t>(kCap)) {
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         const uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot;
         uint32_t o = 0;
@@ -385,19 +404,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     tr.mark<2>();
     row_sync();  // every survivor of the cluster is in CTA 0
     tr.mark<3>();
-#ifdef DI_TOPK_SAMPLE_L2
-    // NOTES: the next row's sample is asked of L2 now, under this row's selection and emission.
-    if (r + num_clusters < a.num_rows) {
-      int lo_n, n_n, mis_n;
-      row_cols(r + num_clusters, ks_next, ke_next, lo_n, n_n);
-      if (n_n > TopkLayout::kSampleMinKeys) {
-        const uint4* vec_n = row_start(r + num_clusters, lo_n, mis_n);
-        int s_n;
-        const int stride_n = sample_stride(n_n, (mis_n + n_n + kVec - 1) / kVec, s_n);
-        for (int t = 0; t < s_n; ++t) ptx::prefetch_l2(vec_n + (tid + t * kThreads) * stride_n);
-      }
-    }
-#endif
 
     if (rank() == 0) {
       uint32_t ns = *count;
