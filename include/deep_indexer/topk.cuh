@@ -246,7 +246,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     // the other step is filtered.
     constexpr int kStep = kThreads * kUnroll;
     constexpr uint32_t kVecMask = (1u << kVec) - 1u;
-    constexpr int kCountBits = kUnroll * kVec >= 16 ? 5 : 4;  // bits of a thread's count (<= kUnroll * kVec)
     static_assert(kUnroll == 2, "raw_of_pair reads a step of two vectors");
     uint4 buf_a[kUnroll], buf_b[kUnroll];
     auto load_step = [&](uint4 (&buf)[kUnroll], int base, int vb1) {
@@ -276,27 +275,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       }
       if (!__any_sync(radix::kFullMask, bits != 0u)) return;
       const uint32_t my = __popc(bits);
-#ifdef DI_TOPK_BALLOT_SLOTS
-      // this lane's first slot: the warp's exclusive prefix of the counts, from ballots of their bits
-      const uint32_t below = (1u << lane) - 1u;
-      uint32_t before = 0, m[kCountBits];
-#pragma unroll
-      for (int bit = 0; bit < kCountBits; ++bit) {
-        m[bit] = __ballot_sync(radix::kFullMask, (my >> bit) & 1u);
-        before += __popc(m[bit] & below) << bit;
-      }
-      const uint32_t total = __reduce_add_sync(radix::kFullMask, my);
-      uint32_t warp_slot = 0;
-      if (lane == 0) warp_slot = atomicAdd(dst_count, total);
-      warp_slot = __shfl_sync(radix::kFullMask, warp_slot, 0);
-      uint32_t slot = warp_slot + before;
-      // some lane has 3 or more survivors (count bits 0 and 1, or a higher one)
-      uint32_t many_bits = m[0] & m[1];
-#pragma unroll
-      for (int bit = 2; bit < kCountBits; ++bit) many_bits |= m[bit];
-      const bool many = many_bits != 0u;
-      const uint32_t end = warp_slot + total;
-#else
       // NOTES: lane 0 reserves the warp's slots with the suffix sum it holds (the warp's total); a
       // lane's first slot is the end of the reservation less its suffix sum (lanes in order).
       const uint32_t suffix = radix::warp_suffix_sum(my);  // survivors of the lanes >= this one
@@ -309,7 +287,6 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       end = __shfl_sync(radix::kFullMask, end, 0);
       uint32_t slot = end - suffix;
       const bool many = __any_sync(radix::kFullMask, my >= 3u);  // some lane has 3 or more survivors
-#endif
       const int col0 = (base + lane) * kVec - mis;  // the column of element 0 of the lane's first vector
       // NOTES: with a slot for every survivor of the step and some lane holding more than two, a lane
       // tests every element position in turn (predicated stores to 32-bit shared addresses, no
