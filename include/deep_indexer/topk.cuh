@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
   };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
   // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's); [kScalarTableRow]: a
-  // varlen row's block-table row (slot mode; written by warp 0 before the emission, read by the stores)
+  // varlen row's block-table row (slot mode; written by warp 0 before the emission, read by the stores);
+  // [kScalarSink]: the radix passes' sink for keys that do not count (never read)
   uint32_t* scalars = warp_sums + 2 * kWarps;
   uint32_t* count = scalars + 4;
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
@@ -154,17 +155,12 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     const int shift = L.digit_shift(pass);
     const uint32_t digit_mask = (1u << L.digit_bits(pass)) - 1u;
     clear_words(hist_next, kBins);
-#ifdef DI_TOPK_HIST_SINK
-    // A/B: keys that do not count go to a sink word (no branch around the atomic)
-    uint32_t* sink = scalars + 6;
+    // NOTES: keys that do not count add to a sink word instead (no branch around the atomic; the
+    // hardware combines a warp's lanes on one address)
+    uint32_t* sink = scalars + TopkLayout::kScalarSink;
     count([&](uint32_t key, bool valid) {
       atomicAdd(valid && (key & st.mask) == st.prefix ? hist + ((key >> shift) & digit_mask) : sink, 1u);
     });
-#else
-    count([&](uint32_t key, bool valid) {
-      if (valid && (key & st.mask) == st.prefix) atomicAdd(hist + ((key >> shift) & digit_mask), 1u);
-    });
-#endif
     const uint32_t* h = hist;  // 16-byte aligned: a thread's kBins / kThreads bins in one vector load
     const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return h[b]; }, st.k_rem,
                                                                   warp_sums, scalars);
@@ -295,11 +291,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       end = __shfl_sync(radix::kFullMask, end, 0);
       uint32_t slot = end - suffix;
 #ifndef DI_TOPK_MANY_MIN
-#define DI_TOPK_MANY_MIN 3
+#define DI_TOPK_MANY_MIN 2
 #endif
-      const bool many = __any_sync(radix::kFullMask, my >= DI_TOPK_MANY_MIN);  // some lane has 3 or more survivors
+      const bool many = __any_sync(radix::kFullMask, my >= DI_TOPK_MANY_MIN);  // some lane has 2 or more survivors
       const int col0 = (base + lane) * kVec - mis;  // the column of element 0 of the lane's first vector
-      // NOTES: with a slot for every survivor of the step and some lane holding more than two, a lane
+      // NOTES: with a slot for every survivor of the step and some lane holding more than one, a lane
       // tests every element position in turn (predicated stores to 32-bit shared addresses, no
       // divergent loop); else (and for the remote buffer of a cluster) it walks its survivors.
       if (!kCluster && many && end <= static_cast<uint32_t>(kCap)) {
@@ -533,19 +529,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         }
         for (uint32_t i = tid; i < ns; i += kThreads) {
           const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
-#ifdef DI_TOPK_PLANE_NOBRANCH
-          // A/B: one unconditional atomic (a zero bit for keys below the threshold or outside the window)
-          const uint32_t mk = cand_key[i] & mask;
-          const bool gt = mk > prefix || (mk == prefix && whole);
-          const bool sel = j < wn && (gt || mk == prefix);
-          atomicOr((gt ? plane_gt : plane_eq) + ((j >> 5) & (TopkLayout::kWindowWords - 1)), sel ? 1u << (j & 31) : 0u);
-#else
           if (j < wn) {
             const uint32_t mk = cand_key[i] & mask;
             if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
             else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
           }
-#endif
         }
         if (eq_from_row) {
           const int vw0 = (w0 + mis) / kVec, vw1 = (w0 + static_cast<int>(wn) - 1 + mis) / kVec + 1;

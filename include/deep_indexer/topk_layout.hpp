@@ -83,6 +83,7 @@ struct TopkLayout {
   DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + 2 * kHistBins * 4; }
   static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4;  // warp sums (2 x kNumWarps) + row scalars
   static constexpr int kScalarTableRow = 5;  // row scalar: a varlen row's block-table row (slot mode)
+  static constexpr int kScalarSink = 6;      // row scalar: where radix passes count the keys they skip
   DI_HOST_DEVICE constexpr unsigned cand_key_offset() const { return scratch_offset() + kScratchBytes; }
   DI_HOST_DEVICE constexpr unsigned cand_col_offset() const { return cand_key_offset() + kCandCap * 4; }
   DI_HOST_DEVICE constexpr unsigned plane_offset() const { return cand_col_offset() + kCandCap * 4; }
