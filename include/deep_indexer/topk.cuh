@@ -290,15 +290,11 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
       }
       end = __shfl_sync(radix::kFullMask, end, 0);
       uint32_t slot = end - suffix;
-#ifndef DI_TOPK_MANY_MIN
-#define DI_TOPK_MANY_MIN 2
-#endif
-      const bool many = __any_sync(radix::kFullMask, my >= DI_TOPK_MANY_MIN);  // some lane has 2 or more survivors
       const int col0 = (base + lane) * kVec - mis;  // the column of element 0 of the lane's first vector
-      // NOTES: with a slot for every survivor of the step and some lane holding more than one, a lane
-      // tests every element position in turn (predicated stores to 32-bit shared addresses, no
-      // divergent loop); else (and for the remote buffer of a cluster) it walks its survivors.
-      if (!kCluster && many && end <= static_cast<uint32_t>(kCap)) {
+      // NOTES: with a slot for every survivor of the step, a lane tests every element position in turn
+      // (predicated stores to 32-bit shared addresses, no divergent loop); else (and for the remote
+      // buffer of a cluster) it walks its survivors.
+      if (!kCluster && end <= static_cast<uint32_t>(kCap)) {
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         const uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot;
         uint32_t o = 0;
