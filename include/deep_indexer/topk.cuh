@@ -203,37 +203,26 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     ks_v = a.ks == nullptr ? 0 : __ldg(a.ks + g);
     ke_v = __ldg(a.ke + g);
   };
-  // A row's valid columns [lo, lo + n) from its range entries (rows < 2^31: checked by the API).
-  auto row_cols = [&](int r, int ks_r, int ke_r, int& lo, int& n) {
-    const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
-    lo = min(max(ks_r, 0), a.num_cols);
-    const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
-    n = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols))) - lo;
-  };
-  // NOTES: element j of a row sits at lane (j + mis) % kVec of the 16-byte aligned vector
-  // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, lo + n)
-  // they hold are read (never used) safely.
-  auto row_start = [&](int r, int lo, int& mis) {
-    const uint8_t* row_bytes =
-        static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
-    mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
-    return reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
-  };
-  // Threshold sample of a row of n > kSampleMinKeys keys: this thread's vector t is (tid + t * kThreads) * stride.
-  auto sample_stride = [&](int n, int num_vecs, int& s_v) {
-    s_v = L.sample_vecs_per_thread(n);
-    return num_vecs / (s_v * kThreads);  // >= 1: n > kSampleMinKeys
-  };
   int ks_next = 0, ke_next = 0;
   load_range(static_cast<int>(blockIdx.x) / num_ctas, ks_next, ke_next);
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {  // no overflow: rows < 2^31 - 2^20
-    // ---- the row's valid columns [lo, lo + n)
+    // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
     const int ks_r = ks_next, ke_r = ke_next;
     load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
-    int lo, n, mis;
-    row_cols(r, ks_r, ke_r, lo, n);
+    const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
+    const int lo = min(max(ks_r, 0), a.num_cols);
+    const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
+    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
+    const int n = hi - lo;
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
-    const uint4* row_vec = row_start(r, lo, mis);
+
+    // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
+    // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi)
+    // they hold are read (never used) safely.
+    const uint8_t* row_bytes =
+        static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
+    const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
+    const uint4* row_vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
     const int num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
@@ -340,9 +329,10 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     prefetch(v_begin, v_end);
     uint32_t kmin = 0;
     if (n > TopkLayout::kSampleMinKeys) {
-      int s_v;
-      const int stride = sample_stride(n, num_vecs, s_v);
-      const int m_v = s_v * kThreads;
+      // sample vector t of this thread: (tid + t * kThreads) * stride, stride = num_vecs / m_v >= 1
+      const int s_v = L.sample_vecs_per_thread(n);
+      const int m_v = s_v * kThreads;  // <= num_vecs: n > kSampleMinKeys
+      const int stride = num_vecs / m_v;
       uint4 sample[kSampleVecs];
       uint32_t sample_valid = 0;  // bit t * kVec + c
 #pragma unroll
