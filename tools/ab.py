@@ -54,6 +54,12 @@ def main() -> None:
     timer = bench.Timer(dev, a.flush, a.host_slack_us)
     variants = a.variants.split(";")
     keys = sorted({k for v in variants for k in parse_variant(v)})
+
+    def use_variant(v: str) -> None:  # this variant's environment alone ("" = none of the variants' keys)
+        for k in keys:
+            os.environ.pop(k, None)
+        os.environ.update(parse_variant(v))
+
     for sid in a.shapes:
         one_call = sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
         if sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
@@ -78,25 +84,20 @@ def main() -> None:
         times = {v: [] for v in shape_variants}
         for _ in range(a.rounds):
             for v in shape_variants:
-                for k in keys:
-                    os.environ.pop(k, None)
-                os.environ.update(parse_variant(v))
+                use_variant(v)
                 if v not in runs:
                     runs[v] = run if one_call else bench.decode_call(x)
                 times[v].append(timer(runs[v], iters=a.iters))
-        for k in keys:
-            os.environ.pop(k, None)
         if sid in bench.TOPK_SHAPES:  # deterministic: every variant must return the same indices
             outs = {}
             for v in shape_variants:
-                os.environ.update(parse_variant(v))
+                use_variant(v)
                 outs[v] = runs[v]().clone()
-                for k in keys:
-                    os.environ.pop(k, None)
             first = shape_variants[0]
             same = [v or "default" for v in shape_variants if torch.equal(outs[v], outs[first])]
             print(f"{sid:>16} identical indices to [{first or 'default'}]: {len(same)} of {len(shape_variants)} variants"
                   + ("" if len(same) == len(shape_variants) else " (DIFFER)"), flush=True)
+        use_variant("")
         for v in shape_variants:
             t = times[v]
             print(f"{sid:>16} {what} [{v or 'default'}]: median {statistics.median(t):7.1f} us  "
