@@ -433,6 +433,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
 #pragma unroll 1
         for (int pass = 0; pass < kPasses && !whole; ++pass) {
           const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+#pragma unroll 2
             for (uint32_t i = tid; i < ns; i += kThreads) {
               uint32_t key = cand_key[i];
               if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
