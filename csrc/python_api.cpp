@@ -65,7 +65,8 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       py::gil_scoped_release release;
       r = PagedMqaMetadataRuntime::precompile(p, arch);
     } else if (op == "topk") {
-      TopkRuntime::Params p{param(params, "elem_bytes"), param(params, "sorted") != 0, param(params, "cluster") != 0};
+      TopkRuntime::Params p{param(params, "elem_bytes"), param(params, "sorted") != 0, param(params, "cluster") != 0,
+                            param(params, "wide") != 0};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkRuntime::precompile(p, arch);

@@ -95,9 +95,9 @@ def variants(
             for n, small in itertools.product(nn, (1, 0)):
                 add(op, next_n=n, small=small)
         elif op == "topk":
-            for dt, srt, cl in itertools.product(dtypes, (0, 1), (0, 1)):
+            for dt, srt, cl, wide in itertools.product(dtypes, (0, 1), (0, 1), (0, 1)):
                 if not (srt and cl):  # the cluster form is unsorted only
-                    add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl)
+                    add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl, wide=wide)
         elif op in ("training_logits", "training_logits_stats"):
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
             for h, d in itertools.product(hs, dims):

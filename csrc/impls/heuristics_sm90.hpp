@@ -150,17 +150,20 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   return (cols + align - 1) / align * align;
 }
 
-// Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::kCtasPerSm CTAs per
+// Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::ctas_per_sm CTAs per
 // SM. C grows (1, 2, 4, 8) while a CTA's share of the longest row needs more than one filter step
 // (kNumThreads x kFilterVecs vectors) and rows x C x 4 <= SMs: only a few long rows (1 x 32K) are
 // split over SMs. CTA 0 of a cluster selects and writes alone, so splitting pays only where the
 // filter's read is the row's critical path. Sorted output takes C = 1 (its sort runs in one CTA
 // anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
+// Blocks: kWideThreads (one CTA per SM) when every row's cluster fits at once with one CTA per SM
+// (rows x C <= SMs: the two-CTA form would leave SMs with one CTA anyway), else kNumThreads.
+// DI_TOPK_WIDE (0, 1) forces the choice.
 struct TopkLaunch {
-  unsigned grid, cluster, smem;
+  unsigned grid, cluster, smem, threads;
 };
 inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms) {
-  const int64_t sms = std::max(1, num_sms), slots = sms * TopkLayout::kCtasPerSm;
+  const int64_t sms = std::max(1, num_sms);
   const int64_t step_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * TopkLayout::kFilterVecs * l.vec();
   int cluster = 1;
   while (cluster < TopkLayout::kMaxClusterCtas && (cols + cluster - 1) / cluster > step_keys &&
@@ -169,14 +172,18 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   const int forced = env::get_int("DI_TOPK_CLUSTER");
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;
   if (l.sorted) cluster = 1;
+  const int forced_wide = env::get_int("DI_TOPK_WIDE", -1);
+  const bool wide = forced_wide == 0 || forced_wide == 1 ? forced_wide == 1 : rows * cluster <= sms;
   TopkLaunch t;
   t.cluster = static_cast<unsigned>(cluster);
+  t.threads = wide ? TopkLayout::kWideThreads : TopkLayout::kNumThreads;
   t.smem = l.smem_bytes();
+  const int64_t slots = sms * TopkLayout::ctas_per_sm(static_cast<int>(t.threads));
   const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, slots / cluster));
   t.grid = static_cast<unsigned>(clusters * cluster);
   print_choice([&] {
-    return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, smem {} B", rows, cols,
-                       l.elem_bytes, l.sorted, t.grid, cluster, t.smem);
+    return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, {} threads, smem {} B", rows,
+                       cols, l.elem_bytes, l.sorted, t.grid, cluster, t.threads, t.smem);
   });
   return t;
 }

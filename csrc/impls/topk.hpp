@@ -13,6 +13,7 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
     int elem_bytes;  // 4: float32, 2: bfloat16
     bool sorted;
     bool cluster;    // the form launched with clusters of 2-8 CTAs per row
+    bool wide;       // TopkLayout::kWideThreads threads per block (one CTA per SM), else kNumThreads
     TopkLayout layout() const {
       DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk: elem_bytes must be 4 or 2, got {}", elem_bytes);
       DI_CHECK_ARG(!(sorted && cluster), "topk: the cluster form is unsorted only");
@@ -23,16 +24,17 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   static const char* kernel_name() { return "topk"; }
   static const char* header() { return "deep_indexer/topk.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("topk<{}, {}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16", p.sorted ? "sorted" : "unsorted",
-                       p.cluster ? ", cluster" : "");
+    return fmt::format("topk<{}, {}{}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
+                       p.sorted ? "sorted" : "unsorted", p.cluster ? ", cluster" : "", p.wide ? ", wide" : "");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::topk_kernel<{}, {}, {}>", p.elem_bytes, p.sorted ? "true" : "false",
-                       p.cluster ? "true" : "false");
+    return fmt::format("&deep_indexer::topk_kernel<{}, {}, {}, {}>", p.elem_bytes, p.sorted ? "true" : "false",
+                       p.cluster ? "true" : "false", threads(p));
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
+  static int threads(const Params& p) { return p.wide ? TopkLayout::kWideThreads : TopkLayout::kNumThreads; }
 
-  // `p.cluster` is chosen here (from the launch heuristic).
+  // `p.cluster` and `p.wide` are chosen here (from the launch heuristic).
   static void launch(Params p, const TopkArgs& args, const jit::DeviceInfo& dev, int num_sms, int device,
                      CUstream stream) {
     if (args.num_rows == 0 || args.k == 0) return;
@@ -42,10 +44,11 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
                  dev.max_smem_per_block_optin);
     const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, num_sms);
     p.cluster = t.cluster > 1;
+    p.wide = t.threads == static_cast<unsigned>(TopkLayout::kWideThreads);
     const CUfunction f = function(p, device, stream);
     jit::LaunchConfig cfg;
     cfg.grid = t.grid;
-    cfg.block = TopkLayout::kNumThreads;
+    cfg.block = t.threads;
     cfg.smem = t.smem;
     cfg.cluster = t.cluster;
     cfg.pdl = true;

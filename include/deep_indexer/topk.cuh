@@ -92,15 +92,21 @@ __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
 }  // namespace topk_detail
 
 // kCluster: launched with clusters of 2-8 CTAs per row (else one CTA per row, no DSMEM code);
-// unsorted output only.
-template <int kElemBytes, bool kSorted, bool kCluster>
-__global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerSm) topk_kernel(const TopkArgs a) {
+// unsorted output only. kThreads: TopkLayout::kNumThreads (two CTAs per SM) or kWideThreads (one CTA
+// per SM, for launches of at most one CTA per SM: each row's loops take half the steps).
+template <int kElemBytes, bool kSorted, bool kCluster, int kThreads>
+__global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) topk_kernel(const TopkArgs a) {
   static_assert(!(kSorted && kCluster), "sorted output runs one CTA per row");
   namespace cg = cooperative_groups;
   using namespace topk_detail;
   constexpr TopkLayout L{kElemBytes, kSorted};
-  constexpr int kThreads = TopkLayout::kNumThreads;
-  constexpr int kWarps = TopkLayout::kNumWarps;
+  static_assert(kThreads == TopkLayout::kNumThreads || kThreads == TopkLayout::kWideThreads, "block size");
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps <= TopkLayout::kMaxWarps, "warp sums fit the scratch");
+  // the threshold sample is drawn by the first kNumThreads threads (the same sample for any block size)
+  constexpr int kSampleThreads = TopkLayout::kNumThreads;
+  constexpr int kWordsPerThread = TopkLayout::kWindowWords / kThreads;
+  static_assert(TopkLayout::kWindowWords % kThreads == 0, "whole plane words per thread");
   constexpr int kVec = L.vec();
   constexpr int kPasses = L.num_passes();
   constexpr int kCap = TopkLayout::kCandCap;
@@ -329,15 +335,16 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
     prefetch(v_begin, v_end);
     uint32_t kmin = 0;
     if (n > TopkLayout::kSampleMinKeys) {
-      // sample vector t of this thread: (tid + t * kThreads) * stride, stride = num_vecs / m_v >= 1
-      const int s_v = L.sample_vecs_per_thread(n);
-      const int m_v = s_v * kThreads;  // <= num_vecs: n > kSampleMinKeys
+      // sample vector t of thread tid < kSampleThreads: (tid + t * kSampleThreads) * stride, stride =
+      // num_vecs / m_v >= 1; the other threads hold none
+      const int s_v = tid < kSampleThreads ? L.sample_vecs_per_thread(n) : 0;
+      const int m_v = L.sample_vecs_per_thread(n) * kSampleThreads;  // <= num_vecs: n > kSampleMinKeys
       const int stride = num_vecs / m_v;
       uint4 sample[kSampleVecs];
       uint32_t sample_valid = 0;  // bit t * kVec + c
 #pragma unroll
       for (int t = 0; t < kSampleVecs; ++t) {
-        const int v = (tid + t * kThreads) * stride;
+        const int v = (tid + t * kSampleThreads) * stride;
         sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
         sample_valid |= (t < s_v ? valid_bits(v) : 0u) << (t * kVec);
       }
@@ -536,12 +543,12 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         }
         __syncthreads();
         // Block scan of the words' (above, equal) counts, packed in 16-bit halves (< 65536 columns).
-        uint32_t gw[TopkLayout::kWordsPerThread], ew[TopkLayout::kWordsPerThread], cnt[TopkLayout::kWordsPerThread];
+        uint32_t gw[kWordsPerThread], ew[kWordsPerThread], cnt[kWordsPerThread];
         uint32_t mine = 0;
 #pragma unroll
-        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
-          gw[q] = plane_gt[tid * TopkLayout::kWordsPerThread + q];
-          ew[q] = plane_eq[tid * TopkLayout::kWordsPerThread + q];
+        for (int q = 0; q < kWordsPerThread; ++q) {
+          gw[q] = plane_gt[tid * kWordsPerThread + q];
+          ew[q] = plane_eq[tid * kWordsPerThread + q];
           cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
           mine += cnt[q];
         }
@@ -551,8 +558,8 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
         uint32_t all;
         uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
 #pragma unroll
-        for (int q = 0; q < TopkLayout::kWordsPerThread; ++q) {
-          word_prefix[tid * TopkLayout::kWordsPerThread + q] = before;
+        for (int q = 0; q < kWordsPerThread; ++q) {
+          word_prefix[tid * kWordsPerThread + q] = before;
           if (eq_from_row) {
             // the equal keys are not in the buffer: walk this word's bits in column order
             uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
@@ -562,7 +569,7 @@ __global__ void __launch_bounds__(TopkLayout::kNumThreads, TopkLayout::kCtasPerS
               bits &= bits - 1u;
               const bool is_gt = (gw[q] >> b) & 1u;
               if (!is_gt && e_before < take_eq)
-                emit(g_before + e_before, w0 + (tid * TopkLayout::kWordsPerThread + q) * 32 + b, prefix);
+                emit(g_before + e_before, w0 + (tid * kWordsPerThread + q) * 32 + b, prefix);
               g_before += is_gt;
               e_before += !is_gt;
             }

@@ -9,9 +9,11 @@ namespace deep_indexer {
 struct TopkLayout {
   static constexpr int kMaxK = 2048;        // largest supported k
   static constexpr int kHistBins = 2048;    // widest radix digit: 11 bits
-  static constexpr int kNumThreads = 512;
-  static constexpr int kNumWarps = kNumThreads / 32;
-  static constexpr int kCtasPerSm = 2;      // 64 registers per thread; smem_bytes() <= half an SM
+  static constexpr int kNumThreads = 512;   // two CTAs per SM
+  static constexpr int kWideThreads = 1024; // one CTA per SM (launches of at most one CTA per SM)
+  static constexpr int kMaxWarps = kWideThreads / 32;
+  // 64 registers per thread either way; smem_bytes() <= half an SM
+  DI_HOST_DEVICE static constexpr int ctas_per_sm(int threads) { return threads == kWideThreads ? 1 : 2; }
   static constexpr int kVecBytes = 16;      // one uint4 of logits per lane access
   static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
   // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
@@ -23,8 +25,6 @@ struct TopkLayout {
   // Emission: the row's columns in windows of kWindow, one bit per column in two planes.
   static constexpr int kWindow = 32768;
   static constexpr int kWindowWords = kWindow / 32;
-  static constexpr int kWordsPerThread = kWindowWords / kNumThreads;
-  static_assert(kWindowWords % kNumThreads == 0, "whole plane words per thread");
   static_assert(kWindow < 65536, "per-window counts are packed in 16 bits");
   static constexpr int kMaxClusterCtas = 8;
 
@@ -81,7 +81,7 @@ struct TopkLayout {
   // Two histograms: a radix pass counts into one while the other is cleared for the next pass.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + 2 * kHistBins * 4; }
-  static constexpr unsigned kScratchBytes = 2 * kNumWarps * 4 + 16 * 4;  // warp sums (2 x kNumWarps) + row scalars
+  static constexpr unsigned kScratchBytes = 2 * kMaxWarps * 4 + 16 * 4;  // warp sums (2 x warps) + row scalars
   static constexpr int kScalarTableRow = 5;  // row scalar: a varlen row's block-table row (slot mode)
   static constexpr int kScalarSink = 6;      // row scalar: where radix passes count the keys they skip
   DI_HOST_DEVICE constexpr unsigned cand_key_offset() const { return scratch_offset() + kScratchBytes; }
