@@ -866,13 +866,14 @@ def test_fused_prefill_overlapped_graph_replay():
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("cluster", ["1", "2", "4", "8"])
+@pytest.mark.parametrize("wide", ["0", "1"])
 @pytest.mark.parametrize("sorted_", [False, True])
 @pytest.mark.parametrize("kind", ["random", "ties"])
-def test_topk_forced_clusters(monkeypatch, cluster, sorted_, kind):
-    # every cluster size (sorted output always runs one CTA per row) on rows of every length class
-    # (direct, sampled, longer than a window),
-    # misaligned starts and a padded row stride
+def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
+    # every cluster size (sorted output always runs one CTA per row) and block size on rows of every
+    # length class (direct, sampled, longer than a window), misaligned starts and a padded row stride
     monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
+    monkeypatch.setenv("DI_TOPK_WIDE", wide)
     gen = torch.Generator().manual_seed(int(cluster) * 10 + sorted_)
     m, n = 7, 200000
     x = make_rows(kind, m, n + 5, torch.float32, gen)[:, 3:n + 3]
@@ -886,11 +887,13 @@ def test_topk_forced_clusters(monkeypatch, cluster, sorted_, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cluster", ["1", "4"])
-def test_topk_fallback_paths(monkeypatch, dtype, cluster):
+@pytest.mark.parametrize("wide", ["0", "1"])
+def test_topk_fallback_paths(monkeypatch, dtype, cluster, wide):
     # rows whose threshold sample misjudges them (too high: fewer than k survivors; too low: more
     # than the buffer) and rows with more keys equal to the k-th than the buffer holds: the
     # emulation confirms each row's path, the kernel must still match the reference
     monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
+    monkeypatch.setenv("DI_TOPK_WIDE", wide)
     gen = torch.Generator().manual_seed(3 + len(cluster))
     n, mis = 40000, 1
     width = n + mis + 16
