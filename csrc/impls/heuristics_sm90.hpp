@@ -155,8 +155,8 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
 // longest row needs more than one filter step (kNumThreads x kFilterVecs vectors) and rows x C x 4 <=
 // SMs: only a few long rows are split over SMs. CTA 0 of a cluster selects and writes alone, so
 // splitting pays only where the filter's read is the row's critical path; a row of 32K keys is
-// faster on one wide CTA (H100: 14.5 us against 15.2-15.9 with clusters of 2-8). Sorted output takes C = 1 (its sort runs in one CTA
-// anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
+// faster on one wide CTA (H100: 14.5 us against 15.2-15.9 with clusters of 2-8). Sorted output takes
+// C = 1 (its sort runs in one CTA anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
 // Blocks: kWideThreads (one CTA per SM) when every row's cluster fits at once with one CTA per SM
 // (rows x C <= SMs: the two-CTA form would leave SMs with one CTA anyway), else kNumThreads.
 // DI_TOPK_WIDE (0, 1) forces the choice.

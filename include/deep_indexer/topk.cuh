@@ -1,7 +1,8 @@
 // topk: exact, deterministic top-k indices of every row of a logits matrix (docs/topk.md).
 //
 // One cluster of C CTAs per row (C = 1 for many rows; up to 8 when few rows must fill the GPU),
-// grid-stride over rows; CTAs of 512 threads (two per SM), or 1024 when each gets an SM of its own. Keys: radix::float_key / bf16_key (order-preserving, NaN lowest).
+// grid-stride over rows; CTAs of 512 threads (two per SM), or 1024 when each gets an SM of its own.
+// Keys: radix::float_key / bf16_key (order-preserving, NaN lowest).
 // 1. Threshold: a row of more than kSampleMinKeys keys takes a strided sample of 16-byte vectors
 //    and a two-digit radix select of the sample's j-th largest key (TopkLayout::sample_rank):
 //    kmin, usually a little below the row's k-th key. Shorter rows keep every key (kmin = 0).
