@@ -152,7 +152,7 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
 
 // Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::ctas_per_sm CTAs per
 // SM. For rows longer than a window (kWindow keys), C grows (1, 2, 4, 8) while a CTA's share of the
-// longest row needs more than one filter step (kNumThreads x kFilterVecs vectors) and rows x C x 4 <=
+// longest row needs more than one filter step (kNumThreads x kFilterVecs vectors) and rows x C x 8 <=
 // SMs: only a few long rows are split over SMs. CTA 0 of a cluster selects and writes alone, so
 // splitting pays only where the filter's read is the row's critical path; a row of 32K keys is
 // faster on one wide CTA (H100: 14.5 us against 15.2-15.9 with clusters of 2-8). Sorted output takes

@@ -338,8 +338,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     if (n > TopkLayout::kSampleMinKeys) {
       // sample vector t of thread tid < kSampleThreads: (tid + t * kSampleThreads) * stride, stride =
       // num_vecs / m_v >= 1; the other threads hold none
-      const int s_v = tid < kSampleThreads ? L.sample_vecs_per_thread(n) : 0;
-      const int m_v = L.sample_vecs_per_thread(n) * kSampleThreads;  // <= num_vecs: n > kSampleMinKeys
+      const int sample_vecs = L.sample_vecs_per_thread(n);
+      const int s_v = kThreads == kSampleThreads || tid < kSampleThreads ? sample_vecs : 0;
+      const int m_v = sample_vecs * kSampleThreads;  // <= num_vecs: n > kSampleMinKeys
       const int stride = num_vecs / m_v;
       uint4 sample[kSampleVecs];
       uint32_t sample_valid = 0;  // bit t * kVec + c
