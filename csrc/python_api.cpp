@@ -64,6 +64,12 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= kMaxPagedNextN, "precompile: next_n must be in 1..{}", kMaxPagedNextN);
       py::gil_scoped_release release;
       r = PagedMqaMetadataRuntime::precompile(p, arch);
+    } else if (op == "topk" && params.contains("resident") && params["resident"].cast<int>() != 0) {
+      TopkResidentRuntime::Params p{param(params, "elem_bytes"), param(params, "keys_per_thread"),
+                                    param(params, "cluster") != 0};
+      p.layout();  // validates
+      py::gil_scoped_release release;
+      r = TopkResidentRuntime::precompile(p, arch);
     } else if (op == "topk") {
       TopkRuntime::Params p{param(params, "elem_bytes"), param(params, "sorted") != 0, param(params, "cluster") != 0,
                             param(params, "wide") != 0};

@@ -4,6 +4,7 @@ CPU: the reference against torch.topk, a step-by-step emulation of the kernel's 
 (same key transform, digit schedule, early stop and column-order selection) against the
 reference on adversarial rows, and input validation. GPU (SM90): the kernel against the reference.
 """
+import os
 import numpy as np
 import pytest
 import torch
@@ -486,7 +487,24 @@ def test_validation_arguments():
 
 # ------------------------------------------------------------------------------------ GPU
 def _check(x, k, ks, ke, **kw):
-    """Runs the kernel (outputs poisoned first) and compares with the reference exactly."""
+    """Runs the kernel (outputs poisoned first) and compares with the reference exactly; unsorted output
+    in both forms: the buffered kernel (DI_TOPK_RESIDENT=0) and the resident one (=1) where a cluster
+    can hold the rows (else the same buffered kernel again)."""
+    if kw.get("sorted", False) or os.environ.get("DI_TOPK_RESIDENT") is not None:
+        return _check_once(x, k, ks, ke, **kw)
+    got = None
+    for form in ("0", "1"):
+        os.environ["DI_TOPK_RESIDENT"] = form
+        try:
+            res = _check_once(x, k, ks, ke, **kw)
+        finally:
+            del os.environ["DI_TOPK_RESIDENT"]
+        assert got is None or torch.equal(res, got)
+        got = res
+    return got
+
+
+def _check_once(x, k, ks, ke, **kw):
     m = x.shape[0]
     rv = kw.get("return_values", False)
     out = torch.full((m, k), -7, dtype=torch.int32, device=DEV)
@@ -881,6 +899,36 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
     ke = torch.tensor([n, n - 3, 150000, 2000, n, 4100, 9000], dtype=torch.int32)
     _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
     _check(x.bfloat16(), 512, ks, ke, sorted=sorted_)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", ["8", "16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan"])
+@pytest.mark.parametrize("m", [3, 300])
+def test_topk_resident_forced(monkeypatch, keys, dtype, kind, m):
+    # the resident form on every cluster size it takes (rows up to 8 CTAs' keys), more rows than
+    # SMs (grid-stride, both row parities), misaligned starts, empty rows, rows of fewer than k keys
+    monkeypatch.setenv("DI_TOPK_RESIDENT", "1")
+    monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", keys)
+    per_cta = 1024 * int(keys)
+    gen = torch.Generator().manual_seed(int(keys) + m + len(kind))
+    for n_max in (per_cta - 8, 2 * per_cta - 8, 5 * per_cta, 8 * per_cta - 8):
+        if m == 300 and n_max > 2 * per_cta:
+            continue  # keeps the reference's time down; the cluster sizes are covered by m = 3
+        x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
+        ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
+        ke = torch.randint(n_max // 2, n_max + 5, (m,), generator=gen, dtype=torch.int32)
+        ke[0], ks[0] = n_max, 0
+        ke[1 % m] = ks[1 % m]  # empty
+        ke[2 % m] = ks[2 % m] + 100  # fewer keys than k
+        off = torch.randint(-1000, 1000, (m,), generator=gen, dtype=torch.int32)
+        _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off, return_values=True)
+        _check(x, 333, ks, ke)
+        ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
+        bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
+        _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
 
 
 @requires_sm90

@@ -189,6 +189,46 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   return t;
 }
 
+// Resident top-k (topk_resident.cuh) for unsorted output when every row's cluster gets an SM at once:
+// a cluster of C <= 8 CTAs of 1024 threads holds the whole row in registers, keys_per_thread (8 or 16)
+// keys per thread; C = the row's vectors over a CTA's. Taken when rows x C <= SMs, with 8 keys per
+// thread where that fits (more SMs per row), else 16. `vecs`: the most 16-byte vectors a row spans
+// (one more than its columns need where the rows' starts are not known to be 16-byte aligned).
+// DI_TOPK_RESIDENT (0, 1) turns it off / on wherever a cluster can hold the rows (any row count);
+// DI_TOPK_RESIDENT_KEYS (8, 16) forces the keys per thread.
+struct TopkResidentLaunch {
+  bool use = false;
+  int keys_per_thread = 8;
+  unsigned grid = 0, cluster = 1, smem = 0, threads = TopkResidentLayout::kThreads;
+};
+inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int64_t rows, int64_t vecs, int num_sms) {
+  TopkResidentLaunch t;
+  const int forced = env::get_int("DI_TOPK_RESIDENT", -1);
+  const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
+  if (sorted || forced == 0 || rows <= 0) return t;
+  const int64_t sms = std::max(1, num_sms);
+  for (const int kpt : {8, 16}) {
+    if (forced_keys != 0 && forced_keys != kpt) continue;
+    const TopkResidentLayout l{elem_bytes, kpt};
+    const int64_t c = std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
+    if (c > TopkResidentLayout::kMaxCluster || (forced != 1 && rows * c > sms)) continue;
+    t.use = true;
+    t.keys_per_thread = kpt;
+    t.cluster = static_cast<unsigned>(c);
+    t.smem = l.smem_bytes();
+    const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, sms / c));
+    t.grid = static_cast<unsigned>(clusters * c);
+    break;
+  }
+  print_choice([&] {
+    return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={}: grid {}, cluster {}, {} keys per thread, "
+                               "smem {} B", rows, vecs, elem_bytes, t.grid, t.cluster, t.keys_per_thread, t.smem)
+                 : fmt::format("topk resident rows={} vecs={} elem_bytes={} sorted={}: not taken", rows, vecs,
+                               elem_bytes, sorted);
+  });
+  return t;
+}
+
 // Training target (training_target.cuh): one CTA per row (cluster 1), or clusters of 2 CTAs (2 consecutive
 // rows) that share every key tile by TMA multicast (half the L2 -> SM traffic). Measured on H100
 // (2026-11-24, T = 16384 causal, Dqk = 576, tools/training_kernel_times.py): cluster 1 26.5 ms (0.95 of the

@@ -56,4 +56,59 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   }
 };
 
+// The resident form (topk_resident.cuh): rows held in registers by a cluster of C CTAs.
+struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
+  struct Params {
+    int elem_bytes;       // 4: float32, 2: bfloat16
+    int keys_per_thread;  // 8 or 16
+    bool cluster;         // launched with clusters of 2-8 CTAs per row
+    TopkResidentLayout layout() const {
+      DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk_resident: elem_bytes must be 4 or 2, got {}", elem_bytes);
+      DI_CHECK_ARG(keys_per_thread == 8 || keys_per_thread == 16, "topk_resident: keys_per_thread must be 8 or 16, got {}",
+                   keys_per_thread);
+      return TopkResidentLayout{elem_bytes, keys_per_thread};
+    }
+  };
+
+  static const char* kernel_name() { return "topk_resident"; }
+  static const char* header() { return "deep_indexer/topk_resident.cuh"; }
+  static std::string name(const Params& p) {
+    return fmt::format("topk_resident<{}, {} keys{}>", p.elem_bytes == 4 ? "float32" : "bfloat16", p.keys_per_thread,
+                       p.cluster ? ", cluster" : "");
+  }
+  static std::string instantiation(const Params& p) {
+    return fmt::format("&deep_indexer::topk_resident_kernel<{}, {}, {}>", p.elem_bytes, p.keys_per_thread,
+                       p.cluster ? "true" : "false");
+  }
+  static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
+  static int threads(const Params&) { return TopkResidentLayout::kThreads; }
+
+  static void launch(const Params& p, const sm90::TopkResidentLaunch& t, const TopkArgs& args, int device,
+                     CUstream stream) {
+    const CUfunction f = function(p, device, stream);
+    jit::LaunchConfig cfg;
+    cfg.grid = t.grid;
+    cfg.block = t.threads;
+    cfg.smem = t.smem;
+    cfg.cluster = t.cluster;
+    cfg.pdl = true;
+    jit::launch(f, cfg, stream, args);
+  }
+};
+
+// topk_indices' launch: the resident form where the heuristic takes it, else the buffered kernel.
+// `starts_aligned`: every row's first valid column is 16-byte aligned (no ks, aligned base and stride).
+inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const TopkArgs& args, const jit::DeviceInfo& dev,
+                        int num_sms, int device, CUstream stream) {
+  if (args.num_rows == 0 || args.k == 0) return;
+  const int vec = TopkLayout::kVecBytes / elem_bytes;
+  const int64_t vecs = (static_cast<int64_t>(args.num_cols) + vec - 1) / vec + (starts_aligned ? 0 : 1);
+  const sm90::TopkResidentLaunch t = sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, num_sms);
+  if (t.use) {
+    TopkResidentRuntime::launch({elem_bytes, t.keys_per_thread, t.cluster > 1}, t, args, device, stream);
+    return;
+  }
+  TopkRuntime::launch({elem_bytes, sorted, false}, args, dev, num_sms, device, stream);
+}
+
 }  // namespace deep_indexer

@@ -133,6 +133,19 @@ DI_DEVICE void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// The shared::cluster address of shared-window address `addr` (smem_addr) in CTA `cta` of the cluster.
+DI_DEVICE uint32_t map_cluster(uint32_t addr, uint32_t cta) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(cta));
+  return r;
+}
+// Two words at a shared::cluster address (map_cluster), 8-byte aligned.
+DI_DEVICE uint2 ld_cluster_v2(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared::cluster.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // Arrive on the mbarrier at `bar`'s offset in the shared memory of CTA `cta` of the cluster (may be this CTA).
 DI_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   asm volatile(

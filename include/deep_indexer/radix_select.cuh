@@ -46,6 +46,16 @@ __device__ __forceinline__ uint32_t to_key(uint32_t raw) {
   return kElemBytes == 4 ? float_key(raw) : bf16_key(raw);
 }
 
+// The raw bits of element c (a compile-time constant after unrolling) of a 16-byte vector.
+template <int kElemBytes>
+__device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
+  const uint32_t w = c < 4 / kElemBytes * 1   ? v.x
+                     : c < 4 / kElemBytes * 2 ? v.y
+                     : c < 4 / kElemBytes * 3 ? v.z
+                                              : v.w;
+  if constexpr (kElemBytes == 4) return w;
+  else return (c & 1) ? (w >> 16) : (w & 0xFFFFu);
+}
 // v plus the v of the lane `off` above (down) or below (up) this one where that lane exists: the
 // shuffle's own in-range predicate guards the add (no lane compare, no select).
 template <bool kDown>

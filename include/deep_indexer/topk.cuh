@@ -47,16 +47,8 @@
 namespace deep_indexer {
 namespace topk_detail {
 
-// The raw bits of element c (a compile-time constant after unrolling) of a 16-byte vector.
-template <int kElemBytes>
-__device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
-  const uint32_t w = c < 4 / kElemBytes * 1   ? v.x
-                     : c < 4 / kElemBytes * 2 ? v.y
-                     : c < 4 / kElemBytes * 3 ? v.z
-                                              : v.w;
-  if constexpr (kElemBytes == 4) return w;
-  else return (c & 1) ? (w >> 16) : (w & 0xFFFFu);
-}
+using radix::raw_at;
+
 // Its value as a float (bfloat16 widened exactly).
 template <int kElemBytes>
 __device__ __forceinline__ float value_at(const uint4& v, int c) {

@@ -92,6 +92,35 @@ struct TopkLayout {
   DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return sort_offset() + sort_bytes(); }
 };
 
+// The resident form (topk_resident.cuh): a cluster of C CTAs of kThreads per row, each thread holding
+// keys_per_thread consecutive keys of the row in registers; no survivor buffer, no bitmap planes.
+struct TopkResidentLayout {
+  static constexpr int kThreads = 1024;  // one CTA per SM
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kHistBins = TopkLayout::kHistBins;
+  static constexpr int kMaxCluster = 8;  // portable cluster sizes
+  static constexpr int kScalarSink = 4;  // scalars: [0, 3) find_kth_bin, [4] the radix passes' sink,
+  static constexpr int kScalarTableRow = 5;  // [5] a varlen row's block-table row (slot mode)
+
+  int elem_bytes;        // 4: float32, 2: bfloat16
+  int keys_per_thread;   // 8 or 16: whole 16-byte vectors per thread
+
+  DI_HOST_DEVICE constexpr int vec() const { return TopkLayout::kVecBytes / elem_bytes; }
+  DI_HOST_DEVICE constexpr int vecs_per_thread() const { return keys_per_thread / vec(); }
+  DI_HOST_DEVICE constexpr int num_passes() const { return TopkLayout{elem_bytes, false}.num_passes(); }
+  // 16-byte vectors a CTA holds; a row of `vecs` vectors needs ceil(vecs / that) CTAs.
+  DI_HOST_DEVICE constexpr int64_t vecs_per_cta() const { return static_cast<int64_t>(kThreads) * vecs_per_thread(); }
+
+  // Byte offsets inside dynamic shared memory: one histogram per radix pass (each is read by the
+  // whole cluster, so none is reused within a row), warp sums, row scalars, and the CTA's
+  // (above, equal) counts, double-buffered by row parity.
+  DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
+  DI_HOST_DEVICE constexpr unsigned warp_sums_offset() const { return hist_offset() + num_passes() * kHistBins * 4; }
+  DI_HOST_DEVICE constexpr unsigned scalars_offset() const { return warp_sums_offset() + kWarps * 4; }
+  DI_HOST_DEVICE constexpr unsigned cta_counts_offset() const { return scalars_offset() + 8 * 4; }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return cta_counts_offset() + 4 * 4; }
+};
+
 // Index conventions of the output (see docs/topk.md).
 enum class TopkIndexMode : int { kRelative = 0, kAbsolute = 1, kSlot = 2 };
 

@@ -1,0 +1,202 @@
+// topk_resident: top-k indices of rows short enough for one cluster to hold in registers (docs/topk.md).
+//
+// A cluster of C CTAs (TopkResidentLayout::kThreads threads, one CTA per SM) per row, grid-stride over
+// rows. CTA c holds the row's 16-byte vectors [c * P, (c + 1) * P) (P = vecs_per_cta()), thread t of it
+// the vecs_per_thread() consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
+// (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.
+// 1. Selection: a radix select over every key (float32 11/11/10 bits, bfloat16 11/5). Each CTA counts
+//    its keys into its own histogram; after a cluster barrier every CTA sums the C histograms (two bins
+//    per thread, distributed shared memory) and finds the same k-th bin. Stops once that bin is taken
+//    whole.
+// 2. Emission: each thread's (above, equal) counts, a block scan and the counts of the cluster's lower
+//    CTAs (one more cluster barrier) give every selected key its position: the number of selected keys
+//    before it in column order (ties to the smaller column). The result is the buffered kernel's
+//    (topk.cuh), bit for bit.
+#pragma once
+#include <cooperative_groups.h>
+
+#include <cstdint>
+
+#include "ptx.cuh"
+#include "radix_select.cuh"
+#include "topk_layout.hpp"
+#include "topk_row.cuh"
+#include "trace.cuh"
+#include "varlen.cuh"
+
+namespace deep_indexer {
+
+// kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
+// 2-8 CTAs per row (else one CTA per row, no DSMEM code). Unsorted output.
+template <int kElemBytes, int kKeysPerThread, bool kCluster>
+__global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident_kernel(const TopkArgs a) {
+  namespace cg = cooperative_groups;
+  using namespace topk_detail;
+  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread};
+  constexpr TopkLayout kDigits{kElemBytes, false};  // the digit schedule
+  constexpr int kThreads = TopkResidentLayout::kThreads;
+  constexpr int kWarps = TopkResidentLayout::kWarps;
+  constexpr int kBins = TopkResidentLayout::kHistBins;
+  constexpr int kVec = L.vec();
+  constexpr int kVecs = L.vecs_per_thread();
+  constexpr int kPasses = L.num_passes();
+  static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
+  static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread <= 32, "whole vectors; key bits in a word");
+  static_assert(kBins == 2 * kThreads, "two bins per thread in the histogram sums");
+  static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());  // [kPasses][kBins], zero between rows
+  uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.warp_sums_offset());
+  uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
+  uint32_t* cta_counts = reinterpret_cast<uint32_t*>(smem + L.cta_counts_offset());  // [row parity][above, equal]
+  uint32_t* sink = scalars + TopkResidentLayout::kScalarSink;
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
+  const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
+  for (int i = tid; i < kPasses * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+  __syncthreads();
+  // DI_KERNEL_TRACE: thread 0's first row; marks 0 keys in, 4 selection threshold, 5 emitted, 6 row end
+  Tracer tr;
+  tr.start();
+
+  const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
+  int parity = 0;
+  for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters, parity ^= 1) {
+    int ks_r, ke_r;
+    load_row_range(a, r, ks_r, ke_r);
+    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);
+    const int n = row.n;
+    // ---- the thread's keys; bit i of `valid`: key i is a column of the row
+    const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
+    uint4 raw[kVecs];
+    uint32_t valid = 0;
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int v = v0 + u;
+      raw[u] = v < row.num_vecs ? __ldg(row.vec + v) : make_uint4(0u, 0u, 0u, 0u);
+      valid |= (v < row.num_vecs ? row.valid_bits(v) : 0u) << (u * kVec);
+    }
+    uint32_t key[kKeysPerThread];
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u)
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) key[u * kVec + c] = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
+    tr.mark<0>(static_cast<int>(key[0]));
+
+    // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
+    // to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
+    uint32_t prefix = 0, mask = 0, take_eq = 0;
+    bool whole = true;
+    int passes = 0;  // histograms used (cleared at the row's end)
+    if (n > a.k) {
+      uint32_t k_rem = static_cast<uint32_t>(a.k);
+      whole = false;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        if (whole) break;  // uniform over the cluster: every CTA found the same bin
+        const int shift = kDigits.digit_shift(pass);
+        const uint32_t digit_mask = (1u << kDigits.digit_bits(pass)) - 1u;
+        uint32_t* h = hist + pass * kBins;
+        // NOTES: keys that do not count add to a sink word (no branch around the atomic)
+#pragma unroll
+        for (int i = 0; i < kKeysPerThread; ++i)
+          atomicAdd(((valid >> i) & 1u) && (key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
+        if constexpr (kCluster) cluster.sync();  // every CTA's counts are in (release / acquire)
+        else __syncthreads();
+        uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
+        if constexpr (kCluster) {
+#pragma unroll
+          for (int q = 1; q < TopkResidentLayout::kMaxCluster; ++q) {
+            if (q >= num_ctas) break;
+            const int src = rank + q < num_ctas ? rank + q : rank + q - num_ctas;  // staggered sources
+            const uint2 o = ptx::ld_cluster_v2(ptx::map_cluster(ptx::smem_addr(h + 2 * tid), static_cast<uint32_t>(src)));
+            s.x += o.x;
+            s.y += o.y;
+          }
+        }
+        const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return (b & 1) ? s.y : s.x; },
+                                                                      k_rem, warp_sums, scalars);
+        prefix |= kb.bin << shift;
+        mask |= digit_mask << shift;
+        k_rem -= kb.above;
+        whole = k_rem == kb.count;
+        passes = pass + 1;
+      }
+      take_eq = k_rem;
+    }
+    const uint32_t total = static_cast<uint32_t>(min(a.k, n));
+    tr.mark<4>();
+
+    // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it
+    uint32_t gt = 0, eq = 0;
+#pragma unroll
+    for (int i = 0; i < kKeysPerThread; ++i) {
+      const uint32_t mk = key[i] & mask;
+      const bool is_valid = (valid >> i) & 1u;
+      gt |= static_cast<uint32_t>(is_valid && (mk > prefix || (mk == prefix && whole))) << i;
+      eq |= static_cast<uint32_t>(is_valid && !whole && mk == prefix) << i;
+    }
+    const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
+    if (slot_mode && a.indices != nullptr && warp == 0) {  // a varlen row's block-table row, read after the barrier
+      const int first = varlen::run_first_row(a.indices, r, lane);
+      if (lane == 0) scalars[TopkResidentLayout::kScalarTableRow] = static_cast<uint32_t>(first);
+    }
+    const uint32_t mine = __popc(gt) | (__popc(eq) << 16);
+    const uint32_t incl = radix::warp_prefix_sum(mine);
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    uint32_t all;
+    const uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
+    uint32_t g = before & 0xFFFFu, e = before >> 16;  // selected-above / equal keys before this thread's
+    if constexpr (kCluster) {
+      uint32_t* cc = cta_counts + 2 * parity;
+      if (tid == 0) {
+        cc[0] = all & 0xFFFFu;
+        cc[1] = all >> 16;
+      }
+      cluster.sync();
+      // the counts of the CTAs below this one: lane q < rank loads CTA q's, the warp sums them
+      uint2 o = make_uint2(0u, 0u);
+      if (lane < rank) o = ptx::ld_cluster_v2(ptx::map_cluster(ptx::smem_addr(cc), static_cast<uint32_t>(lane)));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        o.x += __shfl_xor_sync(radix::kFullMask, o.x, off);
+        o.y += __shfl_xor_sync(radix::kFullMask, o.y, off);
+      }
+      g += o.x;
+      e += o.y;
+    }
+    const int64_t seq = !slot_mode ? 0
+                        : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
+                                               : r / a.table_next_n;
+    const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
+    const int col0 = v0 * kVec - row.mis;  // the column of key 0 (relative to lo)
+    uint32_t sel = gt | eq;
+    while (sel != 0u) {
+      const int i = __ffs(sel) - 1;
+      sel &= sel - 1u;
+      if ((gt >> i) & 1u) {
+        store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + min(e, take_eq)), col0 + i);
+        ++g;
+      } else {
+        if (e < take_eq) store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + e), col0 + i);
+        ++e;
+      }
+    }
+    if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
+    tr.mark<5>();
+    // NOTES: every read of this row's histograms is done: find_kth_bin ends with a barrier, and with
+    // clusters every CTA read the others' before the emission's cluster barrier.
+    for (int i = tid; i < passes * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();  // the clears, warp sums and scalars before the next row
+    tr.mark<6>();
+  }
+  if constexpr (kCluster) cluster.sync();  // no CTA leaves while another may read its shared memory
+  if (tid == 0) tr.print("topk", rank, 0);
+}
+
+}  // namespace deep_indexer

@@ -1,0 +1,87 @@
+// Per-row helpers shared by the top-k kernels (topk.cuh, topk_resident.cuh): a row's valid columns and
+// vectors, and the store of a selected column in the requested index convention (docs/topk.md).
+#pragma once
+#include <cstdint>
+
+#include "topk_layout.hpp"
+
+namespace deep_indexer {
+namespace topk_detail {
+
+// The (ks, ke) entries of row r.
+__device__ __forceinline__ void load_row_range(const TopkArgs& a, int64_t r, int& ks_v, int& ke_v) {
+  const int g = a.range_next_n == 1 ? static_cast<int>(r) : static_cast<int>(r) / a.range_next_n;  // no division per row
+  ks_v = a.ks == nullptr ? 0 : __ldg(a.ks + g);
+  ke_v = __ldg(a.ke + g);
+}
+
+// Row r's valid columns [lo, lo + n) (rows < 2^31: checked by the API) and its 16-byte vectors.
+// NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
+// (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi) they
+// hold are read (never used) safely.
+template <int kElemBytes>
+struct RowSpan {
+  static constexpr int kVec = 16 / kElemBytes;
+  int lo, n, mis, num_vecs;
+  const uint4* vec;
+  __device__ __forceinline__ RowSpan(const TopkArgs& a, int r, int ks_r, int ke_r) {
+    const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
+    lo = min(max(ks_r, 0), a.num_cols);
+    const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
+    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
+    n = hi - lo;
+    const uint8_t* row_bytes =
+        static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
+    mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
+    vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
+    num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
+  }
+  // Bit c: element c of vector v is a column of the row (0 <= v * kVec + c - mis < n).
+  __device__ __forceinline__ uint32_t valid_bits(int v) const {
+    const int first = v * kVec - mis;
+    const int c_lo = min(max(-first, 0), kVec), c_hi = min(max(n - first, 0), kVec);
+    return ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
+  }
+};
+
+// Writes column j of row r (relative to lo) as output entry `pos` in the requested index convention,
+// and its value when asked. seq: the row's block-table row (slot mode).
+template <int kElemBytes>
+__device__ __forceinline__ void store_index(const TopkArgs& a, int r, int lo, int64_t seq, uint32_t offset, int pos,
+                                            int j) {
+  int idx = j;
+  if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
+    idx = lo + j;
+  } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
+    const int blk = j / a.block_size;
+    idx = blk < a.table_cols ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
+                             : -1;
+  }
+  if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
+  a.out[static_cast<int64_t>(r) * a.out_stride + pos] = idx;
+  if (a.out_values != nullptr) {
+    const int64_t src = static_cast<int64_t>(r) * a.row_stride + lo + j;
+    if constexpr (kElemBytes == 4)
+      static_cast<uint32_t*>(a.out_values)[r * a.values_stride + pos] = __ldg(static_cast<const uint32_t*>(a.logits) + src);
+    else
+      static_cast<uint16_t*>(a.out_values)[r * a.values_stride + pos] = __ldg(static_cast<const uint16_t*>(a.logits) + src);
+  }
+}
+
+// Entries [total, k) of row r: -1, and -inf values.
+template <int kElemBytes, int kThreads>
+__device__ __forceinline__ void pad_row(const TopkArgs& a, int r, int total) {
+  constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
+  for (int p = total + static_cast<int>(threadIdx.x); p < a.k; p += kThreads) {
+    a.out[static_cast<int64_t>(r) * a.out_stride + p] = -1;
+    if (a.out_values != nullptr) {
+      if constexpr (kElemBytes == 4)
+        static_cast<uint32_t*>(a.out_values)[r * a.values_stride + p] = kNegInfBits;
+      else
+        static_cast<uint16_t*>(a.out_values)[r * a.values_stride + p] = static_cast<uint16_t>(kNegInfBits);
+    }
+  }
+}
+
+}  // namespace topk_detail
+}  // namespace deep_indexer
