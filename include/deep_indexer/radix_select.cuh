@@ -113,15 +113,16 @@ struct KthBin {
 // Block-wide: the bin b of [0, kBins) with above(b) < k <= above(b) + count(b), where above(b)
 // = sum of count over bins > b and count(b) is `bin_count(b)` (e.g. a shared-memory histogram,
 // or the sum of a cluster's histograms). Requires 1 <= k <= the sum of all counts. `warp_sums`
-// holds kNumThreads / 32 words; `result` 3 words. Starts and ends with __syncthreads(); every
-// thread returns the same answer.
-template <int kNumThreads, int kBins, typename BinCount>
+// holds kNumThreads / 32 words; `result` 3 words. Starts (unless kSyncFirst is false: the caller
+// synchronised since the counts were written) and ends with __syncthreads(); every thread returns
+// the same answer.
+template <int kNumThreads, int kBins, bool kSyncFirst = true, typename BinCount>
 __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, uint32_t* warp_sums,
                                                uint32_t* result) {
   static_assert(kBins % kNumThreads == 0, "whole bins per thread");
   constexpr int kPer = kBins / kNumThreads;
   constexpr int kWarps = kNumThreads / 32;
-  __syncthreads();
+  if constexpr (kSyncFirst) __syncthreads();
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   uint32_t c[kPer], own = 0;
 #pragma unroll

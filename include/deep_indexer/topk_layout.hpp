@@ -99,8 +99,7 @@ struct TopkResidentLayout {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kHistBins = TopkLayout::kHistBins;
   static constexpr int kMaxCluster = 8;  // portable cluster sizes
-  static constexpr int kScalarSink = 4;  // scalars: [0, 3) find_kth_bin, [4] the radix passes' sink,
-  static constexpr int kScalarTableRow = 5;  // [5] a varlen row's block-table row (slot mode)
+  static constexpr int kScalarTableRow = 4;  // scalars: [0, 3) find_kth_bin, [4] a varlen row's block-table row
 
   int elem_bytes;        // 4: float32, 2: bfloat16
   int keys_per_thread;   // 8 or 16: whole 16-byte vectors per thread

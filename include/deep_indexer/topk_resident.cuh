@@ -44,13 +44,14 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread <= 32, "whole vectors; key bits in a word");
   static_assert(kBins == 2 * kThreads, "two bins per thread in the histogram sums");
   static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
+  constexpr uint32_t kAllValid = kKeysPerThread == 32 ? 0xFFFFFFFFu : (1u << kKeysPerThread) - 1u;
+  constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
   extern __shared__ __align__(16) uint8_t smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());  // [kPasses][kBins], zero between rows
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.warp_sums_offset());
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
   uint32_t* cta_counts = reinterpret_cast<uint32_t*>(smem + L.cta_counts_offset());  // [row parity][above, equal]
-  uint32_t* sink = scalars + TopkResidentLayout::kScalarSink;
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
@@ -59,32 +60,46 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
   for (int i = tid; i < kPasses * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
-  // DI_KERNEL_TRACE: thread 0's first row; marks 0 keys in, 4 selection threshold, 5 emitted, 6 row end
+  // DI_KERNEL_TRACE: thread 0's first row; marks 0 keys in, 1 / 2 radix pass 0 / 1 done, 4 selection threshold,
+  // 3 output positions known, 5 emitted, 6 row end
   Tracer tr;
   tr.start();
 
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   int parity = 0;
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters, parity ^= 1) {
-    int ks_r, ke_r;
-    load_row_range(a, r, ks_r, ke_r);
-    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);
-    const int n = row.n;
-    // ---- the thread's keys; bit i of `valid`: key i is a column of the row
+    // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
+    // starts at column 0, so its vectors are loaded before its range arrives.
     const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
     uint4 raw[kVecs];
+    auto load_vecs = [&](const uint4* vp, int nv) {
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) raw[u] = v0 + u < nv ? __ldg(vp + v0 + u) : make_uint4(0u, 0u, 0u, 0u);
+    };
+    const bool early = a.ks == nullptr;
+    if (early) {
+      const RowSpan<kElemBytes> whole_row(a, r);  // columns [0, num_cols)
+      load_vecs(whole_row.vec, whole_row.num_vecs);
+    }
+    int ks_r, ke_r;
+    load_row_range(a, r, ks_r, ke_r);
+    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);  // early: the same lo (0), mis and vectors
+    const int n = row.n;
+    if (!early) load_vecs(row.vec, row.num_vecs);
     uint32_t valid = 0;
 #pragma unroll
-    for (int u = 0; u < kVecs; ++u) {
-      const int v = v0 + u;
-      raw[u] = v < row.num_vecs ? __ldg(row.vec + v) : make_uint4(0u, 0u, 0u, 0u);
-      valid |= (v < row.num_vecs ? row.valid_bits(v) : 0u) << (u * kVec);
-    }
+    for (int u = 0; u < kVecs; ++u) valid |= (v0 + u < row.num_vecs ? row.valid_bits(v0 + u) : 0u) << (u * kVec);
     uint32_t key[kKeysPerThread];
 #pragma unroll
     for (int u = 0; u < kVecs; ++u)
 #pragma unroll
       for (int c = 0; c < kVec; ++c) key[u * kVec + c] = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
+    // NOTES: keys outside the row become 0 (NaN's key): radix pass 0 counts them in bin 0, which
+    // holds NaN alone, and takes them out again; later passes and the emission mask them by `valid`.
+    if (valid != kAllValid) {
+#pragma unroll
+      for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
+    }
     tr.mark<0>(static_cast<int>(key[0]));
 
     // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
@@ -101,10 +116,23 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         const int shift = kDigits.digit_shift(pass);
         const uint32_t digit_mask = (1u << kDigits.digit_bits(pass)) - 1u;
         uint32_t* h = hist + pass * kBins;
-        // NOTES: keys that do not count add to a sink word (no branch around the atomic)
+        if (pass == 0) {
+          static_assert(kDigits.digit_shift(0) + kDigits.digit_bits(0) == 8 * kElemBytes, "digit 0: the top bits");
 #pragma unroll
-        for (int i = 0; i < kKeysPerThread; ++i)
-          atomicAdd(((valid >> i) & 1u) && (key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
+          for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + (key[i] >> shift), 1u);
+          if (valid != kAllValid) atomicSub(h, static_cast<uint32_t>(kKeysPerThread - __popc(valid)));
+        } else {
+          // the few keys in the k-th key's bin so far (a thread rarely holds any)
+          uint32_t match = 0;
+#pragma unroll
+          for (int i = 0; i < kKeysPerThread; ++i) match |= static_cast<uint32_t>((key[i] & mask) == prefix) << i;
+          match &= valid;
+          if (match != 0u) {
+#pragma unroll
+            for (int i = 0; i < kKeysPerThread; ++i)
+              if ((match >> i) & 1u) atomicAdd(h + ((key[i] >> shift) & digit_mask), 1u);
+          }
+        }
         if constexpr (kCluster) cluster.sync();  // every CTA's counts are in (release / acquire)
         else __syncthreads();
         uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
@@ -118,28 +146,33 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
             s.y += o.y;
           }
         }
-        const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return (b & 1) ? s.y : s.x; },
-                                                                      k_rem, warp_sums, scalars);
+        const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins, false>(
+            [&](int b) { return (b & 1) ? s.y : s.x; }, k_rem, warp_sums, scalars);
         prefix |= kb.bin << shift;
         mask |= digit_mask << shift;
         k_rem -= kb.above;
         whole = k_rem == kb.count;
         passes = pass + 1;
+        if (pass == 0) tr.mark<1>();
+        if (pass == 1) tr.mark<2>();
       }
       take_eq = k_rem;
     }
     const uint32_t total = static_cast<uint32_t>(min(a.k, n));
     tr.mark<4>();
 
-    // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it
-    uint32_t gt = 0, eq = 0;
+    // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
+    // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
+    const uint32_t hi = prefix | (~mask & kFullKeyMask);
+    uint32_t ge = 0, gt = 0;
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
-      const uint32_t mk = key[i] & mask;
-      const bool is_valid = (valid >> i) & 1u;
-      gt |= static_cast<uint32_t>(is_valid && (mk > prefix || (mk == prefix && whole))) << i;
-      eq |= static_cast<uint32_t>(is_valid && !whole && mk == prefix) << i;
+      ge |= static_cast<uint32_t>(key[i] >= prefix) << i;
+      gt |= static_cast<uint32_t>(key[i] > hi) << i;
     }
+    ge &= valid;
+    gt = whole ? ge : gt & valid;
+    const uint32_t eq = ge & ~gt;
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
     if (slot_mode && a.indices != nullptr && warp == 0) {  // a varlen row's block-table row, read after the barrier
       const int first = varlen::run_first_row(a.indices, r, lane);
@@ -170,6 +203,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
       g += o.x;
       e += o.y;
     }
+    tr.mark<3>();
     const int64_t seq = !slot_mode ? 0
                         : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
                                                : r / a.table_next_n;

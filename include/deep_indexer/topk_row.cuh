@@ -26,10 +26,16 @@ struct RowSpan {
   const uint4* vec;
   __device__ __forceinline__ RowSpan(const TopkArgs& a, int r, int ks_r, int ke_r) {
     const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
-    lo = min(max(ks_r, 0), a.num_cols);
+    const int lo_r = min(max(ks_r, 0), a.num_cols);
     const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
-    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
-    n = hi - lo;
+    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo_r)), static_cast<int64_t>(a.num_cols)));
+    init(a, r, lo_r, hi - lo_r);
+  }
+  // Every column of row r: [0, num_cols).
+  __device__ __forceinline__ RowSpan(const TopkArgs& a, int r) { init(a, r, 0, a.num_cols); }
+  __device__ __forceinline__ void init(const TopkArgs& a, int r, int lo_r, int n_r) {
+    lo = lo_r;
+    n = n_r;
     const uint8_t* row_bytes =
         static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
     mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
