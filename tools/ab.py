@@ -4,7 +4,7 @@
     python3 tools/ab.py --variants ";DI_JIT_EXTRA_FLAGS=-DX=1 -DY,DI_PAGED_MATH_WGS=4" D3
     python3 tools/ab.py --variants "DI_MQA_SPLIT_RELU=0;DI_MQA_SPLIT_RELU=1" P1 P2 4096:32768:causal:32:64
 
-A shape is a benchmark id (P1..P5, P2c, D1..D7, K-* top-k), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill, fp32, clean) or
+A shape is a benchmark id (P1..P5, P2c, D1..D7, K-* top-k), K:rows:avg:k (top-k, decode pattern), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill, fp32, clean) or
 B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean). The inputs are drawn once
 per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
 median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
@@ -62,6 +62,9 @@ def main() -> None:
 
     for sid in a.shapes:
         one_call = sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
+        if sid.startswith("K:"):  # K:rows:avg:k, a decode-pattern top-k shape of one's own
+            rows, avg, k = (int(v) for v in sid.split(":")[1:])
+            bench.TOPK_SHAPES[sid] = (rows, avg, "decode", k)
         if sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
             what = f"top-k {bench.TOPK_SHAPES[sid]}"
             run = bench.topk_run(bench.topk_case(sid, dev, seed=1))

@@ -191,9 +191,12 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 
 // Resident top-k (topk_resident.cuh) for unsorted output when every row's cluster gets an SM at once:
 // a cluster of C <= 8 CTAs of 1024 threads holds the whole row in registers, keys_per_thread (8 or 16)
-// keys per thread; C = the row's vectors over a CTA's. Taken when rows x C <= SMs, with 8 keys per
-// thread where that fits (more SMs per row), else 16. `vecs`: the most 16-byte vectors a row spans
-// (one more than its columns need where the rows' starts are not known to be 16-byte aligned).
+// keys per thread; C = the row's vectors over a CTA's. Taken when rows x C <= SMs: one CTA with 16 keys
+// per thread where it holds the row (no cluster barriers or DSMEM reads), else 8 keys per thread on
+// more CTAs. H200, in-process A/B against the buffered kernel: 64 rows of 5.7-10.6K keys 12.9 -> 11.9
+// us (16 keys, C = 1; 12.5 with 8 keys, C = 2), one row of 32K keys 14.4 -> 11.7 (8 keys, C = 4; 13.1
+// with 16 keys, C = 2). `vecs`: the most 16-byte vectors a row spans (one more than its columns need
+// where the rows' starts are not known to be 16-byte aligned).
 // DI_TOPK_RESIDENT (0, 1) turns it off / on wherever a cluster can hold the rows (any row count);
 // DI_TOPK_RESIDENT_KEYS (8, 16) forces the keys per thread.
 struct TopkResidentLaunch {
@@ -207,11 +210,12 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
   if (sorted || forced == 0 || rows <= 0) return t;
   const int64_t sms = std::max(1, num_sms);
-  for (const int kpt : {8, 16}) {
+  for (const int kpt : {16, 8}) {
     if (forced_keys != 0 && forced_keys != kpt) continue;
     const TopkResidentLayout l{elem_bytes, kpt};
     const int64_t c = std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
     if (c > TopkResidentLayout::kMaxCluster || (forced != 1 && rows * c > sms)) continue;
+    if (kpt == 16 && c > 1 && forced_keys != 16) continue;  // 16 keys per thread only without a cluster
     t.use = true;
     t.keys_per_thread = kpt;
     t.cluster = static_cast<unsigned>(c);
