@@ -61,10 +61,10 @@ def main() -> None:
         os.environ.update(parse_variant(v))
 
     for sid in a.shapes:
-        one_call = sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
         if sid.startswith("K:"):  # K:rows:avg:k, a decode-pattern top-k shape of one's own
             rows, avg, k = (int(v) for v in sid.split(":")[1:])
             bench.TOPK_SHAPES[sid] = (rows, avg, "decode", k)
+        one_call = sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
         if sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
             what = f"top-k {bench.TOPK_SHAPES[sid]}"
             run = bench.topk_run(bench.topk_case(sid, dev, seed=1))
