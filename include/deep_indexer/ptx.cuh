@@ -139,6 +139,12 @@ DI_DEVICE uint32_t map_cluster(uint32_t addr, uint32_t cta) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(cta));
   return r;
 }
+// A word at a shared::cluster address (map_cluster).
+DI_DEVICE uint32_t ld_cluster_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 // Two words at a shared::cluster address (map_cluster), 8-byte aligned.
 DI_DEVICE uint2 ld_cluster_v2(uint32_t addr) {
   uint2 v;

@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.warp_sums_offset());
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
   uint32_t* cta_counts = reinterpret_cast<uint32_t*>(smem + L.cta_counts_offset());  // [row parity][above, equal]
+  uint32_t* group_sums = reinterpret_cast<uint32_t*>(smem + L.group_sums_offset());  // [kPasses][kWarps]
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
@@ -133,6 +134,59 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
               if ((match >> i) & 1u) atomicAdd(h + ((key[i] >> shift) & digit_mask), 1u);
           }
         }
+#ifdef DI_TOPK_RESIDENT_TWO_LEVEL
+        radix::KthBin kb;
+        if constexpr (kCluster) {
+          // NOTES: two levels, one warp: the cluster's totals of the 32 groups of 64 bins (each warp's
+          // own) give the k_rem-th key's group, then that group's bins from every CTA its bin.
+          static_assert(kBins == 64 * kWarps && kWarps == 32, "a group of 64 bins per warp, a group per lane");
+          __syncthreads();
+          const uint2 own = reinterpret_cast<const uint2*>(h)[tid];
+          uint32_t gs = own.x + own.y;
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) gs += __shfl_xor_sync(radix::kFullMask, gs, off);
+          uint32_t* gsum = group_sums + pass * kWarps;
+          if (lane == 0) gsum[warp] = gs;
+          cluster.sync();  // every CTA's histogram and group totals are in (release / acquire)
+          if (warp == 0) {
+            uint32_t t = 0;
+            const uint32_t ga = ptx::smem_addr(gsum + lane);
+#pragma unroll
+            for (int q = 0; q < TopkResidentLayout::kMaxCluster; ++q)
+              if (q < num_ctas) t += ptx::ld_cluster_u32(ptx::map_cluster(ga, static_cast<uint32_t>(q)));
+            const uint32_t incl = radix::warp_suffix_sum(t);  // keys in groups >= lane
+            const uint32_t g_hit = __ballot_sync(radix::kFullMask, incl - t < k_rem && k_rem <= incl);
+            const int g = __ffs(g_hit) - 1;
+            const uint32_t g_above = __shfl_sync(radix::kFullMask, incl - t, g);
+            uint2 b = make_uint2(0u, 0u);
+            const uint32_t ba = ptx::smem_addr(h + 64 * g + 2 * lane);
+#pragma unroll
+            for (int q = 0; q < TopkResidentLayout::kMaxCluster; ++q) {
+              if (q < num_ctas) {
+                const uint2 o = ptx::ld_cluster_v2(ptx::map_cluster(ba, static_cast<uint32_t>(q)));
+                b.x += o.x;
+                b.y += o.y;
+              }
+            }
+            const uint32_t pair = b.x + b.y;
+            const uint32_t incl2 = radix::warp_suffix_sum(pair) + g_above;  // keys in bins >= 64 g + 2 lane
+            const uint32_t above2 = incl2 - pair;
+            if (above2 < k_rem && k_rem <= incl2) {  // one lane: bin 2 lane + 1 is the higher
+              const bool upper = k_rem <= above2 + b.y;
+              scalars[0] = 64 * g + 2 * lane + (upper ? 1 : 0);
+              scalars[1] = upper ? above2 : above2 + b.y;
+              scalars[2] = upper ? b.y : b.x;
+            }
+          }
+          __syncthreads();
+          kb = {scalars[0], scalars[1], scalars[2]};
+        } else {
+          __syncthreads();
+          const uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
+          kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return (b & 1) ? s.y : s.x; }, k_rem,
+                                                           warp_sums, scalars);
+        }
+#else
         if constexpr (kCluster) cluster.sync();  // every CTA's counts are in (release / acquire)
         else __syncthreads();
         uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
@@ -148,6 +202,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         }
         const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins, false>(
             [&](int b) { return (b & 1) ? s.y : s.x; }, k_rem, warp_sums, scalars);
+#endif
         prefix |= kb.bin << shift;
         mask |= digit_mask << shift;
         k_rem -= kb.above;
