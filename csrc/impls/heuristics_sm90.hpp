@@ -210,12 +210,13 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
   if (sorted || forced == 0 || rows <= 0) return t;
   const int64_t sms = std::max(1, num_sms);
-  for (const int kpt : {16, 8}) {
+  for (const int kpt : {16, 8, 4}) {
     if (forced_keys != 0 && forced_keys != kpt) continue;
+    if (kpt == 4 && (elem_bytes != 4 || forced_keys != 4)) continue;
     const TopkResidentLayout l{elem_bytes, kpt};
     const int64_t c = std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
     if (c > TopkResidentLayout::kMaxCluster || (forced != 1 && rows * c > sms)) continue;
-    if (kpt == 16 && c > 1 && forced_keys != 16) continue;  // 16 keys per thread only without a cluster
+    if (kpt == 16 && c > 1) continue;  // 16 keys per thread only without a cluster (registers)
     t.use = true;
     t.keys_per_thread = kpt;
     t.cluster = static_cast<unsigned>(c);

@@ -102,7 +102,7 @@ struct TopkResidentLayout {
   static constexpr int kScalarTableRow = 4;  // scalars: [0, 3) find_kth_bin, [4] a varlen row's block-table row
 
   int elem_bytes;        // 4: float32, 2: bfloat16
-  int keys_per_thread;   // 8 or 16: whole 16-byte vectors per thread
+  int keys_per_thread;   // 4 (float32), 8 or 16: whole 16-byte vectors per thread
 
   DI_HOST_DEVICE constexpr int vec() const { return TopkLayout::kVecBytes / elem_bytes; }
   DI_HOST_DEVICE constexpr int vecs_per_thread() const { return keys_per_thread / vec(); }

@@ -5,9 +5,10 @@
 // the vecs_per_thread() consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
 // (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.
 // 1. Selection: a radix select over every key (float32 11/11/10 bits, bfloat16 11/5). Each CTA counts
-//    its keys into its own histogram; after a cluster barrier every CTA sums the C histograms (two bins
-//    per thread, distributed shared memory) and finds the same k-th bin. Stops once that bin is taken
-//    whole.
+//    its keys into its own histogram. One CTA: a block-wide search of the k-th key's bin. A cluster:
+//    each warp totals its 64 bins, and after a cluster barrier one warp of every CTA sums the C CTAs'
+//    group totals and then the chosen group's bins (distributed shared memory) and finds the same bin.
+//    Stops once that bin is taken whole.
 // 2. Emission: each thread's (above, equal) counts, a block scan and the counts of the cluster's lower
 //    CTAs (one more cluster barrier) give every selected key its position: the number of selected keys
 //    before it in column order (ties to the smaller column). The result is the buffered kernel's
@@ -27,7 +28,7 @@
 namespace deep_indexer {
 
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
-// 2-8 CTAs per row (else one CTA per row, no DSMEM code). Unsorted output.
+// 2-8 CTAs per row (else one CTA per row, no DSMEM code; 16 keys per thread only so). Unsorted output.
 template <int kElemBytes, int kKeysPerThread, bool kCluster>
 __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident_kernel(const TopkArgs a) {
   namespace cg = cooperative_groups;
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread <= 32, "whole vectors; key bits in a word");
   static_assert(kBins == 2 * kThreads, "two bins per thread in the histogram sums");
   static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
+  static_assert(!(kCluster && kKeysPerThread > 8), "registers: the cluster form holds at most 8 keys per thread");
   constexpr uint32_t kAllValid = kKeysPerThread == 32 ? 0xFFFFFFFFu : (1u << kKeysPerThread) - 1u;
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
@@ -134,7 +136,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
               if ((match >> i) & 1u) atomicAdd(h + ((key[i] >> shift) & digit_mask), 1u);
           }
         }
-#ifdef DI_TOPK_RESIDENT_TWO_LEVEL
         radix::KthBin kb;
         if constexpr (kCluster) {
           // NOTES: two levels, one warp: the cluster's totals of the 32 groups of 64 bins (each warp's
@@ -186,23 +187,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return (b & 1) ? s.y : s.x; }, k_rem,
                                                            warp_sums, scalars);
         }
-#else
-        if constexpr (kCluster) cluster.sync();  // every CTA's counts are in (release / acquire)
-        else __syncthreads();
-        uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
-        if constexpr (kCluster) {
-#pragma unroll
-          for (int q = 1; q < TopkResidentLayout::kMaxCluster; ++q) {
-            if (q >= num_ctas) break;
-            const int src = rank + q < num_ctas ? rank + q : rank + q - num_ctas;  // staggered sources
-            const uint2 o = ptx::ld_cluster_v2(ptx::map_cluster(ptx::smem_addr(h + 2 * tid), static_cast<uint32_t>(src)));
-            s.x += o.x;
-            s.y += o.y;
-          }
-        }
-        const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins, false>(
-            [&](int b) { return (b & 1) ? s.y : s.x; }, k_rem, warp_sums, scalars);
-#endif
         prefix |= kb.bin << shift;
         mask |= digit_mask << shift;
         k_rem -= kb.above;
