@@ -189,47 +189,64 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   return t;
 }
 
-// Resident top-k (topk_resident.cuh) for unsorted output when every row's cluster gets an SM at once:
-// a cluster of C <= 8 CTAs of 1024 threads holds the whole row in registers, keys_per_thread (8 or 16)
-// keys per thread; C = the row's vectors over a CTA's. Taken when rows x C <= SMs: one CTA with 16 keys
-// per thread where it holds the row (no cluster barriers or DSMEM reads), else 8 keys per thread on
-// more CTAs. H200, in-process A/B against the buffered kernel: 64 rows of 5.7-10.6K keys 12.9 -> 11.9
-// us (16 keys, C = 1; 12.5 with 8 keys, C = 2), one row of 32K keys 14.4 -> 11.7 (8 keys, C = 4; 13.1
-// with 16 keys, C = 2). `vecs`: the most 16-byte vectors a row spans (one more than its columns need
-// where the rows' starts are not known to be 16-byte aligned).
-// DI_TOPK_RESIDENT (0, 1) turns it off / on wherever a cluster can hold the rows (any row count);
-// DI_TOPK_RESIDENT_KEYS (8, 16) forces the keys per thread.
+// Resident top-k (topk_resident.cuh), unsorted output: 1024-thread CTAs (one per SM) hold whole rows in
+// registers, keys_per_thread (4: float32 only, 8, 16) each; C = the row's vectors over a CTA's.
+// - One CTA per row (C = 1) with the fewest keys per thread that hold it, when rows <= SMs.
+// - Else a cluster of C <= 8 CTAs per row (4 keys per thread for float32 where 8 CTAs hold the row, else
+//   8), when rows x C <= kTopkResidentClusterCtas.
+// Both only for k > 1024: the buffered kernel's filter keeps fewer keys for smaller k, the resident
+// form's cost does not depend on k. Measured on an H200 (in-process A/B against the buffered kernel, us;
+// bench/results/*-h200-ab-topk-resident-*):
+//   C = 1: 64 rows of 5.7-10.6K keys, k = 2048 / 1024 / 512: 12.9 -> 11.7 / 11.3 -> 11.4 / 10.9 -> 11.3;
+//          128 x ~6K 12.5 -> 12.1, 100 x ~12K 13.9 -> 13.5, 32 x ~4K 11.4 -> 11.1 (k = 2048).
+//   clusters (k = 2048): 1 x 32K 14.4 -> 11.0 (C = 8, 4 keys; 11.8 with C = 4, 8 keys), 1 x 64K 17.4 ->
+//          12.0 (C = 8), 2 / 4 / 8 x ~32K (C = 4) 16.6 / 17.4 / 17.2 -> 13.6 / 13.5 / 13.6; but 16 x ~50K
+//          (C = 7) 20.3 -> 21.2 and 33 x ~25K (C = 4) 15.2 -> 21.1: many clusters lose (a GPC hosts only a
+//          few clusters of 1024-thread CTAs at once).
+// `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
+// are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
+// hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS (4, 8, 16) forces the keys per thread.
+constexpr int64_t kTopkResidentClusterCtas = 32;
 struct TopkResidentLaunch {
   bool use = false;
   int keys_per_thread = 8;
   unsigned grid = 0, cluster = 1, smem = 0, threads = TopkResidentLayout::kThreads;
 };
-inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int64_t rows, int64_t vecs, int num_sms) {
+inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int64_t rows, int64_t vecs, int k,
+                                               int num_sms) {
   TopkResidentLaunch t;
   const int forced = env::get_int("DI_TOPK_RESIDENT", -1);
   const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
-  if (sorted || forced == 0 || rows <= 0) return t;
+  if (sorted || forced == 0 || rows <= 0 || (forced != 1 && k <= 1024)) return t;
   const int64_t sms = std::max(1, num_sms);
-  for (const int kpt : {16, 8, 4}) {
-    if (forced_keys != 0 && forced_keys != kpt) continue;
-    if (kpt == 4 && (elem_bytes != 4 || forced_keys != 4)) continue;
+  auto ctas = [&](int kpt) {  // CTAs per row with kpt keys per thread
     const TopkResidentLayout l{elem_bytes, kpt};
-    const int64_t c = std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
-    if (c > TopkResidentLayout::kMaxCluster || (forced != 1 && rows * c > sms)) continue;
-    if (kpt == 16 && c > 1) continue;  // 16 keys per thread only without a cluster (registers)
+    return std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
+  };
+  auto allowed = [&](int kpt) {
+    return (forced_keys == 0 || forced_keys == kpt) && (kpt != 4 || elem_bytes == 4);
+  };
+  int kpt = 0;
+  for (const int c : {4, 8, 16})  // one CTA per row, the fewest keys per thread
+    if (kpt == 0 && allowed(c) && ctas(c) == 1 && (forced == 1 || rows <= sms)) kpt = c;
+  for (const int c : {4, 8})  // a cluster per row (at most 8 keys per thread: registers)
+    if (kpt == 0 && allowed(c) && ctas(c) <= TopkResidentLayout::kMaxCluster &&
+        (forced == 1 || rows * ctas(c) <= kTopkResidentClusterCtas))
+      kpt = c;
+  if (kpt != 0) {
+    const int64_t c = ctas(kpt);
     t.use = true;
     t.keys_per_thread = kpt;
     t.cluster = static_cast<unsigned>(c);
-    t.smem = l.smem_bytes();
+    t.smem = TopkResidentLayout{elem_bytes, kpt}.smem_bytes();
     const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, sms / c));
     t.grid = static_cast<unsigned>(clusters * c);
-    break;
   }
   print_choice([&] {
-    return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={}: grid {}, cluster {}, {} keys per thread, "
-                               "smem {} B", rows, vecs, elem_bytes, t.grid, t.cluster, t.keys_per_thread, t.smem)
-                 : fmt::format("topk resident rows={} vecs={} elem_bytes={} sorted={}: not taken", rows, vecs,
-                               elem_bytes, sorted);
+    return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={} k={}: grid {}, cluster {}, {} keys per "
+                               "thread, smem {} B", rows, vecs, elem_bytes, k, t.grid, t.cluster, t.keys_per_thread, t.smem)
+                 : fmt::format("topk resident rows={} vecs={} elem_bytes={} k={} sorted={}: not taken", rows, vecs,
+                               elem_bytes, k, sorted);
   });
   return t;
 }

@@ -104,7 +104,7 @@ inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const 
   if (args.num_rows == 0 || args.k == 0) return;
   const int vec = TopkLayout::kVecBytes / elem_bytes;
   const int64_t vecs = (static_cast<int64_t>(args.num_cols) + vec - 1) / vec + (starts_aligned ? 0 : 1);
-  const sm90::TopkResidentLaunch t = sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, num_sms);
+  const sm90::TopkResidentLaunch t = sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, args.k, num_sms);
   if (t.use) {
     TopkResidentRuntime::launch({elem_bytes, t.keys_per_thread, t.cluster > 1}, t, args, device, stream);
     return;
