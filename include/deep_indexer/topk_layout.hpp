@@ -119,8 +119,7 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr unsigned cta_counts_offset() const { return scalars_offset() + 8 * 4; }
   // per pass, the warps' histogram totals (groups of 2 x kWarps bins), read by the whole cluster
   DI_HOST_DEVICE constexpr unsigned group_sums_offset() const { return cta_counts_offset() + 4 * 4; }
-  DI_HOST_DEVICE constexpr unsigned stage_offset() const { return group_sums_offset() + num_passes() * kWarps * 4; }
-  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return stage_offset() + TopkLayout::kMaxK * 4; }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return group_sums_offset() + num_passes() * kWarps * 4; }
 };
 
 // Index conventions of the output (see docs/topk.md).

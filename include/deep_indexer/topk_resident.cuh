@@ -55,7 +55,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
   uint32_t* cta_counts = reinterpret_cast<uint32_t*>(smem + L.cta_counts_offset());  // [row parity][above, equal]
   uint32_t* group_sums = reinterpret_cast<uint32_t*>(smem + L.group_sums_offset());  // [kPasses][kWarps]
-  uint32_t* stage = reinterpret_cast<uint32_t*>(smem + L.stage_offset());  // [kMaxK]: a row's columns by position
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
@@ -224,7 +223,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     __syncthreads();
     uint32_t all;
     const uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
-    uint32_t gc = 0, ec = 0;  // above / equal keys in the cluster's lower CTAs
+    uint32_t g = before & 0xFFFFu, e = before >> 16;  // selected-above / equal keys before this thread's
     if constexpr (kCluster) {
       uint32_t* cc = cta_counts + 2 * parity;
       if (tid == 0) {
@@ -232,7 +231,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         cc[1] = all >> 16;
       }
       cluster.sync();
-      // lane q < rank loads CTA q's counts, the warp sums them
+      // the counts of the CTAs below this one: lane q < rank loads CTA q's, the warp sums them
       uint2 o = make_uint2(0u, 0u);
       if (lane < rank) o = ptx::ld_cluster_v2(ptx::map_cluster(ptx::smem_addr(cc), static_cast<uint32_t>(lane)));
 #pragma unroll
@@ -240,61 +239,31 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         o.x += __shfl_xor_sync(radix::kFullMask, o.x, off);
         o.y += __shfl_xor_sync(radix::kFullMask, o.y, off);
       }
-      gc = o.x;
-      ec = o.y;
+      g += o.x;
+      e += o.y;
     }
     tr.mark<3>();
-    // NOTES: output positions are monotone in column order, so this CTA's selected keys fill positions
-    // [first, last): staged by position in shared memory, then stored in contiguous runs.
-    const uint32_t first = gc + min(ec, take_eq);
-    const uint32_t last = gc + (all & 0xFFFFu) + min(ec + (all >> 16), take_eq);
-    uint32_t g = gc + (before & 0xFFFFu), e = ec + (before >> 16);  // above / equal keys before this thread's
+    const int64_t seq = !slot_mode ? 0
+                        : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
+                                               : r / a.table_next_n;
+    const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
     const int col0 = v0 * kVec - row.mis;  // the column of key 0 (relative to lo)
-#ifdef DI_TOPK_RESIDENT_DIRECT_STORES  // experiment: each thread stores its own selected keys
-    {
-      const int64_t seq = !slot_mode ? 0
-                          : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
-                                                 : r / a.table_next_n;
-      const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
-      uint32_t sel = gt | eq;
-      while (sel != 0u) {
-        const int i = __ffs(sel) - 1;
-        sel &= sel - 1u;
-        if ((gt >> i) & 1u) {
-          store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + min(e, take_eq)), col0 + i);
-          ++g;
-        } else {
-          if (e < take_eq) store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + e), col0 + i);
-          ++e;
-        }
-      }
-    }
-#else
     uint32_t sel = gt | eq;
     while (sel != 0u) {
       const int i = __ffs(sel) - 1;
       sel &= sel - 1u;
       if ((gt >> i) & 1u) {
-        stage[g + min(e, take_eq) - first] = static_cast<uint32_t>(col0 + i);
+        store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + min(e, take_eq)), col0 + i);
         ++g;
       } else {
-        if (e < take_eq) stage[g + e - first] = static_cast<uint32_t>(col0 + i);
+        if (e < take_eq) store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + e), col0 + i);
         ++e;
       }
     }
-    const int64_t seq = !slot_mode ? 0
-                        : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
-                                               : r / a.table_next_n;
-    const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
-    __syncthreads();  // the staged columns
-    for (uint32_t p = tid; p < last - first; p += kThreads)
-      store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(first + p), static_cast<int>(stage[p]));
-#endif
     if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done: find_kth_bin ends with a barrier, and with
-    // clusters every CTA read the others' before the emission's cluster barrier. The closing barrier
-    // also keeps the next row's staging after this row's stores.
+    // clusters every CTA read the others' before the emission's cluster barrier.
     for (int i = tid; i < passes * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
