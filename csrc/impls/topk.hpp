@@ -7,6 +7,16 @@
 
 namespace deep_indexer {
 
+// Both top-k kernels wait for the previous kernel in-kernel (programmatic dependent launch).
+inline jit::LaunchConfig topk_launch_config(unsigned grid, unsigned threads, unsigned smem, unsigned cluster) {
+  jit::LaunchConfig cfg;
+  cfg.grid = grid;
+  cfg.block = threads;
+  cfg.smem = smem;
+  cfg.cluster = cluster;
+  cfg.pdl = true;
+  return cfg;
+}
 
 struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   struct Params {
@@ -45,14 +55,7 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
     const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, num_sms);
     p.cluster = t.cluster > 1;
     p.wide = t.threads == static_cast<unsigned>(TopkLayout::kWideThreads);
-    const CUfunction f = function(p, device, stream);
-    jit::LaunchConfig cfg;
-    cfg.grid = t.grid;
-    cfg.block = t.threads;
-    cfg.smem = t.smem;
-    cfg.cluster = t.cluster;
-    cfg.pdl = true;
-    jit::launch(f, cfg, stream, args);
+    jit::launch(function(p, device, stream), topk_launch_config(t.grid, t.threads, t.smem, t.cluster), stream, args);
   }
 };
 
@@ -86,14 +89,7 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
 
   static void launch(const Params& p, const sm90::TopkResidentLaunch& t, const TopkArgs& args, int device,
                      CUstream stream) {
-    const CUfunction f = function(p, device, stream);
-    jit::LaunchConfig cfg;
-    cfg.grid = t.grid;
-    cfg.block = t.threads;
-    cfg.smem = t.smem;
-    cfg.cluster = t.cluster;
-    cfg.pdl = true;
-    jit::launch(f, cfg, stream, args);
+    jit::launch(function(p, device, stream), topk_launch_config(t.grid, t.threads, t.smem, t.cluster), stream, args);
   }
 };
 

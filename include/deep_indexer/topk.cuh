@@ -26,6 +26,7 @@
 
 #include "radix_select.cuh"
 #include "topk_layout.hpp"
+#include "topk_row.cuh"
 #include "trace.cuh"
 #include "varlen.cuh"
 
@@ -112,7 +113,6 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
   static_assert(L.digit_shift(0) + L.digit_bits(0) == 8 * kElemBytes, "digit 0 is the key's top bits");
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
-  constexpr uint32_t kNegInfBits = kElemBytes == 4 ? 0xFF800000u : 0xFF80u;
 
   extern __shared__ __align__(16) uint8_t smem[];
   // NOTES: `hist` is all zero whenever a radix pass starts: each pass clears `hist_next` (last read
@@ -197,10 +197,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
 
   // The (ks, ke) entries of a row; each row's are loaded one row ahead.
   auto load_range = [&](int64_t r, int& ks_v, int& ke_v) {
-    if (r >= a.num_rows) return;
-    const int g = a.range_next_n == 1 ? static_cast<int>(r) : static_cast<int>(r) / a.range_next_n;  // no division per row
-    ks_v = a.ks == nullptr ? 0 : __ldg(a.ks + g);
-    ke_v = __ldg(a.ke + g);
+    if (r < a.num_rows) load_row_range(a, r, ks_v, ke_v);
   };
   int ks_next = 0, ke_next = 0;
   load_range(static_cast<int>(blockIdx.x) / num_ctas, ks_next, ke_next);
@@ -208,29 +205,13 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
     const int ks_r = ks_next, ke_r = ke_next;
     load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
-    const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
-    const int lo = min(max(ks_r, 0), a.num_cols);
-    const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
-    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo)), static_cast<int64_t>(a.num_cols)));
-    const int n = hi - lo;
+    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);
+    const int lo = row.lo, n = row.n, mis = row.mis, num_vecs = row.num_vecs;
+    const uint4* row_vec = row.vec;
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
-
-    // NOTES: element j of the row sits at lane (j + mis) % kVec of the 16-byte aligned vector
-    // (j + mis) / kVec; aligned vectors never cross a page, so the few columns outside [lo, hi)
-    // they hold are read (never used) safely.
-    const uint8_t* row_bytes =
-        static_cast<const uint8_t*>(a.logits) + (static_cast<int64_t>(r) * a.row_stride + lo) * kElemBytes;
-    const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(row_bytes) & 15u) / kElemBytes);
-    const uint4* row_vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
-    const int num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
-    // Bit c: element c of vector v is a column of the row (0 <= v * kVec + c - mis < n).
-    auto valid_bits = [&](int v) -> uint32_t {
-      const int first = v * kVec - mis;
-      const int c_lo = min(max(-first, 0), kVec), c_hi = min(max(n - first, 0), kVec);
-      return ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
-    };
+    auto valid_bits = [&](int v) { return row.valid_bits(v); };
 
     // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
     // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
@@ -463,6 +444,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       }
       int64_t seq = 0;  // slot mode: the row's block-table row, set once before the stores
       const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
+#ifdef DI_TOPK_AB_INLINE_STORE  // A/B only: the store as it was before topk_row.cuh
       int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
       auto store = [&](int pos, int j) {
@@ -487,6 +469,10 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
                 __ldg(static_cast<const uint16_t*>(a.logits) + src);
         }
       };
+#else
+      // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
+      auto store = [&](int pos, int j) { store_index<kElemBytes>(a, r, lo, seq, offset, pos, j); };
+#endif
 
       // ---- 4. emission in column order, window by window. An entry's output position is the count
       // of selected columns before it: the prefix counts of the plane words before its word (a
@@ -624,15 +610,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       }
 
       // ---- padding
-      for (int p = static_cast<int>(total) + tid; p < k; p += kThreads) {
-        out_row[p] = -1;
-        if (a.out_values != nullptr) {
-          if constexpr (kElemBytes == 4)
-            static_cast<uint32_t*>(a.out_values)[r * a.values_stride + p] = kNegInfBits;
-          else
-            static_cast<uint16_t*>(a.out_values)[r * a.values_stride + p] = static_cast<uint16_t>(kNegInfBits);
-        }
-      }
+      pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
       __syncthreads();  // every read of the counter and the buffer is done
       if (tid == 0) *count = 0;
     }
