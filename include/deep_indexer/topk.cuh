@@ -470,8 +470,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
         }
       };
 #else
+      int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
-      auto store = [&](int pos, int j) { store_index<kElemBytes>(a, r, lo, seq, offset, pos, j); };
+      auto store = [&](int pos, int j) { store_index<kElemBytes>(a, out_row, r, lo, seq, offset, pos, j); };
 #endif
 
       // ---- 4. emission in column order, window by window. An entry's output position is the count

@@ -248,15 +248,16 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
                                                : r / a.table_next_n;
     const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
     const int col0 = v0 * kVec - row.mis;  // the column of key 0 (relative to lo)
+    int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
     uint32_t sel = gt | eq;
     while (sel != 0u) {
       const int i = __ffs(sel) - 1;
       sel &= sel - 1u;
       if ((gt >> i) & 1u) {
-        store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + min(e, take_eq)), col0 + i);
+        store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, static_cast<int>(g + min(e, take_eq)), col0 + i);
         ++g;
       } else {
-        if (e < take_eq) store_index<kElemBytes>(a, r, row.lo, seq, offset, static_cast<int>(g + e), col0 + i);
+        if (e < take_eq) store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, static_cast<int>(g + e), col0 + i);
         ++e;
       }
     }

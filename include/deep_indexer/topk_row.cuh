@@ -50,11 +50,12 @@ struct RowSpan {
   }
 };
 
-// Writes column j of row r (relative to lo) as output entry `pos` in the requested index convention,
-// and its value when asked. seq: the row's block-table row (slot mode).
+// Writes column j of row r (relative to lo) as output entry `pos` of `out_row` (row r of the output,
+// computed once per row) in the requested index convention, and its value when asked. seq: the row's
+// block-table row (slot mode).
 template <int kElemBytes>
-__device__ __forceinline__ void store_index(const TopkArgs& a, int r, int lo, int64_t seq, uint32_t offset, int pos,
-                                            int j) {
+__device__ __forceinline__ void store_index(const TopkArgs& a, int* out_row, int r, int lo, int64_t seq, uint32_t offset,
+                                            int pos, int j) {
   int idx = j;
   if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
     idx = lo + j;
@@ -64,7 +65,7 @@ __device__ __forceinline__ void store_index(const TopkArgs& a, int r, int lo, in
                              : -1;
   }
   if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
-  a.out[static_cast<int64_t>(r) * a.out_stride + pos] = idx;
+  out_row[pos] = idx;
   if (a.out_values != nullptr) {
     const int64_t src = static_cast<int64_t>(r) * a.row_stride + lo + j;
     if constexpr (kElemBytes == 4)
