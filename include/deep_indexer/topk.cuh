@@ -444,36 +444,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       }
       int64_t seq = 0;  // slot mode: the row's block-table row, set once before the stores
       const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
-#ifdef DI_TOPK_AB_INLINE_STORE  // A/B only: the store as it was before topk_row.cuh
-      int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
-      // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
-      auto store = [&](int pos, int j) {
-        int idx = j;
-        if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
-          idx = lo + j;
-        } else if (slot_mode) {
-          const int blk = j / a.block_size;
-          idx = blk < a.table_cols
-                    ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
-                    : -1;
-        }
-        if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
-        out_row[pos] = idx;
-        if (a.out_values != nullptr) {
-          const int64_t src = static_cast<int64_t>(r) * a.row_stride + lo + j;
-          if constexpr (kElemBytes == 4)
-            static_cast<uint32_t*>(a.out_values)[r * a.values_stride + pos] =
-                __ldg(static_cast<const uint32_t*>(a.logits) + src);
-          else
-            static_cast<uint16_t*>(a.out_values)[r * a.values_stride + pos] =
-                __ldg(static_cast<const uint16_t*>(a.logits) + src);
-        }
-      };
-#else
       int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
       auto store = [&](int pos, int j) { store_index<kElemBytes>(a, out_row, r, lo, seq, offset, pos, j); };
-#endif
 
       // ---- 4. emission in column order, window by window. An entry's output position is the count
       // of selected columns before it: the prefix counts of the plane words before its word (a
