@@ -56,6 +56,7 @@ __device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
   if constexpr (kElemBytes == 4) return w;
   else return (c & 1) ? (w >> 16) : (w & 0xFFFFu);
 }
+
 // v plus the v of the lane `off` above (down) or below (up) this one where that lane exists: the
 // shuffle's own in-range predicate guards the add (no lane compare, no select).
 template <bool kDown>

@@ -98,7 +98,7 @@ struct TopkResidentLayout {
   static constexpr int kThreads = 1024;  // one CTA per SM
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kHistBins = TopkLayout::kHistBins;
-  static constexpr int kMaxCluster = 8;  // portable cluster sizes
+  static constexpr int kMaxCluster = TopkLayout::kMaxClusterCtas;  // portable cluster sizes
   static constexpr int kScalarTableRow = 4;  // scalars: [0, 3) find_kth_bin, [4] a varlen row's block-table row
 
   int elem_bytes;        // 4: float32, 2: bfloat16

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         radix::KthBin kb;
         if constexpr (kCluster) {
           // NOTES: two levels, one warp: the cluster's totals of the 32 groups of 64 bins (each warp's
-          // own) give the k_rem-th key's group, then that group's bins from every CTA its bin.
+          // own) give the k_rem-th key's group; that group's bins, summed over the CTAs, give its bin.
           static_assert(kBins == 64 * kWarps && kWarps == 32, "a group of 64 bins per warp, a group per lane");
           __syncthreads();
           const uint2 own = reinterpret_cast<const uint2*>(h)[tid];
