@@ -152,6 +152,24 @@ DI_DEVICE uint2 ld_cluster_v2(uint32_t addr) {
   return v;
 }
 
+// Stores to a shared::cluster address (map_cluster) that complete_tx their bytes on the mbarrier at the
+// shared::cluster address `bar` (in the same CTA as `addr`). NOTES: the data alone is covered: the
+// waiter sees it once the phase completes, no other write of the sender.
+DI_DEVICE void st_async_u32(uint32_t addr, uint32_t v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(addr), "r"(v), "r"(bar)
+               : "memory");
+}
+DI_DEVICE void st_async_v2(uint32_t addr, uint2 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(bar)
+               : "memory");
+}
+
+// A cluster barrier in two halves: every thread of every CTA arrives, later waits (no memory ordering
+// of its own: after fence_mbar_init it publishes mbarrier initialisations).
+DI_DEVICE void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+DI_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
 // Arrive on the mbarrier at `bar`'s offset in the shared memory of CTA `cta` of the cluster (may be this CTA).
 DI_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   asm volatile(

@@ -99,7 +99,12 @@ struct TopkResidentLayout {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kHistBins = TopkLayout::kHistBins;
   static constexpr int kMaxCluster = TopkLayout::kMaxClusterCtas;  // portable cluster sizes
-  static constexpr int kScalarTableRow = 4;  // scalars: [0, 3) find_kth_bin, [4] a varlen row's block-table row
+  static constexpr int kGroupBins = 64;      // a cluster's histograms are combined in groups of 64 bins
+  // scalars: [0, 3) the k-th key's bin, [4] a varlen row's block-table row, [5] / [6] the lower CTAs' keys
+  // above / equal to the k-th key
+  static constexpr int kScalarTableRow = 4;
+  static constexpr int kScalarLowerAbove = 5;
+  static constexpr int kScalarLowerEqual = 6;
 
   int elem_bytes;        // 4: float32, 2: bfloat16
   int keys_per_thread;   // 4 (float32), 8 or 16: whole 16-byte vectors per thread
@@ -119,7 +124,16 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr unsigned cta_counts_offset() const { return scalars_offset() + 8 * 4; }
   // per pass, the warps' histogram totals (groups of 2 x kWarps bins), read by the whole cluster
   DI_HOST_DEVICE constexpr unsigned group_sums_offset() const { return cta_counts_offset() + 4 * 4; }
-  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return group_sums_offset() + num_passes() * kWarps * 4; }
+  // cluster form, per pass: every CTA's group totals [kMaxCluster][kWarps] and its bins of the chosen
+  // group [kMaxCluster][kGroupBins], sent by the CTAs (st.async); mbarriers: [pass] totals, [passes + pass] bins
+  DI_HOST_DEVICE constexpr unsigned recv_groups_offset() const { return group_sums_offset() + num_passes() * kWarps * 4; }
+  DI_HOST_DEVICE constexpr unsigned recv_bins_offset() const {
+    return recv_groups_offset() + num_passes() * kMaxCluster * kWarps * 4;
+  }
+  DI_HOST_DEVICE constexpr unsigned mbar_offset() const {
+    return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;  // 8-byte aligned
+  }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
 };
 
 // Index conventions of the output (see docs/topk.md).

@@ -55,11 +55,28 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
   uint32_t* cta_counts = reinterpret_cast<uint32_t*>(smem + L.cta_counts_offset());  // [row parity][above, equal]
   uint32_t* group_sums = reinterpret_cast<uint32_t*>(smem + L.group_sums_offset());  // [kPasses][kWarps]
+  uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kWarps]
+  uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
+  uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
+  constexpr int kMaxC = TopkResidentLayout::kMaxCluster;
+  constexpr int kGroupBins = TopkResidentLayout::kGroupBins;
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
   const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#ifndef DI_TOPK_CLUSTER_PULL
+  // NOTES: the peers send into this CTA's mbarriers only after the cluster barrier's wait (first pass)
+  if constexpr (kCluster) {
+    if (tid == 0) {
+      for (int i = 0; i < 2 * kPasses; ++i) ptx::mbar_init(mbar + i, 1);
+      ptx::fence_mbar_init();
+    }
+    ptx::cluster_arrive_relaxed();
+  }
+  bool cluster_ready = !kCluster;
+  uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
+#endif
   ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
   for (int i = tid; i < kPasses * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
@@ -108,6 +125,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
     // to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
     uint32_t prefix = 0, mask = 0, take_eq = 0;
+    uint32_t low_above = 0;  // cluster, warp 0: the lower CTAs' keys above the k-th key's bin so far
     bool whole = true;
     int passes = 0;  // histograms used (cleared at the row's end)
     if (n > a.k) {
@@ -137,6 +155,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           }
         }
         radix::KthBin kb;
+#ifdef DI_TOPK_CLUSTER_PULL
         if constexpr (kCluster) {
           // NOTES: two levels, one warp: the cluster's totals of the 32 groups of 64 bins (each warp's
           // own) give the k_rem-th key's group; that group's bins, summed over the CTAs, give its bin.
@@ -181,6 +200,93 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           }
           __syncthreads();
           kb = {scalars[0], scalars[1], scalars[2]};
+#else
+        if constexpr (kCluster) {
+          // NOTES: two levels, pushed: every warp sends its group total (64 bins) to every CTA (lane q to
+          // CTA q); warp 0 of each CTA finds the k_rem-th key's group g, sends its own 64 bins of g to every
+          // CTA and finds the bin in their sums. Every CTA computes the same (g, bin). Warp 0 also counts
+          // the lower CTAs' keys above the bin and in it: their emission offsets, without another exchange.
+          static_assert(kBins == kGroupBins * kWarps && kWarps == 32, "a group of 64 bins per warp, a group per lane");
+          __syncthreads();
+          const uint2 own = reinterpret_cast<const uint2*>(h)[tid];
+          uint32_t gs = own.x + own.y;
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) gs += __shfl_xor_sync(radix::kFullMask, gs, off);
+          if (!cluster_ready) {
+            ptx::cluster_wait();
+            cluster_ready = true;
+          }
+          uint64_t* bar_g = mbar + pass;
+          uint64_t* bar_b = mbar + kPasses + pass;
+          if (lane < num_ctas) {
+            const uint32_t dst = ptx::smem_addr(recv_groups + (pass * kMaxC + rank) * kWarps + warp);
+            ptx::st_async_u32(ptx::map_cluster(dst, lane), gs, ptx::map_cluster(ptx::smem_addr(bar_g), lane));
+          }
+          if (warp == 0) {
+            if (lane == 0) ptx::mbar_arrive_expect_tx(bar_g, static_cast<uint32_t>(num_ctas * kWarps * 4));
+            ptx::mbar_wait(bar_g, (phases >> pass) & 1u);
+            const uint32_t* rg = recv_groups + pass * kMaxC * kWarps;
+            uint32_t t = 0, t_low = 0;
+#pragma unroll
+            for (int q = 0; q < kMaxC; ++q) {
+              if (q < num_ctas) {
+                const uint32_t v = rg[q * kWarps + lane];
+                t += v;
+                t_low += q < rank ? v : 0u;
+              }
+            }
+            const uint32_t incl = radix::warp_suffix_sum(t);  // keys in groups >= lane
+            const uint32_t g_hit = __ballot_sync(radix::kFullMask, incl - t < k_rem && k_rem <= incl);
+            const int g = __ffs(g_hit) - 1;
+            const uint32_t g_above = __shfl_sync(radix::kFullMask, incl - t, g);
+            const uint32_t low_groups_above = radix::warp_suffix_sum(lane > g ? t_low : 0u);  // lane 0: the total
+            const uint2 mine = reinterpret_cast<const uint2*>(h)[(kGroupBins / 2) * g + lane];
+            const uint32_t dst = ptx::smem_addr(recv_bins + (pass * kMaxC + rank) * kGroupBins + 2 * lane);
+#pragma unroll
+            for (int q = 0; q < kMaxC; ++q)
+              if (q < num_ctas)
+                ptx::st_async_v2(ptx::map_cluster(dst, static_cast<uint32_t>(q)), mine,
+                                 ptx::map_cluster(ptx::smem_addr(bar_b), static_cast<uint32_t>(q)));
+            if (lane == 0) ptx::mbar_arrive_expect_tx(bar_b, static_cast<uint32_t>(num_ctas * kGroupBins * 4));
+            ptx::mbar_wait(bar_b, (phases >> (kPasses + pass)) & 1u);
+            const uint32_t* rb = recv_bins + pass * kMaxC * kGroupBins + 2 * lane;
+            uint2 b = make_uint2(0u, 0u), b_low = make_uint2(0u, 0u);
+#pragma unroll
+            for (int q = 0; q < kMaxC; ++q) {
+              if (q < num_ctas) {
+                const uint2 o = *reinterpret_cast<const uint2*>(rb + q * kGroupBins);
+                b.x += o.x;
+                b.y += o.y;
+                if (q < rank) {
+                  b_low.x += o.x;
+                  b_low.y += o.y;
+                }
+              }
+            }
+            const uint32_t pair = b.x + b.y;
+            const uint32_t incl2 = radix::warp_suffix_sum(pair) + g_above;  // keys in bins >= 64 g + 2 lane
+            const uint32_t above2 = incl2 - pair;
+            const bool upper = k_rem <= above2 + b.y;  // at the hit lane: bin 2 lane + 1 holds the k_rem-th key
+            const int f = __ffs(__ballot_sync(radix::kFullMask, above2 < k_rem && k_rem <= incl2)) - 1;
+            const bool upper_f = __shfl_sync(radix::kFullMask, upper, f);
+            // the lower CTAs' keys in this group above the chosen bin, and in it
+            const uint32_t low_in = radix::warp_suffix_sum(lane > f ? b_low.x + b_low.y : lane == f && !upper_f ? b_low.y : 0u);
+            const uint32_t low_bin = __shfl_sync(radix::kFullMask, upper_f ? b_low.y : b_low.x, f);
+            low_above += __shfl_sync(radix::kFullMask, low_groups_above + low_in, 0);
+            if (lane == f) {
+              const uint32_t kb_above = upper ? above2 : above2 + b.y, kb_count = upper ? b.y : b.x;
+              scalars[0] = kGroupBins * g + 2 * lane + (upper ? 1 : 0);
+              scalars[1] = kb_above;
+              scalars[2] = kb_count;
+              const bool whole_now = k_rem - kb_above == kb_count;  // as the loop decides below
+              scalars[TopkResidentLayout::kScalarLowerAbove] = low_above + (whole_now ? low_bin : 0u);
+              scalars[TopkResidentLayout::kScalarLowerEqual] = whole_now ? 0u : low_bin;
+            }
+          }
+          phases ^= (1u << pass) | (1u << (kPasses + pass));
+          __syncthreads();
+          kb = {scalars[0], scalars[1], scalars[2]};
+#endif
         } else {
           __syncthreads();
           const uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
@@ -224,6 +330,17 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     uint32_t all;
     const uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
     uint32_t g = before & 0xFFFFu, e = before >> 16;  // selected-above / equal keys before this thread's
+#ifndef DI_TOPK_CLUSTER_PULL
+    if constexpr (kCluster) {
+      if (n > a.k) {
+        g += scalars[TopkResidentLayout::kScalarLowerAbove];
+        e += scalars[TopkResidentLayout::kScalarLowerEqual];
+      } else {  // every valid key is taken: the lower CTAs' valid keys
+        const int below = rank * kThreads * kKeysPerThread - row.mis;
+        g += static_cast<uint32_t>(min(max(below, 0), n));
+      }
+    }
+#else
     if constexpr (kCluster) {
       uint32_t* cc = cta_counts + 2 * parity;
       if (tid == 0) {
@@ -242,6 +359,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
       g += o.x;
       e += o.y;
     }
+#endif
     tr.mark<3>();
     const int64_t seq = !slot_mode ? 0
                         : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
@@ -269,7 +387,12 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
   }
+#ifdef DI_TOPK_CLUSTER_PULL
   if constexpr (kCluster) cluster.sync();  // no CTA leaves while another may read its shared memory
+#else
+  // NOTES: no CTA reads another's shared memory, and every st.async into a CTA is waited for by it
+  if (!cluster_ready) ptx::cluster_wait();
+#endif
   if (tid == 0) tr.print("topk", rank, 0);
 }
 
