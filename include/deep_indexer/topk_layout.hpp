@@ -115,18 +115,13 @@ struct TopkResidentLayout {
   // 16-byte vectors a CTA holds; a row of `vecs` vectors needs ceil(vecs / that) CTAs.
   DI_HOST_DEVICE constexpr int64_t vecs_per_cta() const { return static_cast<int64_t>(kThreads) * vecs_per_thread(); }
 
-  // Byte offsets inside dynamic shared memory: one histogram per radix pass (each is read by the
-  // whole cluster, so none is reused within a row), warp sums, row scalars, and the CTA's
-  // (above, equal) counts, double-buffered by row parity.
+  // Byte offsets inside dynamic shared memory: one histogram per radix pass, warp sums, row scalars;
+  // cluster form, per pass: every CTA's group totals [kMaxCluster][kWarps] and its bins of the chosen
+  // group [kMaxCluster][kGroupBins], sent by the CTAs (st.async); mbarriers: [pass] totals, [passes + pass] bins.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned warp_sums_offset() const { return hist_offset() + num_passes() * kHistBins * 4; }
   DI_HOST_DEVICE constexpr unsigned scalars_offset() const { return warp_sums_offset() + kWarps * 4; }
-  DI_HOST_DEVICE constexpr unsigned cta_counts_offset() const { return scalars_offset() + 8 * 4; }
-  // per pass, the warps' histogram totals (groups of 2 x kWarps bins), read by the whole cluster
-  DI_HOST_DEVICE constexpr unsigned group_sums_offset() const { return cta_counts_offset() + 4 * 4; }
-  // cluster form, per pass: every CTA's group totals [kMaxCluster][kWarps] and its bins of the chosen
-  // group [kMaxCluster][kGroupBins], sent by the CTAs (st.async); mbarriers: [pass] totals, [passes + pass] bins
-  DI_HOST_DEVICE constexpr unsigned recv_groups_offset() const { return group_sums_offset() + num_passes() * kWarps * 4; }
+  DI_HOST_DEVICE constexpr unsigned recv_groups_offset() const { return scalars_offset() + 8 * 4; }
   DI_HOST_DEVICE constexpr unsigned recv_bins_offset() const {
     return recv_groups_offset() + num_passes() * kMaxCluster * kWarps * 4;
   }

@@ -6,11 +6,12 @@
 // (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.
 // 1. Selection: a radix select over every key (float32 11/11/10 bits, bfloat16 11/5). Each CTA counts
 //    its keys into its own histogram. One CTA: a block-wide search of the k-th key's bin. A cluster:
-//    each warp totals its 64 bins, and after a cluster barrier one warp of every CTA sums the C CTAs'
-//    group totals and then the chosen group's bins (distributed shared memory) and finds the same bin.
+//    each warp sends its 64 bins' total to every CTA, one warp of every CTA finds the chosen group in
+//    the sums and sends its bins of that group to every CTA, and every CTA finds the same bin
+//    (st.async into the peers' shared memory, an mbarrier per exchange; no cluster barrier).
 //    Stops once that bin is taken whole.
 // 2. Emission: each thread's (above, equal) counts, a block scan and the counts of the cluster's lower
-//    CTAs (one more cluster barrier) give every selected key its position: the number of selected keys
+//    CTAs (from the bins they sent) give every selected key its position: the number of selected keys
 //    before it in column order (ties to the smaller column). The result is the buffered kernel's
 //    (topk.cuh), bit for bit.
 #pragma once
@@ -53,8 +54,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());  // [kPasses][kBins], zero between rows
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.warp_sums_offset());
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
-  uint32_t* cta_counts = reinterpret_cast<uint32_t*>(smem + L.cta_counts_offset());  // [row parity][above, equal]
-  uint32_t* group_sums = reinterpret_cast<uint32_t*>(smem + L.group_sums_offset());  // [kPasses][kWarps]
   uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kWarps]
   uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
   uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
@@ -65,7 +64,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
   const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-#ifndef DI_TOPK_CLUSTER_PULL
   // NOTES: the peers send into this CTA's mbarriers only after the cluster barrier's wait (first pass)
   if constexpr (kCluster) {
     if (tid == 0) {
@@ -76,7 +74,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   }
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
-#endif
   ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
   for (int i = tid; i < kPasses * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
@@ -86,8 +83,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   tr.start();
 
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
-  int parity = 0;
-  for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters, parity ^= 1) {
+  for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
     const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
@@ -125,7 +121,8 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
     // to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
     uint32_t prefix = 0, mask = 0, take_eq = 0;
-    uint32_t low_above = 0;  // cluster, warp 0: the lower CTAs' keys above the k-th key's bin so far
+    // cluster, warp 0: this lane's share of the lower CTAs' keys above the k-th key's bin, and in it
+    uint32_t low_above = 0, low_equal = 0;
     bool whole = true;
     int passes = 0;  // histograms used (cleared at the row's end)
     if (n > a.k) {
@@ -155,52 +152,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           }
         }
         radix::KthBin kb;
-#ifdef DI_TOPK_CLUSTER_PULL
-        if constexpr (kCluster) {
-          // NOTES: two levels, one warp: the cluster's totals of the 32 groups of 64 bins (each warp's
-          // own) give the k_rem-th key's group; that group's bins, summed over the CTAs, give its bin.
-          static_assert(kBins == 64 * kWarps && kWarps == 32, "a group of 64 bins per warp, a group per lane");
-          __syncthreads();
-          const uint2 own = reinterpret_cast<const uint2*>(h)[tid];
-          uint32_t gs = own.x + own.y;
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) gs += __shfl_xor_sync(radix::kFullMask, gs, off);
-          uint32_t* gsum = group_sums + pass * kWarps;
-          if (lane == 0) gsum[warp] = gs;
-          cluster.sync();  // every CTA's histogram and group totals are in (release / acquire)
-          if (warp == 0) {
-            uint32_t t = 0;
-            const uint32_t ga = ptx::smem_addr(gsum + lane);
-#pragma unroll
-            for (int q = 0; q < TopkResidentLayout::kMaxCluster; ++q)
-              if (q < num_ctas) t += ptx::ld_cluster_u32(ptx::map_cluster(ga, static_cast<uint32_t>(q)));
-            const uint32_t incl = radix::warp_suffix_sum(t);  // keys in groups >= lane
-            const uint32_t g_hit = __ballot_sync(radix::kFullMask, incl - t < k_rem && k_rem <= incl);
-            const int g = __ffs(g_hit) - 1;
-            const uint32_t g_above = __shfl_sync(radix::kFullMask, incl - t, g);
-            uint2 b = make_uint2(0u, 0u);
-            const uint32_t ba = ptx::smem_addr(h + 64 * g + 2 * lane);
-#pragma unroll
-            for (int q = 0; q < TopkResidentLayout::kMaxCluster; ++q) {
-              if (q < num_ctas) {
-                const uint2 o = ptx::ld_cluster_v2(ptx::map_cluster(ba, static_cast<uint32_t>(q)));
-                b.x += o.x;
-                b.y += o.y;
-              }
-            }
-            const uint32_t pair = b.x + b.y;
-            const uint32_t incl2 = radix::warp_suffix_sum(pair) + g_above;  // keys in bins >= 64 g + 2 lane
-            const uint32_t above2 = incl2 - pair;
-            if (above2 < k_rem && k_rem <= incl2) {  // one lane: bin 2 lane + 1 is the higher
-              const bool upper = k_rem <= above2 + b.y;
-              scalars[0] = 64 * g + 2 * lane + (upper ? 1 : 0);
-              scalars[1] = upper ? above2 : above2 + b.y;
-              scalars[2] = upper ? b.y : b.x;
-            }
-          }
-          __syncthreads();
-          kb = {scalars[0], scalars[1], scalars[2]};
-#else
         if constexpr (kCluster) {
           // NOTES: two levels, pushed: every warp sends its group total (64 bins) to every CTA (lane q to
           // CTA q); warp 0 of each CTA finds the k_rem-th key's group g, sends its own 64 bins of g to every
@@ -208,10 +159,11 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           // the lower CTAs' keys above the bin and in it: their emission offsets, without another exchange.
           static_assert(kBins == kGroupBins * kWarps && kWarps == 32, "a group of 64 bins per warp, a group per lane");
           __syncthreads();
+#ifdef DI_TRACE_PASS
+          if (pass == 1) tr.mark<3>();
+#endif
           const uint2 own = reinterpret_cast<const uint2*>(h)[tid];
-          uint32_t gs = own.x + own.y;
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) gs += __shfl_xor_sync(radix::kFullMask, gs, off);
+          const uint32_t gs = __reduce_add_sync(radix::kFullMask, own.x + own.y);
           if (!cluster_ready) {
             ptx::cluster_wait();
             cluster_ready = true;
@@ -225,6 +177,9 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           if (warp == 0) {
             if (lane == 0) ptx::mbar_arrive_expect_tx(bar_g, static_cast<uint32_t>(num_ctas * kWarps * 4));
             ptx::mbar_wait(bar_g, (phases >> pass) & 1u);
+#ifdef DI_TRACE_PASS
+            if (pass == 1) tr.mark<5>();
+#endif
             const uint32_t* rg = recv_groups + pass * kMaxC * kWarps;
             uint32_t t = 0, t_low = 0;
 #pragma unroll
@@ -239,7 +194,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
             const uint32_t g_hit = __ballot_sync(radix::kFullMask, incl - t < k_rem && k_rem <= incl);
             const int g = __ffs(g_hit) - 1;
             const uint32_t g_above = __shfl_sync(radix::kFullMask, incl - t, g);
-            const uint32_t low_groups_above = radix::warp_suffix_sum(lane > g ? t_low : 0u);  // lane 0: the total
             const uint2 mine = reinterpret_cast<const uint2*>(h)[(kGroupBins / 2) * g + lane];
             const uint32_t dst = ptx::smem_addr(recv_bins + (pass * kMaxC + rank) * kGroupBins + 2 * lane);
 #pragma unroll
@@ -249,6 +203,9 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
                                  ptx::map_cluster(ptx::smem_addr(bar_b), static_cast<uint32_t>(q)));
             if (lane == 0) ptx::mbar_arrive_expect_tx(bar_b, static_cast<uint32_t>(num_ctas * kGroupBins * 4));
             ptx::mbar_wait(bar_b, (phases >> (kPasses + pass)) & 1u);
+#ifdef DI_TRACE_PASS
+            if (pass == 1) tr.mark<6>();
+#endif
             const uint32_t* rb = recv_bins + pass * kMaxC * kGroupBins + 2 * lane;
             uint2 b = make_uint2(0u, 0u), b_low = make_uint2(0u, 0u);
 #pragma unroll
@@ -268,25 +225,24 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
             const uint32_t above2 = incl2 - pair;
             const bool upper = k_rem <= above2 + b.y;  // at the hit lane: bin 2 lane + 1 holds the k_rem-th key
             const int f = __ffs(__ballot_sync(radix::kFullMask, above2 < k_rem && k_rem <= incl2)) - 1;
-            const bool upper_f = __shfl_sync(radix::kFullMask, upper, f);
-            // the lower CTAs' keys in this group above the chosen bin, and in it
-            const uint32_t low_in = radix::warp_suffix_sum(lane > f ? b_low.x + b_low.y : lane == f && !upper_f ? b_low.y : 0u);
-            const uint32_t low_bin = __shfl_sync(radix::kFullMask, upper_f ? b_low.y : b_low.x, f);
-            low_above += __shfl_sync(radix::kFullMask, low_groups_above + low_in, 0);
             if (lane == f) {
-              const uint32_t kb_above = upper ? above2 : above2 + b.y, kb_count = upper ? b.y : b.x;
               scalars[0] = kGroupBins * g + 2 * lane + (upper ? 1 : 0);
-              scalars[1] = kb_above;
-              scalars[2] = kb_count;
-              const bool whole_now = k_rem - kb_above == kb_count;  // as the loop decides below
-              scalars[TopkResidentLayout::kScalarLowerAbove] = low_above + (whole_now ? low_bin : 0u);
-              scalars[TopkResidentLayout::kScalarLowerEqual] = whole_now ? 0u : low_bin;
+              scalars[1] = upper ? above2 : above2 + b.y;
+              scalars[2] = upper ? b.y : b.x;
             }
+            // the lower CTAs' keys in groups above g, in g above the chosen bin, and in that bin
+            // (summed over the lanes after the selection)
+            const bool upper_f = __shfl_sync(radix::kFullMask, upper, f);
+            low_above += (lane > g ? t_low : 0u) +
+                         (lane > f ? b_low.x + b_low.y : lane == f && !upper_f ? b_low.y : 0u);
+            low_equal = lane == f ? (upper_f ? b_low.y : b_low.x) : 0u;
+#ifdef DI_TRACE_PASS
+            if (pass == 1) tr.mark<7>();
+#endif
           }
           phases ^= (1u << pass) | (1u << (kPasses + pass));
           __syncthreads();
           kb = {scalars[0], scalars[1], scalars[2]};
-#endif
         } else {
           __syncthreads();
           const uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
@@ -304,6 +260,14 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
       take_eq = k_rem;
     }
     const uint32_t total = static_cast<uint32_t>(min(a.k, n));
+    if (kCluster && warp == 0 && n > a.k) {  // read by every thread after the emission's barrier
+      const uint32_t lower_above = __reduce_add_sync(radix::kFullMask, low_above);
+      const uint32_t lower_equal = __reduce_add_sync(radix::kFullMask, low_equal);
+      if (lane == 0) {
+        scalars[TopkResidentLayout::kScalarLowerAbove] = whole ? lower_above + lower_equal : lower_above;
+        scalars[TopkResidentLayout::kScalarLowerEqual] = whole ? 0u : lower_equal;
+      }
+    }
     tr.mark<4>();
 
     // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
@@ -330,7 +294,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     uint32_t all;
     const uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
     uint32_t g = before & 0xFFFFu, e = before >> 16;  // selected-above / equal keys before this thread's
-#ifndef DI_TOPK_CLUSTER_PULL
     if constexpr (kCluster) {
       if (n > a.k) {
         g += scalars[TopkResidentLayout::kScalarLowerAbove];
@@ -340,27 +303,9 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         g += static_cast<uint32_t>(min(max(below, 0), n));
       }
     }
-#else
-    if constexpr (kCluster) {
-      uint32_t* cc = cta_counts + 2 * parity;
-      if (tid == 0) {
-        cc[0] = all & 0xFFFFu;
-        cc[1] = all >> 16;
-      }
-      cluster.sync();
-      // the counts of the CTAs below this one: lane q < rank loads CTA q's, the warp sums them
-      uint2 o = make_uint2(0u, 0u);
-      if (lane < rank) o = ptx::ld_cluster_v2(ptx::map_cluster(ptx::smem_addr(cc), static_cast<uint32_t>(lane)));
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        o.x += __shfl_xor_sync(radix::kFullMask, o.x, off);
-        o.y += __shfl_xor_sync(radix::kFullMask, o.y, off);
-      }
-      g += o.x;
-      e += o.y;
-    }
-#endif
+#ifndef DI_TRACE_PASS
     tr.mark<3>();
+#endif
     const int64_t seq = !slot_mode ? 0
                         : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
                                                : r / a.table_next_n;
@@ -380,19 +325,19 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
       }
     }
     if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
+#ifndef DI_TRACE_PASS
     tr.mark<5>();
-    // NOTES: every read of this row's histograms is done: find_kth_bin ends with a barrier, and with
-    // clusters every CTA read the others' before the emission's cluster barrier.
+#endif
+    // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
+    // ended with a barrier.
     for (int i = tid; i < passes * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();  // the clears, warp sums and scalars before the next row
+#ifndef DI_TRACE_PASS
     tr.mark<6>();
+#endif
   }
-#ifdef DI_TOPK_CLUSTER_PULL
-  if constexpr (kCluster) cluster.sync();  // no CTA leaves while another may read its shared memory
-#else
   // NOTES: no CTA reads another's shared memory, and every st.async into a CTA is waited for by it
   if (!cluster_ready) ptx::cluster_wait();
-#endif
   if (tid == 0) tr.print("topk", rank, 0);
 }
 
