@@ -159,9 +159,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           // the lower CTAs' keys above the bin and in it: their emission offsets, without another exchange.
           static_assert(kBins == kGroupBins * kWarps && kWarps == 32, "a group of 64 bins per warp, a group per lane");
           __syncthreads();
-#ifdef DI_TRACE_PASS
-          if (pass == 1) tr.mark<3>();
-#endif
           const uint2 own = reinterpret_cast<const uint2*>(h)[tid];
           const uint32_t gs = __reduce_add_sync(radix::kFullMask, own.x + own.y);
           if (!cluster_ready) {
@@ -177,9 +174,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           if (warp == 0) {
             if (lane == 0) ptx::mbar_arrive_expect_tx(bar_g, static_cast<uint32_t>(num_ctas * kWarps * 4));
             ptx::mbar_wait(bar_g, (phases >> pass) & 1u);
-#ifdef DI_TRACE_PASS
-            if (pass == 1) tr.mark<5>();
-#endif
             const uint32_t* rg = recv_groups + pass * kMaxC * kWarps;
             uint32_t t = 0, t_low = 0;
 #pragma unroll
@@ -203,9 +197,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
                                  ptx::map_cluster(ptx::smem_addr(bar_b), static_cast<uint32_t>(q)));
             if (lane == 0) ptx::mbar_arrive_expect_tx(bar_b, static_cast<uint32_t>(num_ctas * kGroupBins * 4));
             ptx::mbar_wait(bar_b, (phases >> (kPasses + pass)) & 1u);
-#ifdef DI_TRACE_PASS
-            if (pass == 1) tr.mark<6>();
-#endif
             const uint32_t* rb = recv_bins + pass * kMaxC * kGroupBins + 2 * lane;
             uint2 b = make_uint2(0u, 0u), b_low = make_uint2(0u, 0u);
 #pragma unroll
@@ -236,9 +227,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
             low_above += (lane > g ? t_low : 0u) +
                          (lane > f ? b_low.x + b_low.y : lane == f && !upper_f ? b_low.y : 0u);
             low_equal = lane == f ? (upper_f ? b_low.y : b_low.x) : 0u;
-#ifdef DI_TRACE_PASS
-            if (pass == 1) tr.mark<7>();
-#endif
           }
           phases ^= (1u << pass) | (1u << (kPasses + pass));
           __syncthreads();
@@ -303,9 +291,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         g += static_cast<uint32_t>(min(max(below, 0), n));
       }
     }
-#ifndef DI_TRACE_PASS
     tr.mark<3>();
-#endif
     const int64_t seq = !slot_mode ? 0
                         : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
                                                : r / a.table_next_n;
@@ -325,16 +311,12 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
       }
     }
     if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
-#ifndef DI_TRACE_PASS
     tr.mark<5>();
-#endif
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
     for (int i = tid; i < passes * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();  // the clears, warp sums and scalars before the next row
-#ifndef DI_TRACE_PASS
     tr.mark<6>();
-#endif
   }
   // NOTES: no CTA reads another's shared memory, and every st.async into a CTA is waited for by it
   if (!cluster_ready) ptx::cluster_wait();
