@@ -298,6 +298,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
     const int col0 = v0 * kVec - row.mis;  // the column of key 0 (relative to lo)
     int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
+#ifdef DI_TOPK_EMIT_OLD
     uint32_t sel = gt | eq;
     while (sel != 0u) {
       const int i = __ffs(sel) - 1;
@@ -310,6 +311,30 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         ++e;
       }
     }
+#else
+    // NOTES: taken are the keys above the k-th key and, of those equal to it, the first take_eq in
+    // column order (e before this thread's): selected key j of this thread (in column order) is
+    // output entry base + j.
+    uint32_t eq_taken = eq;
+    const uint32_t room = e < take_eq ? take_eq - e : 0u;
+    while (static_cast<uint32_t>(__popc(eq_taken)) > room) eq_taken &= ~(0x80000000u >> __clz(eq_taken));  // rare
+    uint32_t sel = gt | eq_taken;
+    const int base = static_cast<int>(g + min(e, take_eq));
+    if (!slot_mode && a.out_values == nullptr) {  // the column plus a constant
+      const uint32_t add = (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute) ? static_cast<uint32_t>(row.lo) : 0u) + offset;
+      int* dst = out_row + base;
+      const uint32_t c0 = static_cast<uint32_t>(col0) + add;
+      for (int j = 0; sel != 0u; ++j) {
+        dst[j] = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
+        sel &= sel - 1u;
+      }
+    } else {
+      for (int j = 0; sel != 0u; ++j) {
+        store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, base + j, col0 + __ffs(sel) - 1);
+        sel &= sel - 1u;
+      }
+    }
+#endif
     if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
