@@ -298,20 +298,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
     const int col0 = v0 * kVec - row.mis;  // the column of key 0 (relative to lo)
     int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
-#ifdef DI_TOPK_EMIT_OLD
-    uint32_t sel = gt | eq;
-    while (sel != 0u) {
-      const int i = __ffs(sel) - 1;
-      sel &= sel - 1u;
-      if ((gt >> i) & 1u) {
-        store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, static_cast<int>(g + min(e, take_eq)), col0 + i);
-        ++g;
-      } else {
-        if (e < take_eq) store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, static_cast<int>(g + e), col0 + i);
-        ++e;
-      }
-    }
-#else
     // NOTES: taken are the keys above the k-th key and, of those equal to it, the first take_eq in
     // column order (e before this thread's): selected key j of this thread (in column order) is
     // output entry base + j.
@@ -334,7 +320,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         sel &= sel - 1u;
       }
     }
-#endif
     if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
