@@ -2,6 +2,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <string>
@@ -193,27 +194,28 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // registers, keys_per_thread (4: float32 only, 8, 16) each; C = the row's vectors over a CTA's.
 // - One CTA per row (C = 1) with the fewest keys per thread that hold it, when rows <= SMs.
 // - Else a cluster of C <= 8 CTAs per row (4 keys per thread for float32 where 8 CTAs hold the row, else
-//   8), when rows x C <= kTopkResidentClusterCtas.
+//   8), when the device holds a cluster for every row at once (`clusters_at_once(kpt, C)`: the driver's
+//   count, which the GPCs bound below SMs / C).
 // Both only for k > 1024: the buffered kernel's filter keeps fewer keys for smaller k, the resident
 // form's cost does not depend on k. Measured on an H200 (in-process A/B against the buffered kernel, us;
 // bench/results/*-h200-ab-topk-resident-*):
 //   C = 1: 64 rows of 5.7-10.6K keys, k = 2048 / 1024 / 512: 12.9 -> 11.7 / 11.3 -> 11.4 / 10.9 -> 11.3;
 //          128 x ~6K 12.5 -> 12.1, 100 x ~12K 13.9 -> 13.5, 32 x ~4K 11.4 -> 11.1 (k = 2048).
-//   clusters (k = 2048): 1 x 32K 14.4 -> 11.0 (C = 8, 4 keys; 11.8 with C = 4, 8 keys), 1 x 64K 17.4 ->
-//          12.0 (C = 8), 2 / 4 / 8 x ~32K (C = 4) 16.6 / 17.4 / 17.2 -> 13.6 / 13.5 / 13.6; but 16 x ~50K
-//          (C = 7) 20.3 -> 21.2 and 33 x ~25K (C = 4) 15.2 -> 21.1: many clusters lose (a GPC hosts only a
-//          few clusters of 1024-thread CTAs at once).
+//   clusters (k = 2048): 1 x 32K 14.4 -> 9.2 (C = 8, 4 keys; 9.6 with C = 4, 8 keys), 4 x ~32K (C = 4)
+//          17.4 -> 11.3, 8 x ~40K (C = 5) 17.7 -> 11.8, 16 x ~50K (C = 7) 20.2 -> 17.9; but 33 x ~25K (C = 4,
+//          more clusters than fit at once) 15.2 -> 17.1.
 // `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
 // are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
 // hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS (4, 8, 16) forces the keys per thread.
-constexpr int64_t kTopkResidentClusterCtas = 32;
 struct TopkResidentLaunch {
   bool use = false;
   int keys_per_thread = 8;
   unsigned grid = 0, cluster = 1, smem = 0, threads = TopkResidentLayout::kThreads;
+  int64_t clusters_at_once = 0;  // the device's count for the chosen cluster form (0: one CTA per row, or forced)
 };
 inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int64_t rows, int64_t vecs, int k,
-                                               int num_sms) {
+                                               int num_sms,
+                                               const std::function<int64_t(int, int64_t)>& clusters_at_once) {
   TopkResidentLaunch t;
   const int forced = env::get_int("DI_TOPK_RESIDENT", -1);
   const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
@@ -231,7 +233,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     if (kpt == 0 && allowed(c) && ctas(c) == 1 && (forced == 1 || rows <= sms)) kpt = c;
   for (const int c : {4, 8})  // a cluster per row (at most 8 keys per thread: registers)
     if (kpt == 0 && allowed(c) && ctas(c) <= TopkResidentLayout::kMaxCluster &&
-        (forced == 1 || rows * ctas(c) <= kTopkResidentClusterCtas))
+        (forced == 1 || rows <= (t.clusters_at_once = clusters_at_once(c, ctas(c)))))
       kpt = c;
   if (kpt != 0) {
     const int64_t c = ctas(kpt);
@@ -244,7 +246,8 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   }
   print_choice([&] {
     return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={} k={}: grid {}, cluster {}, {} keys per "
-                               "thread, smem {} B", rows, vecs, elem_bytes, k, t.grid, t.cluster, t.keys_per_thread, t.smem)
+                               "thread, smem {} B, clusters at once {}", rows, vecs, elem_bytes, k, t.grid, t.cluster,
+                               t.keys_per_thread, t.smem, t.clusters_at_once)
                  : fmt::format("topk resident rows={} vecs={} elem_bytes={} k={} sorted={}: not taken", rows, vecs,
                                elem_bytes, k, sorted);
   });

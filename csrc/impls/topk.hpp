@@ -1,5 +1,9 @@
 // Host side of topk (docs/topk.md).
 #pragma once
+#include <algorithm>
+#include <array>
+#include <atomic>
+
 #include <deep_indexer/topk_layout.hpp>
 
 #include "../jit/kernel_runtime.hpp"
@@ -91,6 +95,38 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
                      CUstream stream) {
     jit::launch(function(p, device, stream), topk_launch_config(t.grid, t.threads, t.smem, t.cluster), stream, args);
   }
+
+  // Clusters of `cluster` CTAs of the cluster form with `keys_per_thread` keys that the device runs at
+  // once (cuOccupancyMaxActiveClusters, once per device and form).
+  static int64_t clusters_at_once(int elem_bytes, int keys_per_thread, int64_t cluster, int device, CUstream stream) {
+    DI_CHECK_ARG(device >= 0 && device < jit::kMaxDevices && cluster >= 2 && cluster <= TopkResidentLayout::kMaxCluster,
+                 "topk_resident: device {} or cluster size {} out of range", device, cluster);
+    static std::array<std::atomic<int>, jit::kMaxDevices * 4 * (TopkResidentLayout::kMaxCluster + 1)> cache{};
+    const int form = (elem_bytes == 4 ? 0 : 2) + (keys_per_thread == 8 ? 1 : 0);
+    std::atomic<int>& slot = cache[(device * 4 + form) * (TopkResidentLayout::kMaxCluster + 1) + cluster];
+    int n = slot.load(std::memory_order_relaxed);  // 0: not asked yet
+    if (n == 0) {
+      const Params p{elem_bytes, keys_per_thread, true};
+      const CUfunction fn = function(p, device, stream);
+      CUlaunchAttribute attr{};
+      attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      attr.value.clusterDim.x = static_cast<unsigned>(cluster);
+      attr.value.clusterDim.y = attr.value.clusterDim.z = 1;
+      CUlaunchConfig config{};
+      config.gridDimX = static_cast<unsigned>(cluster);
+      config.gridDimY = config.gridDimZ = 1;
+      config.blockDimX = TopkResidentLayout::kThreads;
+      config.blockDimY = config.blockDimZ = 1;
+      config.sharedMemBytes = smem_bytes(p);
+      config.hStream = stream;
+      config.attrs = &attr;
+      config.numAttrs = 1;
+      DI_CU_CHECK(driver::api().cuOccupancyMaxActiveClusters(&n, fn, &config));
+      n = std::max(n, 1);  // a cluster that does not fit would have failed to launch anyway
+      slot.store(n, std::memory_order_relaxed);
+    }
+    return n;
+  }
 };
 
 // topk_indices' launch: the resident form where the heuristic takes it, else the buffered kernel.
@@ -100,7 +136,10 @@ inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const 
   if (args.num_rows == 0 || args.k == 0) return;
   const int vec = TopkLayout::kVecBytes / elem_bytes;
   const int64_t vecs = (static_cast<int64_t>(args.num_cols) + vec - 1) / vec + (starts_aligned ? 0 : 1);
-  const sm90::TopkResidentLaunch t = sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, args.k, num_sms);
+  const sm90::TopkResidentLaunch t =
+      sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, args.k, num_sms, [&](int kpt, int64_t c) {
+        return TopkResidentRuntime::clusters_at_once(elem_bytes, kpt, c, device, stream);
+      });
   if (t.use) {
     TopkResidentRuntime::launch({elem_bytes, t.keys_per_thread, t.cluster > 1}, t, args, device, stream);
     return;

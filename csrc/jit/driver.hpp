@@ -15,7 +15,7 @@ namespace deep_indexer::driver {
   X(cuDeviceGetCount) X(cuDeviceGetAttribute) X(cuDevicePrimaryCtxRetain)                 \
   X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuModuleLoadData) X(cuModuleUnload)             \
   X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernelEx)  \
-  X(cuTensorMapEncodeTiled) X(cuStreamIsCapturing)
+  X(cuTensorMapEncodeTiled) X(cuStreamIsCapturing) X(cuOccupancyMaxActiveClusters)
 
 struct Api {
 #define DI_DECLARE_FN(name) decltype(&::name) name = nullptr;
