@@ -196,14 +196,15 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // - Else a cluster of C <= 8 CTAs per row (4 keys per thread for float32 where 8 CTAs hold the row, else
 //   8), when the device holds a cluster for every row at once (`clusters_at_once(kpt, C)`: the driver's
 //   count, which the GPCs bound below SMs / C).
-// Both only for k > 1024: the buffered kernel's filter keeps fewer keys for smaller k, the resident
-// form's cost does not depend on k. Measured on an H200 (in-process A/B against the buffered kernel, us;
+// Both for k >= 256 (smaller k unmeasured: the buffered kernel's filter keeps fewer keys there; the resident
+// form's cost does not depend on k). Measured on an H200 (in-process A/B against the buffered kernel, us;
 // bench/results/*-h200-ab-topk-resident-*):
-//   C = 1: 64 rows of 5.7-10.6K keys, k = 2048 / 1024 / 512: 12.9 -> 11.7 / 11.3 -> 11.4 / 10.9 -> 11.3;
-//          128 x ~6K 12.5 -> 12.1, 100 x ~12K 13.9 -> 13.5, 32 x ~4K 11.4 -> 11.1 (k = 2048).
-//   clusters (k = 2048): 1 x 32K 14.4 -> 9.2 (C = 8, 4 keys; 9.6 with C = 4, 8 keys), 4 x ~32K (C = 4)
-//          17.4 -> 11.3, 8 x ~40K (C = 5) 17.7 -> 11.8, 16 x ~50K (C = 7) 20.2 -> 17.9; but 33 x ~25K (C = 4,
-//          more clusters than fit at once) 15.2 -> 17.1.
+//   C = 1: 64 rows of 5.7-10.6K keys, k = 2048: 12.9 -> 11.5; 64 x ~8K, k = 1024 / 512: 11.8 -> 10.9 /
+//          11.2 -> 10.8; 128 x ~6K, k = 256: 10.9 -> 9.3; 100 x ~12K, k = 1024: 12.9 -> 12.4.
+//   clusters (k = 2048 unless noted): 1 x 32K 14.4 -> 9.2 (C = 8, 4 keys; 9.6 with C = 4, 8 keys; k = 1024 /
+//          512: 14.0 / 13.6 -> 9.2), 4 x ~32K (C = 4) 17.4 -> 11.3, 8 x ~40K (C = 7; 15 such clusters fit at
+//          once) 17.6 -> 11.7. More rows than fit at once (not taken): 16 x ~50K (C = 8) 20.2 -> 18.0, 24 x
+//          ~45K 19.7 -> 19.0, but 33 x ~25K 15.0 -> 25.9 (C = 8) / 17.1 (C = 4).
 // `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
 // are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
 // hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS (4, 8, 16) forces the keys per thread.
@@ -219,7 +220,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   TopkResidentLaunch t;
   const int forced = env::get_int("DI_TOPK_RESIDENT", -1);
   const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
-  if (sorted || forced == 0 || rows <= 0 || (forced != 1 && k <= 1024)) return t;
+  if (sorted || forced == 0 || rows <= 0 || (forced != 1 && k < 256)) return t;
   const int64_t sms = std::max(1, num_sms);
   auto ctas = [&](int kpt) {  // CTAs per row with kpt keys per thread
     const TopkResidentLayout l{elem_bytes, kpt};
@@ -232,7 +233,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   for (const int c : {4, 8, 16})  // one CTA per row, the fewest keys per thread
     if (kpt == 0 && allowed(c) && ctas(c) == 1 && (forced == 1 || rows <= sms)) kpt = c;
   for (const int c : {4, 8})  // a cluster per row (at most 8 keys per thread: registers)
-    if (kpt == 0 && allowed(c) && ctas(c) <= TopkResidentLayout::kMaxCluster &&
+    if (kpt == 0 && allowed(c) && ctas(c) >= 2 && ctas(c) <= TopkResidentLayout::kMaxCluster &&
         (forced == 1 || rows <= (t.clusters_at_once = clusters_at_once(c, ctas(c)))))
       kpt = c;
   if (kpt != 0) {
