@@ -934,6 +934,28 @@ def test_topk_resident_forced(monkeypatch, keys, dtype, kind, m):
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 32768, 256), (1, 32768, 2048), (8, 40000, 2048), (40, 25000, 1024),
+                                   (64, 8000, 512), (200, 3000, 2048)])
+def test_topk_default_choice(monkeypatch, dtype, m, n, k):
+    # the heuristic's own choice (no forcing): one row over a cluster, a cluster per row where the device
+    # runs them all at once, more rows than that (buffered), one CTA per row at k < 1024, rows > SMs
+    monkeypatch.delenv("DI_TOPK_RESIDENT", raising=False)
+    monkeypatch.delenv("DI_TOPK_RESIDENT_KEYS", raising=False)
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = make_rows("random", m, n, dtype, gen)
+    ke = torch.randint(n // 2, n + 1, (m,), generator=gen, dtype=torch.int32)
+    ke[0] = n
+    got = _check_once(x, k, None, ke)
+    monkeypatch.setenv("DI_TOPK_RESIDENT", "0")
+    assert torch.equal(_check_once(x, k, None, ke), got)
+    ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
+    monkeypatch.delenv("DI_TOPK_RESIDENT")
+    _check_once(x, k, ks, ke)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cluster", ["1", "4"])
 @pytest.mark.parametrize("wide", ["0", "1"])
 def test_topk_fallback_paths(monkeypatch, dtype, cluster, wide):
