@@ -75,18 +75,15 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
   ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
-#ifdef DI_TOPK_ZERO_OLD
   for (int i = tid; i < kPasses * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
-#endif
   // DI_KERNEL_TRACE: thread 0's first row; marks 0 keys in, 1 / 2 radix pass 0 / 1 done, 4 selection threshold,
   // 3 output positions known, 5 emitted, 6 row end
   Tracer tr;
   tr.start();
 
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
-  const int first_row = static_cast<int>(blockIdx.x) / num_ctas;
-  for (int r = first_row; r < a.num_rows; r += num_clusters) {
+  for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
     const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
@@ -105,12 +102,6 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);  // early: the same lo (0), mis and vectors
     const int n = row.n;
     if (!early) load_vecs(row.vec, row.num_vecs);
-#ifndef DI_TOPK_ZERO_OLD
-    if (r == first_row) {  // the histograms cleared while the first row's loads are in flight
-      for (int i = tid; i < kPasses * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
-      __syncthreads();
-    }
-#endif
     uint32_t valid = 0;
 #pragma unroll
     for (int u = 0; u < kVecs; ++u) valid |= (v0 + u < row.num_vecs ? row.valid_bits(v0 + u) : 0u) << (u * kVec);
@@ -333,14 +324,8 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
-#ifdef DI_TOPK_ZERO_OLD
-    if (true) {
-#else
-    if (r + num_clusters < a.num_rows) {  // a next row: its histograms cleared, warp sums and scalars free
-#endif
-      for (int i = tid; i < passes * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
-      __syncthreads();
-    }
+    for (int i = tid; i < passes * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
   }
   // NOTES: no CTA reads another's shared memory, and every st.async into a CTA is waited for by it
