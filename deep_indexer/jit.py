@@ -98,8 +98,8 @@ def variants(
             for dt, srt, cl, wide in itertools.product(dtypes, (0, 1), (0, 1), (0, 1)):
                 if not (srt and cl):  # the cluster form is unsorted only
                     add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl, wide=wide)
-            for dt, kpt, cl in itertools.product(dtypes, (4, 8, 16), (0, 1)):  # the resident form (unsorted)
-                if not (kpt == 16 and cl) and not (kpt == 4 and _ELEM_BYTES[dt] != 4):
+            for dt, kpt, cl in itertools.product(dtypes, (4, 8, 12, 16), (0, 1)):  # the resident form (unsorted)
+                if not (kpt > 8 and cl) and not (kpt in (4, 12) and _ELEM_BYTES[dt] != 4):
                     add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl)
         elif op in ("training_logits", "training_logits_stats"):
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]

@@ -903,7 +903,7 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("keys", ["4", "8", "16"])
+@pytest.mark.parametrize("keys", ["4", "8", "12", "16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan"])
 @pytest.mark.parametrize("m", [3, 300])

@@ -191,7 +191,7 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 }
 
 // Resident top-k (topk_resident.cuh), unsorted output: 1024-thread CTAs (one per SM) hold whole rows in
-// registers, keys_per_thread (4: float32 only, 8, 16) each; C = the row's vectors over a CTA's.
+// registers, keys_per_thread (4 and 12: float32 only, 8, 16) each; C = the row's vectors over a CTA's.
 // - One CTA per row (C = 1) with the fewest keys per thread that hold it, when rows <= SMs.
 // - Else a cluster of C <= 8 CTAs per row (4 keys per thread for float32 where 8 CTAs hold the row, else
 //   8), when the device holds a cluster for every row at once (`clusters_at_once(kpt, C)`: the driver's
@@ -207,7 +207,7 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 //          ~45K 19.7 -> 19.0, but 33 x ~25K 15.0 -> 25.9 (C = 8) / 17.1 (C = 4).
 // `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
 // are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
-// hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS (4, 8, 16) forces the keys per thread.
+// hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS (4, 8, 12, 16) forces the keys per thread.
 struct TopkResidentLaunch {
   bool use = false;
   int keys_per_thread = 8;
@@ -227,10 +227,10 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     return std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
   };
   auto allowed = [&](int kpt) {
-    return (forced_keys == 0 || forced_keys == kpt) && (kpt != 4 || elem_bytes == 4);
+    return (forced_keys == 0 || forced_keys == kpt) && ((kpt != 4 && kpt != 12) || elem_bytes == 4);
   };
   int kpt = 0;
-  for (const int c : {4, 8, 16})  // one CTA per row, the fewest keys per thread
+  for (const int c : {4, 8, 12, 16})  // one CTA per row, the fewest keys per thread
     if (kpt == 0 && allowed(c) && ctas(c) == 1 && (forced == 1 || rows <= sms)) kpt = c;
   for (const int c : {4, 8})  // a cluster per row (at most 8 keys per thread: registers)
     if (kpt == 0 && allowed(c) && ctas(c) >= 2 && ctas(c) <= TopkResidentLayout::kMaxCluster &&

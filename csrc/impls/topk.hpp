@@ -67,13 +67,14 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
 struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
   struct Params {
     int elem_bytes;       // 4: float32, 2: bfloat16
-    int keys_per_thread;  // 4 (float32), 8 or 16 (16: no cluster)
+    int keys_per_thread;  // 4 (float32), 8, 12 (float32) or 16 (12, 16: no cluster)
     bool cluster;         // launched with clusters of 2-8 CTAs per row
     TopkResidentLayout layout() const {
       DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk_resident: elem_bytes must be 4 or 2, got {}", elem_bytes);
-      DI_CHECK_ARG((keys_per_thread == 4 && elem_bytes == 4) || keys_per_thread == 8 || keys_per_thread == 16,
-                   "topk_resident: keys_per_thread must be 8 or 16 (or 4 for float32), got {}", keys_per_thread);
-      DI_CHECK_ARG(!(cluster && keys_per_thread == 16), "topk_resident: the cluster form holds at most 8 keys per thread");
+      DI_CHECK_ARG(((keys_per_thread == 4 || keys_per_thread == 12) && elem_bytes == 4) || keys_per_thread == 8 ||
+                       keys_per_thread == 16,
+                   "topk_resident: keys_per_thread must be 8 or 16 (or 4, 12 for float32), got {}", keys_per_thread);
+      DI_CHECK_ARG(!(cluster && keys_per_thread > 8), "topk_resident: the cluster form holds at most 8 keys per thread");
       return TopkResidentLayout{elem_bytes, keys_per_thread};
     }
   };

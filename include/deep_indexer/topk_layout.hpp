@@ -107,7 +107,7 @@ struct TopkResidentLayout {
   static constexpr int kScalarLowerEqual = 6;
 
   int elem_bytes;        // 4: float32, 2: bfloat16
-  int keys_per_thread;   // 4 (float32), 8 or 16: whole 16-byte vectors per thread
+  int keys_per_thread;   // 4 or 12 (float32), 8 or 16: whole 16-byte vectors per thread
 
   DI_HOST_DEVICE constexpr int vec() const { return TopkLayout::kVecBytes / elem_bytes; }
   DI_HOST_DEVICE constexpr int vecs_per_thread() const { return keys_per_thread / vec(); }

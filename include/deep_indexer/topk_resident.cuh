@@ -29,7 +29,8 @@
 namespace deep_indexer {
 
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
-// 2-8 CTAs per row (else one CTA per row, no DSMEM code; 16 keys per thread only so). Unsorted output.
+// 2-8 CTAs per row (else one CTA per row, no cluster exchange; 12 and 16 keys per thread only so). Unsorted
+// output.
 template <int kElemBytes, int kKeysPerThread, bool kCluster>
 __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident_kernel(const TopkArgs a) {
   namespace cg = cooperative_groups;
