@@ -199,8 +199,9 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // Both for k >= 256 (smaller k unmeasured: the buffered kernel's filter keeps fewer keys there; the resident
 // form's cost does not depend on k). Measured on an H200 (in-process A/B against the buffered kernel, us;
 // bench/results/*-h200-ab-topk-resident-*):
-//   C = 1: 64 rows of 5.7-10.6K keys, k = 2048: 12.9 -> 11.5; 64 x ~8K, k = 1024 / 512: 11.8 -> 10.9 /
-//          11.2 -> 10.8; 128 x ~6K, k = 256: 10.9 -> 9.3; 100 x ~12K, k = 1024: 12.9 -> 12.4.
+//   C = 1: 64 rows of 5.7-10.6K keys, k = 2048: 12.9 -> 11.5 (16 keys), 10.9 (12 keys; H100 12.0 -> 10.8);
+//          64 x ~8K, k = 1024 / 512: 11.8 -> 10.9 / 11.2 -> 10.8; 128 x ~6K, k = 256: 10.9 -> 9.3; 100 x ~12K,
+//          k = 1024: 12.9 -> 12.4.
 //   clusters (k = 2048 unless noted): 1 x 32K 14.4 -> 9.2 (C = 8, 4 keys; 9.6 with C = 4, 8 keys; k = 1024 /
 //          512: 14.0 / 13.6 -> 9.2), 4 x ~32K (C = 4) 17.4 -> 11.3, 8 x ~40K (C = 7; 15 such clusters fit at
 //          once) 17.6 -> 11.7. More rows than fit at once (not taken): 16 x ~50K (C = 8) 20.2 -> 18.0, 24 x
