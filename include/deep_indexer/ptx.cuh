@@ -139,19 +139,6 @@ DI_DEVICE uint32_t map_cluster(uint32_t addr, uint32_t cta) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(cta));
   return r;
 }
-// A word at a shared::cluster address (map_cluster).
-DI_DEVICE uint32_t ld_cluster_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-// Two words at a shared::cluster address (map_cluster), 8-byte aligned.
-DI_DEVICE uint2 ld_cluster_v2(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared::cluster.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-
 // Stores to a shared::cluster address (map_cluster) that complete_tx their bytes on the mbarrier at the
 // shared::cluster address `bar` (in the same CTA as `addr`). NOTES: the data alone is covered: the
 // waiter sees it once the phase completes, no other write of the sender.

@@ -308,7 +308,8 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     uint32_t sel = gt | eq_taken;
     const int base = static_cast<int>(g + min(e, take_eq));
     if (!slot_mode && a.out_values == nullptr) {  // the column plus a constant
-      const uint32_t add = (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute) ? static_cast<uint32_t>(row.lo) : 0u) + offset;
+      const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
+      const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
       int* dst = out_row + base;
       const uint32_t c0 = static_cast<uint32_t>(col0) + add;
       for (int j = 0; sel != 0u; ++j) {
