@@ -211,7 +211,6 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
-    auto valid_bits = [&](int v) { return row.valid_bits(v); };
 
     // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
     // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
@@ -238,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       for (int u = 0; u < kUnroll; ++u) {
         const int v = base + u * 32 + lane;
         uint32_t pass = kVecMask;
-        if (!interior) pass = v >= vb1 ? 0u : v > 0 && v < num_vecs - 1 ? kVecMask : valid_bits(v);
+        if (!interior) pass = v >= vb1 ? 0u : v > 0 && v < num_vecs - 1 ? kVecMask : row.valid_bits(v);
         if (!all) {
 #pragma unroll
           for (int c = 0; c < kVec; ++c)
@@ -321,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       for (int t = 0; t < kSampleVecs; ++t) {
         const int v = (tid + t * kSampleThreads) * stride;
         sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-        sample_valid |= (t < s_v ? valid_bits(v) : 0u) << (t * kVec);
+        sample_valid |= (t < s_v ? row.valid_bits(v) : 0u) << (t * kVec);
       }
       tr.mark<0>(static_cast<int>(sample[0].x));
       const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
@@ -376,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
             for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
               const int v = vb + lane;
               const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-              const uint32_t valid = v < num_vecs ? valid_bits(v) : 0u;
+              const uint32_t valid = v < num_vecs ? row.valid_bits(v) : 0u;
 #pragma unroll
               for (int c = 0; c < kVec; ++c) add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)), (valid >> c) & 1u);
             }
