@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
       whole = false;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
-        if (whole) break;  // uniform over the cluster: every CTA found the same bin
+        if (whole || mask == kFullKeyMask) break;  // uniform over the cluster: every CTA found the same bin
         const int shift = kDigits.digit_shift(pass);
         const uint32_t digit_mask = (1u << kDigits.digit_bits(pass)) - 1u;
         uint32_t* h = hist + pass * kBins;
@@ -141,16 +141,14 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + (key[i] >> shift), 1u);
           if (valid != kAllValid) atomicSub(h, static_cast<uint32_t>(kKeysPerThread - __popc(valid)));
         } else {
-          // the few keys in the k-th key's bin so far (a thread rarely holds any)
-          uint32_t match = 0;
+          // the few keys in the k-th key's bin so far; keys outside the row (0) never match: the bin of
+          // pass 0 is not 0 here. The others count into one word of the warp (no branch per key; an
+          // increment's lanes of one address are one update): a word of the previous pass's histogram,
+          // read already and cleared at the row's end.
+          uint32_t* const sink = h - kBins + warp;
 #pragma unroll
-          for (int i = 0; i < kKeysPerThread; ++i) match |= static_cast<uint32_t>((key[i] & mask) == prefix) << i;
-          match &= valid;
-          if (match != 0u) {
-#pragma unroll
-            for (int i = 0; i < kKeysPerThread; ++i)
-              if ((match >> i) & 1u) atomicAdd(h + ((key[i] >> shift) & digit_mask), 1u);
-          }
+          for (int i = 0; i < kKeysPerThread; ++i)
+            atomicAdd((key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
         }
         radix::KthBin kb;
         if constexpr (kCluster) {
@@ -177,13 +175,14 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
             ptx::mbar_wait(bar_g, (phases >> pass) & 1u);
             const uint32_t* rg = recv_groups + pass * kMaxC * kWarps;
             uint32_t t = 0, t_low = 0;
+            // NOTES: every slot is loaded (back to back, no branch per CTA); the ones of absent CTAs are dropped
+            uint32_t v[kMaxC];
+#pragma unroll
+            for (int q = 0; q < kMaxC; ++q) v[q] = rg[q * kWarps + lane];
 #pragma unroll
             for (int q = 0; q < kMaxC; ++q) {
-              if (q < num_ctas) {
-                const uint32_t v = rg[q * kWarps + lane];
-                t += v;
-                t_low += q < rank ? v : 0u;
-              }
+              t += q < num_ctas ? v[q] : 0u;
+              t_low += q < rank ? v[q] : 0u;
             }
             const uint32_t incl = radix::warp_suffix_sum(t);  // keys in groups >= lane
             const uint32_t g_hit = __ballot_sync(radix::kFullMask, incl - t < k_rem && k_rem <= incl);
@@ -200,17 +199,16 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
             ptx::mbar_wait(bar_b, (phases >> (kPasses + pass)) & 1u);
             const uint32_t* rb = recv_bins + pass * kMaxC * kGroupBins + 2 * lane;
             uint2 b = make_uint2(0u, 0u), b_low = make_uint2(0u, 0u);
+            uint2 o[kMaxC];
+#pragma unroll
+            for (int q = 0; q < kMaxC; ++q) o[q] = *reinterpret_cast<const uint2*>(rb + q * kGroupBins);
 #pragma unroll
             for (int q = 0; q < kMaxC; ++q) {
-              if (q < num_ctas) {
-                const uint2 o = *reinterpret_cast<const uint2*>(rb + q * kGroupBins);
-                b.x += o.x;
-                b.y += o.y;
-                if (q < rank) {
-                  b_low.x += o.x;
-                  b_low.y += o.y;
-                }
-              }
+              const bool in = q < num_ctas, low = q < rank;
+              b.x += in ? o[q].x : 0u;
+              b.y += in ? o[q].y : 0u;
+              b_low.x += low ? o[q].x : 0u;
+              b_low.y += low ? o[q].y : 0u;
             }
             const uint32_t pair = b.x + b.y;
             const uint32_t incl2 = radix::warp_suffix_sum(pair) + g_above;  // keys in bins >= 64 g + 2 lane
@@ -242,6 +240,8 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         mask |= digit_mask << shift;
         k_rem -= kb.above;
         whole = k_rem == kb.count;
+        // NOTES: bin 0 of pass 0 holds NaN keys alone, all 0 (radix::float_key / bf16_key): resolved
+        if (pass == 0 && kb.bin == 0) mask = kFullKeyMask;
         passes = pass + 1;
         if (pass == 0) tr.mark<1>();
         if (pass == 1) tr.mark<2>();
