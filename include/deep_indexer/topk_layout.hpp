@@ -100,6 +100,9 @@ struct TopkResidentLayout {
   static constexpr int kHistBins = TopkLayout::kHistBins;
   static constexpr int kMaxCluster = TopkLayout::kMaxClusterCtas;  // portable cluster sizes
   static constexpr int kGroupBins = 64;      // a cluster's histograms are combined in groups of 64 bins
+  // a radix pass's histogram: kHistBins bins, then a word per warp that counts the keys outside the k-th
+  // key's bin (never read)
+  static constexpr int kHistStride = kHistBins + kWarps;
   // scalars: [0, 3) the k-th key's bin, [4] a varlen row's block-table row, [5] / [6] the lower CTAs' keys
   // above / equal to the k-th key
   static constexpr int kScalarTableRow = 4;
@@ -119,7 +122,7 @@ struct TopkResidentLayout {
   // cluster form, per pass: every CTA's group totals [kMaxCluster][kWarps] and its bins of the chosen
   // group [kMaxCluster][kGroupBins], sent by the CTAs (st.async); mbarriers: [pass] totals, [passes + pass] bins.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
-  DI_HOST_DEVICE constexpr unsigned warp_sums_offset() const { return hist_offset() + num_passes() * kHistBins * 4; }
+  DI_HOST_DEVICE constexpr unsigned warp_sums_offset() const { return hist_offset() + num_passes() * kHistStride * 4; }
   DI_HOST_DEVICE constexpr unsigned scalars_offset() const { return warp_sums_offset() + kWarps * 4; }
   DI_HOST_DEVICE constexpr unsigned recv_groups_offset() const { return scalars_offset() + 8 * 4; }
   DI_HOST_DEVICE constexpr unsigned recv_bins_offset() const {

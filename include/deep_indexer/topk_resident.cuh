@@ -40,6 +40,8 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   constexpr int kThreads = TopkResidentLayout::kThreads;
   constexpr int kWarps = TopkResidentLayout::kWarps;
   constexpr int kBins = TopkResidentLayout::kHistBins;
+  constexpr int kHistStride = TopkResidentLayout::kHistStride;
+  static_assert(kHistStride % 4 == 0, "histograms cleared in 16-byte words");
   constexpr int kVec = L.vec();
   constexpr int kVecs = L.vecs_per_thread();
   constexpr int kPasses = L.num_passes();
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
   extern __shared__ __align__(16) uint8_t smem[];
-  uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());  // [kPasses][kBins], zero between rows
+  uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());  // [kPasses][kHistStride], zero between rows
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.warp_sums_offset());
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
   uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kWarps]
@@ -76,7 +78,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
   ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
-  for (int i = tid; i < kPasses * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+  for (int i = tid; i < kPasses * kHistStride / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
   // DI_KERNEL_TRACE: thread 0's first row; marks 0 keys in, 1 / 2 radix pass 0 / 1 done, 4 selection threshold,
   // 3 output positions known, 5 emitted, 6 row end
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
         if (whole || mask == kFullKeyMask) break;  // uniform over the cluster: every CTA found the same bin
         const int shift = kDigits.digit_shift(pass);
         const uint32_t digit_mask = (1u << kDigits.digit_bits(pass)) - 1u;
-        uint32_t* h = hist + pass * kBins;
+        uint32_t* h = hist + pass * kHistStride;
         if (pass == 0) {
           static_assert(kDigits.digit_shift(0) + kDigits.digit_bits(0) == 8 * kElemBytes, "digit 0: the top bits");
 #pragma unroll
@@ -142,13 +144,20 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           if (valid != kAllValid) atomicSub(h, static_cast<uint32_t>(kKeysPerThread - __popc(valid)));
         } else {
           // the few keys in the k-th key's bin so far; keys outside the row (0) never match: the bin of
-          // pass 0 is not 0 here. The others count into one word of the warp (no branch per key; an
-          // increment's lanes of one address are one update): a word of the previous pass's histogram,
-          // read already and cleared at the row's end.
-          uint32_t* const sink = h - kBins + warp;
+          // pass 0 is not 0 here. The others count into the warp's word past the bins (no branch per key;
+          // an increment's lanes of one address are one update).
+          if (kDigits.digit_bits(pass) == 11) {
+            // NOTES: the bits above this digit are resolved: key ^ prefix is below 2^(shift + 11) exactly
+            // when the key is in the bin, and then its digit is (key ^ prefix) >> shift
 #pragma unroll
-          for (int i = 0; i < kKeysPerThread; ++i)
-            atomicAdd((key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
+            for (int i = 0; i < kKeysPerThread; ++i)
+              atomicAdd(h + min((key[i] ^ prefix) >> shift, static_cast<uint32_t>(kBins + warp)), 1u);
+          } else {
+            uint32_t* const sink = h + kBins + warp;
+#pragma unroll
+            for (int i = 0; i < kKeysPerThread; ++i)
+              atomicAdd((key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
+          }
         }
         radix::KthBin kb;
         if constexpr (kCluster) {
@@ -326,7 +335,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
-    for (int i = tid; i < passes * kBins / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = tid; i < passes * kHistStride / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
   }
