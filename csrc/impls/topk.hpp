@@ -108,22 +108,11 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
     int n = slot.load(std::memory_order_relaxed);  // 0: not asked yet
     if (n == 0) {
       const Params p{elem_bytes, keys_per_thread, true};
-      const CUfunction fn = function(p, device, stream);
-      CUlaunchAttribute attr{};
-      attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-      attr.value.clusterDim.x = static_cast<unsigned>(cluster);
-      attr.value.clusterDim.y = attr.value.clusterDim.z = 1;
-      CUlaunchConfig config{};
-      config.gridDimX = static_cast<unsigned>(cluster);
-      config.gridDimY = config.gridDimZ = 1;
-      config.blockDimX = TopkResidentLayout::kThreads;
-      config.blockDimY = config.blockDimZ = 1;
-      config.sharedMemBytes = smem_bytes(p);
-      config.hStream = stream;
-      config.attrs = &attr;
-      config.numAttrs = 1;
-      DI_CU_CHECK(driver::api().cuOccupancyMaxActiveClusters(&n, fn, &config));
-      n = std::max(n, 1);  // a cluster that does not fit would have failed to launch anyway
+      jit::LaunchConfig cfg = topk_launch_config(static_cast<unsigned>(cluster), TopkResidentLayout::kThreads,
+                                                 smem_bytes(p), static_cast<unsigned>(cluster));
+      cfg.pdl = false;  // the occupancy query: the cluster shape and resources alone
+      // at least 1: a cluster that does not fit would have failed to launch anyway
+      n = std::max(jit::max_active_clusters(function(p, device, stream), cfg, stream), 1);
       slot.store(n, std::memory_order_relaxed);
     }
     return n;

@@ -75,31 +75,50 @@ std::shared_ptr<Kernel> get_kernel(const std::string& name, const std::string& s
 // Number of kernels in the in-memory map (for tests/diagnostics).
 size_t num_loaded_kernels();
 
+// The driver's form of a LaunchConfig (its cluster and PDL attributes). Not copyable: config.attrs
+// points into the object.
+struct DriverLaunchConfig {
+  CUlaunchAttribute attrs[2];
+  CUlaunchConfig config{};
+  DriverLaunchConfig(const LaunchConfig& cfg, CUstream stream) {
+    config.gridDimX = cfg.grid;
+    config.gridDimY = config.gridDimZ = 1;
+    config.blockDimX = cfg.block;
+    config.blockDimY = config.blockDimZ = 1;
+    config.sharedMemBytes = cfg.smem;
+    config.hStream = stream;
+    config.attrs = attrs;
+    config.numAttrs = 0;
+    if (cfg.cluster > 1) {
+      attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      attrs[0].value.clusterDim.x = cfg.cluster;
+      attrs[0].value.clusterDim.y = attrs[0].value.clusterDim.z = 1;
+      config.numAttrs = 1;
+    }
+    if (cfg.pdl && env::get_int(env::kPdl, 1) != 0) {
+      attrs[config.numAttrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attrs[config.numAttrs].value.programmaticStreamSerializationAllowed = 1;
+      ++config.numAttrs;
+    }
+  }
+  DriverLaunchConfig(const DriverLaunchConfig&) = delete;
+  DriverLaunchConfig& operator=(const DriverLaunchConfig&) = delete;
+};
+
 template <typename... Args>
 void launch(CUfunction func, const LaunchConfig& cfg, CUstream stream, const Args&... args) {
   void* params[] = {const_cast<void*>(static_cast<const void*>(&args))...};
-  CUlaunchAttribute attrs[2];
-  CUlaunchConfig config{};
-  config.gridDimX = cfg.grid;
-  config.gridDimY = config.gridDimZ = 1;
-  config.blockDimX = cfg.block;
-  config.blockDimY = config.blockDimZ = 1;
-  config.sharedMemBytes = cfg.smem;
-  config.hStream = stream;
-  config.attrs = attrs;
-  config.numAttrs = 0;
-  if (cfg.cluster > 1) {
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attrs[0].value.clusterDim.x = cfg.cluster;
-    attrs[0].value.clusterDim.y = attrs[0].value.clusterDim.z = 1;
-    config.numAttrs = 1;
-  }
-  if (cfg.pdl && env::get_int(env::kPdl, 1) != 0) {
-    attrs[config.numAttrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attrs[config.numAttrs].value.programmaticStreamSerializationAllowed = 1;
-    ++config.numAttrs;
-  }
-  DI_CU_CHECK(driver::api().cuLaunchKernelEx(&config, func, params, nullptr));
+  const DriverLaunchConfig l(cfg, stream);
+  DI_CU_CHECK(driver::api().cuLaunchKernelEx(&l.config, func, params, nullptr));
+}
+
+// Clusters of cfg.cluster CTAs of `func` (launched as cfg) that the device runs at once
+// (cuOccupancyMaxActiveClusters).
+inline int max_active_clusters(CUfunction func, const LaunchConfig& cfg, CUstream stream) {
+  const DriverLaunchConfig l(cfg, stream);
+  int n = 0;
+  DI_CU_CHECK(driver::api().cuOccupancyMaxActiveClusters(&n, func, &l.config));
+  return n;
 }
 
 }  // namespace deep_indexer::jit

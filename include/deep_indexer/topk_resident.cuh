@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
 #pragma unroll
       for (int c = 0; c < kVec; ++c) key[u * kVec + c] = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
     // NOTES: keys outside the row become 0 (NaN's key): radix pass 0 counts them in bin 0, which
-    // holds NaN alone, and takes them out again; later passes and the emission mask them by `valid`.
+    // holds NaN alone, and takes them out again; later passes never match them (a chosen bin 0 ends
+    // the selection after pass 0) and the emission masks them by `valid`.
     if (valid != kAllValid) {
 #pragma unroll
       for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
