@@ -358,8 +358,9 @@ def _table_rows(rows: int, next_n: int, indices: torch.Tensor | None, dev) -> li
 def topk_keys(x: torch.Tensor) -> torch.Tensor:
     """The order-preserving unsigned key of every logit, as int64 (the kernels' key transform).
 
-    float32 -> 32-bit key, bfloat16 -> 16-bit key; a larger key is a larger value. -0.0 maps to
-    the key of +0.0 (equal values), every NaN (any sign or payload) maps to key 0, below -inf.
+    float32 -> 32-bit key, bfloat16 -> 16-bit key; a larger key is a larger value: sign + bits for a
+    positive value, sign - |bits| for a negative one (sign: the sign bit's value), so -0.0 and +0.0
+    share a key; every NaN (any sign or payload) maps to key 0, below -inf.
     """
     if x.dtype == torch.float32:
         bits, sign, full = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF, 0x80000000, 0xFFFFFFFF
@@ -367,8 +368,7 @@ def topk_keys(x: torch.Tensor) -> torch.Tensor:
         bits, sign, full = x.contiguous().view(torch.int16).long() & 0xFFFF, 0x8000, 0xFFFF
     else:
         raise TypeError(f"logits: expected dtype torch.float32 or torch.bfloat16, got {x.dtype}")
-    bits = torch.where(bits == sign, torch.zeros_like(bits), bits)  # -0.0 -> +0.0
-    key = torch.where((bits & sign) != 0, full - bits, bits | sign)
+    key = torch.where((bits & sign) != 0, full - bits + 1, bits | sign)
     return torch.where(torch.isnan(x), torch.zeros_like(key), key)
 
 

@@ -7,17 +7,17 @@ namespace deep_indexer::radix {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
-// NOTES: order-preserving unsigned keys. A larger key is a larger value; -0.0 gets the key of
-// +0.0; every NaN gets key 0, below -inf (whose key is 0x007FFFFF / 0x007F).
+// NOTES: order-preserving unsigned keys. A larger key is a larger value: 0x80000000 + bits for a
+// positive float, 0x80000000 - |bits| for a negative one (so -0.0 and +0.0 share 0x80000000); every
+// NaN gets key 0, below -inf (whose key is 0x00800000 / 0x0080). Three integer instructions and a
+// NaN test per key.
 __device__ __forceinline__ uint32_t float_key(uint32_t b) {
-  b = b == 0x80000000u ? 0u : b;
-  const uint32_t k = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  const uint32_t s = static_cast<uint32_t>(static_cast<int32_t>(b) >> 31);  // all ones when negative
+  const uint32_t k = (b ^ (s | 0x80000000u)) - s;  // negative: ~b + 1 = 0x80000000 - |bits|
   return (b & 0x7FFFFFFFu) > 0x7F800000u ? 0u : k;
 }
 __device__ __forceinline__ uint32_t bf16_key(uint32_t b) {  // b: the 16 bits of a bfloat16
-  b = b == 0x8000u ? 0u : b;
-  const uint32_t k = (b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u);
-  return (b & 0x7FFFu) > 0x7F80u ? 0u : k;
+  return float_key(b << 16) >> 16;  // the bfloat16 widened to float32 exactly: the same order
 }
 
 // Unpacks one 16-byte vector into kVec = 16 / kElemBytes lanes of 32 or 16 bits.

@@ -74,11 +74,11 @@ __device__ __forceinline__ uint32_t raw_of_pair(const uint4& a, const uint4& b, 
 template <int kElemBytes>
 __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
   if constexpr (kElemBytes == 4) {
-    if (kmin <= 0x007FFFFFu) return __uint_as_float(0xFF800000u);
-    return __uint_as_float((kmin & 0x80000000u) ? (kmin & 0x7FFFFFFFu) : ~kmin);
+    if (kmin <= 0x00800000u) return __uint_as_float(0xFF800000u);
+    return __uint_as_float((kmin & 0x80000000u) ? (kmin & 0x7FFFFFFFu) : 0u - kmin);
   } else {
-    if (kmin <= 0x007Fu) return __uint_as_float(0xFF800000u);
-    const uint32_t bits = (kmin & 0x8000u) ? (kmin & 0x7FFFu) : (~kmin & 0xFFFFu);
+    if (kmin <= 0x0080u) return __uint_as_float(0xFF800000u);
+    const uint32_t bits = (kmin & 0x8000u) ? (kmin & 0x7FFFu) : ((0u - kmin) & 0xFFFFu);
     return __uint_as_float(bits << 16);
   }
 }

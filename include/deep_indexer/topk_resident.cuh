@@ -46,11 +46,11 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   constexpr int kVecs = L.vecs_per_thread();
   constexpr int kPasses = L.num_passes();
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
-  static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread <= 32, "whole vectors; key bits in a word");
+  static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread < 32, "whole vectors; key bits in a word");
   static_assert(kBins == 2 * kThreads, "two bins per thread in the histogram sums");
   static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
   static_assert(!(kCluster && kKeysPerThread > 8), "registers: the cluster form holds at most 8 keys per thread");
-  constexpr uint32_t kAllValid = kKeysPerThread == 32 ? 0xFFFFFFFFu : (1u << kKeysPerThread) - 1u;
+  constexpr uint32_t kAllValid = (1u << kKeysPerThread) - 1u;
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
   extern __shared__ __align__(16) uint8_t smem[];
@@ -105,9 +105,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);  // early: the same lo (0), mis and vectors
     const int n = row.n;
     if (!early) load_vecs(row.vec, row.num_vecs);
-    uint32_t valid = 0;
-#pragma unroll
-    for (int u = 0; u < kVecs; ++u) valid |= (v0 + u < row.num_vecs ? row.valid_bits(v0 + u) : 0u) << (u * kVec);
+    const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
     uint32_t key[kKeysPerThread];
 #pragma unroll
     for (int u = 0; u < kVecs; ++u)
@@ -116,7 +114,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     // NOTES: keys outside the row become 0 (NaN's key): radix pass 0 counts them in bin 0, which
     // holds NaN alone, and takes them out again; later passes never match them (a chosen bin 0 ends
     // the selection after pass 0) and the emission masks them by `valid`.
-    if (valid != kAllValid) {
+    if (valid != kAllValid) {  // the row's ends; threads past them hold no column
 #pragma unroll
       for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
     }
@@ -147,12 +145,18 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           // the few keys in the k-th key's bin so far; keys outside the row (0) never match: the bin of
           // pass 0 is not 0 here. The others count into the warp's word past the bins (no branch per key;
           // an increment's lanes of one address are one update).
-          if (kDigits.digit_bits(pass) == 11) {
+          if (kElemBytes == 4 && kDigits.digit_bits(pass) == 11) {  // float32 pass 1
             // NOTES: the bits above this digit are resolved: key ^ prefix is below 2^(shift + 11) exactly
-            // when the key is in the bin, and then its digit is (key ^ prefix) >> shift
+            // when the key is in the bin, and then its digit is (key ^ prefix) >> shift; the byte offset
+            // of its bin is taken with the digit's lower bits cleared (no scaling per key)
+            static_assert(kElemBytes != 4 || kDigits.digit_shift(1) >= 2, "a bin's byte offset from the key");
+            const uint32_t sink_bytes = static_cast<uint32_t>(kBins + warp) * 4u;
+            const uint32_t below = (1u << shift) - 1u;
 #pragma unroll
-            for (int i = 0; i < kKeysPerThread; ++i)
-              atomicAdd(h + min((key[i] ^ prefix) >> shift, static_cast<uint32_t>(kBins + warp)), 1u);
+            for (int i = 0; i < kKeysPerThread; ++i) {
+              const uint32_t bytes = min(((key[i] ^ prefix) & ~below) >> (shift - 2), sink_bytes);
+              atomicAdd(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(h) + bytes), 1u);
+            }
           } else {
             uint32_t* const sink = h + kBins + warp;
 #pragma unroll
@@ -271,16 +275,23 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
 
     // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
     // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
-    const uint32_t hi = prefix | (~mask & kFullKeyMask);
-    uint32_t ge = 0, gt = 0;
+    uint32_t gt = 0, eq = 0;
+    if (whole) {  // one compare per key (most rows)
 #pragma unroll
-    for (int i = 0; i < kKeysPerThread; ++i) {
-      ge |= static_cast<uint32_t>(key[i] >= prefix) << i;
-      gt |= static_cast<uint32_t>(key[i] > hi) << i;
+      for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key[i] >= prefix) << i;
+      gt &= valid;
+    } else {
+      const uint32_t hi = prefix | (~mask & kFullKeyMask);
+      uint32_t ge = 0;
+#pragma unroll
+      for (int i = 0; i < kKeysPerThread; ++i) {
+        ge |= static_cast<uint32_t>(key[i] >= prefix) << i;
+        gt |= static_cast<uint32_t>(key[i] > hi) << i;
+      }
+      ge &= valid;
+      gt &= valid;
+      eq = ge & ~gt;
     }
-    ge &= valid;
-    gt = whole ? ge : gt & valid;
-    const uint32_t eq = ge & ~gt;
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
     if (slot_mode && a.indices != nullptr && warp == 0) {  // a varlen row's block-table row, read after the barrier
       const int first = varlen::run_first_row(a.indices, r, lane);
@@ -320,10 +331,10 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     if (!slot_mode && a.out_values == nullptr) {  // the column plus a constant
       const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
       const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
-      int* dst = out_row + base;
+      int* dst = out_row + base;  // advanced per store (no index arithmetic per store)
       const uint32_t c0 = static_cast<uint32_t>(col0) + add;
-      for (int j = 0; sel != 0u; ++j) {
-        dst[j] = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
+      while (sel != 0u) {
+        *dst++ = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
         sel &= sel - 1u;
       }
     } else {
@@ -336,7 +347,12 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
-    for (int i = tid; i < passes * kHistStride / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+    constexpr int kClearSteps = (kPasses * kHistStride / 4 + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int j = 0; j < kClearSteps; ++j) {
+      const int i = tid + j * kThreads;
+      if (i < passes * (kHistStride / 4)) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
     __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
   }

@@ -42,10 +42,11 @@ struct RowSpan {
     vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
     num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
   }
-  // Bit c: element c of vector v is a column of the row (0 <= v * kVec + c - mis < n).
-  __device__ __forceinline__ uint32_t valid_bits(int v) const {
+  // Bit c (c < count < 32): element c of the `count` elements from vector v on is a column of the row
+  // (0 <= v * kVec + c - mis < n).
+  __device__ __forceinline__ uint32_t valid_bits(int v, int count = kVec) const {
     const int first = v * kVec - mis;
-    const int c_lo = min(max(-first, 0), kVec), c_hi = min(max(n - first, 0), kVec);
+    const int c_lo = min(max(-first, 0), count), c_hi = min(max(n - first, 0), count);
     return ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
   }
 };
