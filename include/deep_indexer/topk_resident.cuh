@@ -77,9 +77,11 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   }
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
-  ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
   for (int i = tid; i < kPasses * kHistStride / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
+  // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
+  // its tail)
+  ptx::grid_dependency_wait();
   // DI_KERNEL_TRACE: thread 0's first row; marks 0 keys in, 1 / 2 radix pass 0 / 1 done, 4 selection threshold,
   // 3 output positions known, 5 emitted, 6 row end
   Tracer tr;
