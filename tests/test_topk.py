@@ -318,6 +318,16 @@ def test_keys_order_preserving():
         assert int(reference.topk_keys(torch.tensor([float("nan")]).to(dtype))[0]) == 0 < int(key[0])
 
 
+def test_keys_documented_form():
+    # sign + bits for positive values, sign - |bits| for negative ones (both zeros share a key)
+    v = torch.tensor([-1.0, 1.0, -0.0, 0.0, float("-inf"), float("inf"), -3e-45])
+    got = reference.topk_keys(v).tolist()
+    s = 0x80000000
+    assert got == [s - 0x3F800000, s + 0x3F800000, s, s, s - 0x7F800000, s + 0x7F800000, s - 2]
+    got16 = reference.topk_keys(v.bfloat16()).tolist()
+    assert got16 == [0x8000 - 0x3F80, 0x8000 + 0x3F80, 0x8000, 0x8000, 0x8000 - 0x7F80, 0x8000 + 0x7F80, 0x8000]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ("random", "ties", "few", "huge_neg", "low_contrast"))
 def test_reference_matches_torch_topk(dtype, kind):
