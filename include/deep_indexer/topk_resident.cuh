@@ -77,7 +77,16 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   }
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
-  for (int i = tid; i < kPasses * kHistStride / 4; i += kThreads) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+  // the first `passes` histograms (words past the bins included) to zero, in unrolled predicated steps
+  auto clear_hists = [&](int passes) {
+    constexpr int kClearSteps = (kPasses * kHistStride / 4 + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int j = 0; j < kClearSteps; ++j) {
+      const int i = tid + j * kThreads;
+      if (i < passes * (kHistStride / 4)) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  clear_hists(kPasses);
   __syncthreads();
   // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
   // its tail)
@@ -349,12 +358,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
-    constexpr int kClearSteps = (kPasses * kHistStride / 4 + kThreads - 1) / kThreads;
-#pragma unroll
-    for (int j = 0; j < kClearSteps; ++j) {
-      const int i = tid + j * kThreads;
-      if (i < passes * (kHistStride / 4)) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
-    }
+    clear_hists(passes);
     __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
   }
