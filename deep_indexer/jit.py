@@ -98,9 +98,15 @@ def variants(
             for dt, srt, cl, wide in itertools.product(dtypes, (0, 1), (0, 1), (0, 1)):
                 if not (srt and cl):  # the cluster form is unsorted only
                     add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl, wide=wide)
-            for dt, kpt, cl in itertools.product(dtypes, (4, 8, 12, 16), (0, 1)):  # the resident form (unsorted)
-                if not (kpt > 8 and cl) and not (kpt in (4, 12) and _ELEM_BYTES[dt] != 4):
-                    add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl)
+            # the resident form (unsorted): the forms its heuristic takes (heuristics_sm90.hpp), whole
+            # 16-byte vectors per thread up to the register budget (TopkResidentLayout::max_keys_per_thread)
+            # (cluster, threads, keys cap): one CTA of 512 threads only up to 16 keys, else 1024 threads
+            forms = ((0, 512, 16), (0, 1024, 31), (1, 256, 31), (1, 512, 31), (1, 1024, 31))
+            for dt, (cl, threads, cap) in itertools.product(dtypes, forms):
+                vec = 16 // _ELEM_BYTES[dt]
+                most = min((8 if cl else 16) * 1024 // threads, cap)
+                for kpt in range(vec, most + 1, vec):
+                    add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads)
         elif op in ("training_logits", "training_logits_stats"):
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
             for h, d in itertools.product(hs, dims):

@@ -913,16 +913,19 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("keys", ["4", "8", "12", "16"])
+@pytest.mark.parametrize("threads,keys", [("1024", "4"), ("1024", "8"), ("1024", "12"), ("1024", "16"), ("512", "8"),
+                                          ("512", "16"), ("512", "24"), ("256", "16"), ("256", "24")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan"])
 @pytest.mark.parametrize("m", [3, 300])
-def test_topk_resident_forced(monkeypatch, keys, dtype, kind, m):
+def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
     # the resident form on every cluster size it takes (rows up to 8 CTAs' keys), more rows than
-    # SMs (grid-stride, both row parities), misaligned starts, empty rows, rows of fewer than k keys
+    # SMs (grid-stride, both row parities), misaligned starts, empty rows, rows of fewer than k keys;
+    # keys per thread the form cannot hold (bfloat16: 4, 12) leave it to the buffered kernel
     monkeypatch.setenv("DI_TOPK_RESIDENT", "1")
     monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", keys)
-    per_cta = 1024 * int(keys)
+    monkeypatch.setenv("DI_TOPK_RESIDENT_THREADS", threads)
+    per_cta = int(threads) * int(keys)
     gen = torch.Generator().manual_seed(int(keys) + m + len(kind))
     for n_max in (per_cta - 8, 2 * per_cta - 8, 5 * per_cta, 8 * per_cta - 8):
         if m == 300 and n_max > 2 * per_cta:

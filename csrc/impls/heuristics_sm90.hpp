@@ -190,66 +190,88 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   return t;
 }
 
-// Resident top-k (topk_resident.cuh), unsorted output: 1024-thread CTAs (one per SM) hold whole rows in
-// registers, keys_per_thread (4 and 12: float32 only, 8, 16) each; C = the row's vectors over a CTA's.
-// - One CTA per row (C = 1) with the fewest keys per thread that hold it, when rows <= SMs.
-// - Else a cluster of C <= 8 CTAs per row (4 keys per thread for float32 where 8 CTAs hold the row, else
-//   8), when the device holds a cluster for every row at once (`clusters_at_once(kpt, C)`: the driver's
-//   count, which the GPCs bound below SMs / C).
+// Resident top-k (topk_resident.cuh), unsorted output: CTAs of 256, 512 or 1024 threads (one per SM) hold
+// whole rows in registers, keys_per_thread each (whole 16-byte vectors, up to the register budget
+// TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
+// - One CTA per row (C = 1) when rows <= SMs: 512 threads where they hold the row with <= 16 keys each,
+//   else 1024; the fewest keys per thread that hold it.
+// - Else a cluster of C <= 8 CTAs per row: the fewest threads per CTA (256, else 512, 1024), then the fewest
+//   keys per thread (the most CTAs), when the device holds a cluster for every row at once
+//   (`clusters_at_once(kpt, threads, C)`: the driver's count, which the GPCs bound below SMs / C; a smaller C
+//   is tried where a larger one does not fit).
 // Both for k >= 256 (smaller k unmeasured: the buffered kernel's filter keeps fewer keys there; the resident
-// form's cost does not depend on k). Measured on an H200 (in-process A/B against the buffered kernel, us;
-// bench/results/*-h200-ab-topk-resident-*):
-//   C = 1: 64 rows of 5.7-10.6K keys, k = 2048: 12.9 -> 11.5 (16 keys), 10.9 (12 keys; H100 12.0 -> 10.8);
-//          64 x ~8K, k = 1024 / 512: 11.8 -> 10.9 / 11.2 -> 10.8; 128 x ~6K, k = 256: 10.9 -> 9.3; 100 x ~12K,
-//          k = 1024: 12.9 -> 12.4.
-//   clusters (k = 2048 unless noted): 1 x 32K 14.4 -> 9.2 (C = 8, 4 keys; 9.6 with C = 4, 8 keys; k = 1024 /
-//          512: 14.0 / 13.6 -> 9.2), 4 x ~32K (C = 4) 17.4 -> 11.3, 8 x ~40K (C = 7; 15 such clusters fit at
-//          once) 17.6 -> 11.7. More rows than fit at once (not taken): 16 x ~50K (C = 8) 20.2 -> 18.0, 24 x
-//          ~45K 19.7 -> 19.0, but 33 x ~25K 15.0 -> 25.9 (C = 8) / 17.1 (C = 4).
+// form's cost does not depend on k). Every per-warp step (scans, searches, barriers) costs the SM issue
+// slots per warp, so fewer threads with more keys each pay where the per-key work is small against them:
+// H100 in-process A/B, 1024 / 512 / 256 threads per CTA, us (bench/results/*-h100-ab-topk-resident-threads*):
+//   clusters: 1 x 32K (C = 8) 8.8 / 8.0 / 8.0; 8 x ~40K 11.0 / 10.6 / 9.9; 1 x 64K 9.5 / 9.0 / - (256 threads
+//          would need 32 keys);
+//   one CTA: 64 x ~8K (k = 2048, 12 / 24 keys at 1024 / 512 threads) 9.8 / 10.1; 100 x ~9K (k = 1024) 9.9 /
+//          10.0; 64 x 8000 (k = 512, 8 / 16 keys) 9.1 / 8.9.
+// Against the buffered kernel (H200, 1024 threads): C = 1: 64 rows of 5.7-10.6K keys, k = 2048: 12.9 -> 10.9
+//   (12 keys; H100 12.0 -> 10.8); 128 x ~6K, k = 256: 10.9 -> 9.3; clusters: 1 x 32K 14.4 -> 9.2, 4 x ~32K
+//   (C = 4) 17.4 -> 11.3, 8 x ~40K (C = 7; 15 such clusters fit at once) 17.6 -> 11.7. More rows than fit at
+//   once (not taken): 16 x ~50K (C = 8) 20.2 -> 18.0, 24 x ~45K 19.7 -> 19.0, but 33 x ~25K 15.0 -> 25.9.
 // `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
 // are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
-// hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS (4, 8, 12, 16) forces the keys per thread.
+// hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS / DI_TOPK_RESIDENT_THREADS (256, 512, 1024)
+// force the keys per thread / the threads per CTA.
 struct TopkResidentLaunch {
   bool use = false;
   int keys_per_thread = 8;
-  unsigned grid = 0, cluster = 1, smem = 0, threads = TopkResidentLayout::kThreads;
+  unsigned grid = 0, cluster = 1, smem = 0, threads = TopkResidentLayout::kMaxThreads;
   int64_t clusters_at_once = 0;  // the device's count for the chosen cluster form (0: one CTA per row, or forced)
 };
 inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int64_t rows, int64_t vecs, int k,
                                                int num_sms,
-                                               const std::function<int64_t(int, int64_t)>& clusters_at_once) {
+                                               const std::function<int64_t(int, int, int64_t)>& clusters_at_once) {
   TopkResidentLaunch t;
   const int forced = env::get_int("DI_TOPK_RESIDENT", -1);
   const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
+  const int forced_threads = env::get_int("DI_TOPK_RESIDENT_THREADS", 0);
   if (sorted || forced == 0 || rows <= 0 || (forced != 1 && k < 256)) return t;
   const int64_t sms = std::max(1, num_sms);
-  auto ctas = [&](int kpt) {  // CTAs per row with kpt keys per thread
-    const TopkResidentLayout l{elem_bytes, kpt};
+  const int vec = TopkLayout::kVecBytes / elem_bytes;
+  auto ctas = [&](int kpt, int threads) {  // CTAs per row
+    const TopkResidentLayout l{elem_bytes, kpt, threads};
     return std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
   };
-  auto allowed = [&](int kpt) {
-    return (forced_keys == 0 || forced_keys == kpt) && ((kpt != 4 && kpt != 12) || elem_bytes == 4);
+  auto allowed = [&](int kpt, int threads, bool cluster) {
+    return (forced_keys == 0 || forced_keys == kpt) && (forced_threads == 0 || forced_threads == threads) &&
+           kpt <= TopkResidentLayout::max_keys_per_thread(threads, cluster);
   };
-  int kpt = 0;
-  for (const int c : {4, 8, 12, 16})  // one CTA per row, the fewest keys per thread
-    if (kpt == 0 && allowed(c) && ctas(c) == 1 && (forced == 1 || rows <= sms)) kpt = c;
-  for (const int c : {4, 8})  // a cluster per row (at most 8 keys per thread: registers)
-    if (kpt == 0 && allowed(c) && ctas(c) >= 2 && ctas(c) <= TopkResidentLayout::kMaxCluster &&
-        (forced == 1 || rows <= (t.clusters_at_once = clusters_at_once(c, ctas(c)))))
-      kpt = c;
+  int kpt = 0, threads = 0;
+  for (const int n : {512, 1024})  // one CTA per row
+    for (int c = vec; c < 32; c += vec)
+      if (kpt == 0 && allowed(c, n, false) && (n != 512 || c <= 16 || forced_threads == n) && ctas(c, n) == 1 &&
+          (forced == 1 || rows <= sms))
+        kpt = c, threads = n;
+  // bit m: the device does not hold `rows` clusters of m CTAs at once (one CTA per SM: the same for every form)
+  uint32_t failed = 0;
+  for (const int n : {256, 512, 1024})  // a cluster per row
+    for (int c = vec; c < 32; c += vec) {
+      const int64_t m = ctas(c, n);
+      if (kpt != 0 || !allowed(c, n, true) || m < 2 || m > TopkResidentLayout::kMaxCluster || ((failed >> m) & 1u))
+        continue;
+      if (forced != 1 && (rows > sms / m || rows > (t.clusters_at_once = clusters_at_once(c, n, m)))) {
+        failed |= 1u << m;
+        continue;
+      }
+      kpt = c, threads = n;
+    }
   if (kpt != 0) {
-    const int64_t c = ctas(kpt);
+    const int64_t c = ctas(kpt, threads);
     t.use = true;
     t.keys_per_thread = kpt;
+    t.threads = static_cast<unsigned>(threads);
     t.cluster = static_cast<unsigned>(c);
-    t.smem = TopkResidentLayout{elem_bytes, kpt}.smem_bytes();
+    t.smem = TopkResidentLayout{elem_bytes, kpt, threads}.launch_smem_bytes();
     const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, sms / c));
     t.grid = static_cast<unsigned>(clusters * c);
   }
   print_choice([&] {
-    return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={} k={}: grid {}, cluster {}, {} keys per "
-                               "thread, smem {} B, clusters at once {}", rows, vecs, elem_bytes, k, t.grid, t.cluster,
-                               t.keys_per_thread, t.smem, t.clusters_at_once)
+    return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={} k={}: grid {}, cluster {}, {} threads x {} "
+                               "keys, smem {} B, clusters at once {}", rows, vecs, elem_bytes, k, t.grid, t.cluster,
+                               t.threads, t.keys_per_thread, t.smem, t.clusters_at_once)
                  : fmt::format("topk resident rows={} vecs={} elem_bytes={} k={} sorted={}: not taken", rows, vecs,
                                elem_bytes, k, sorted);
   });

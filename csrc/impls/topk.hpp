@@ -67,49 +67,57 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
 struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
   struct Params {
     int elem_bytes;       // 4: float32, 2: bfloat16
-    int keys_per_thread;  // 4 (float32), 8, 12 (float32) or 16 (12, 16: no cluster)
+    int keys_per_thread;  // whole 16-byte vectors: a multiple of 4 (float32) or 8 (bfloat16)
     bool cluster;         // launched with clusters of 2-8 CTAs per row
+    int threads;          // 256, 512 or 1024 per CTA
     TopkResidentLayout layout() const {
       DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk_resident: elem_bytes must be 4 or 2, got {}", elem_bytes);
-      DI_CHECK_ARG(((keys_per_thread == 4 || keys_per_thread == 12) && elem_bytes == 4) || keys_per_thread == 8 ||
-                       keys_per_thread == 16,
-                   "topk_resident: keys_per_thread must be 8 or 16 (or 4, 12 for float32), got {}", keys_per_thread);
-      DI_CHECK_ARG(!(cluster && keys_per_thread > 8), "topk_resident: the cluster form holds at most 8 keys per thread");
-      return TopkResidentLayout{elem_bytes, keys_per_thread};
+      DI_CHECK_ARG(threads == 256 || threads == 512 || threads == 1024,
+                   "topk_resident: threads must be 256, 512 or 1024, got {}", threads);
+      const int vec = TopkLayout::kVecBytes / elem_bytes;
+      const int most = TopkResidentLayout::max_keys_per_thread(threads, cluster);
+      DI_CHECK_ARG(keys_per_thread >= vec && keys_per_thread % vec == 0 && keys_per_thread <= most,
+                   "topk_resident: keys_per_thread must be a multiple of {} up to {} ({} threads{}), got {}", vec, most,
+                   threads, cluster ? ", cluster" : "", keys_per_thread);
+      return TopkResidentLayout{elem_bytes, keys_per_thread, threads};
     }
   };
 
   static const char* kernel_name() { return "topk_resident"; }
   static const char* header() { return "deep_indexer/topk_resident.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("topk_resident<{}, {} keys{}>", p.elem_bytes == 4 ? "float32" : "bfloat16", p.keys_per_thread,
-                       p.cluster ? ", cluster" : "");
+    return fmt::format("topk_resident<{}, {} keys, {} threads{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
+                       p.keys_per_thread, p.threads, p.cluster ? ", cluster" : "");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::topk_resident_kernel<{}, {}, {}>", p.elem_bytes, p.keys_per_thread,
-                       p.cluster ? "true" : "false");
+    return fmt::format("&deep_indexer::topk_resident_kernel<{}, {}, {}, {}>", p.elem_bytes, p.keys_per_thread,
+                       p.cluster ? "true" : "false", p.threads);
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
-  static int threads(const Params&) { return TopkResidentLayout::kThreads; }
+  static int threads(const Params& p) { return p.threads; }
 
   static void launch(const Params& p, const sm90::TopkResidentLaunch& t, const TopkArgs& args, int device,
                      CUstream stream) {
     jit::launch(function(p, device, stream), topk_launch_config(t.grid, t.threads, t.smem, t.cluster), stream, args);
   }
 
-  // Clusters of `cluster` CTAs of the cluster form with `keys_per_thread` keys that the device runs at
-  // once (cuOccupancyMaxActiveClusters, once per device and form).
-  static int64_t clusters_at_once(int elem_bytes, int keys_per_thread, int64_t cluster, int device, CUstream stream) {
+  // Clusters of `cluster` CTAs of the cluster form (elem_bytes, keys_per_thread, threads) that the device
+  // runs at once (cuOccupancyMaxActiveClusters, once per device, form and size).
+  static int64_t clusters_at_once(int elem_bytes, int keys_per_thread, int threads, int64_t cluster, int device,
+                                  CUstream stream) {
     DI_CHECK_ARG(device >= 0 && device < jit::kMaxDevices && cluster >= 2 && cluster <= TopkResidentLayout::kMaxCluster,
                  "topk_resident: device {} or cluster size {} out of range", device, cluster);
-    static std::array<std::atomic<int>, jit::kMaxDevices * 4 * (TopkResidentLayout::kMaxCluster + 1)> cache{};
-    const int form = (elem_bytes == 4 ? 0 : 2) + (keys_per_thread == 8 ? 1 : 0);
-    std::atomic<int>& slot = cache[(device * 4 + form) * (TopkResidentLayout::kMaxCluster + 1) + cluster];
+    DI_CHECK_ARG(keys_per_thread >= 4 && keys_per_thread < 32 && keys_per_thread % 4 == 0,
+                 "topk_resident: keys_per_thread {} out of range", keys_per_thread);
+    constexpr int kForms = 2 * 3 * 8;  // elem_bytes x threads x keys_per_thread / 4
+    static std::array<std::atomic<int>, jit::kMaxDevices * kForms * (TopkResidentLayout::kMaxCluster + 1)> cache{};
+    const int form = ((elem_bytes == 4 ? 0 : 3) + (threads == 256 ? 0 : threads == 512 ? 1 : 2)) * 8 + keys_per_thread / 4;
+    std::atomic<int>& slot = cache[(device * kForms + form) * (TopkResidentLayout::kMaxCluster + 1) + cluster];
     int n = slot.load(std::memory_order_relaxed);  // 0: not asked yet
     if (n == 0) {
-      const Params p{elem_bytes, keys_per_thread, true};
-      jit::LaunchConfig cfg = topk_launch_config(static_cast<unsigned>(cluster), TopkResidentLayout::kThreads,
-                                                 smem_bytes(p), static_cast<unsigned>(cluster));
+      const Params p{elem_bytes, keys_per_thread, true, threads};
+      jit::LaunchConfig cfg = topk_launch_config(static_cast<unsigned>(cluster), static_cast<unsigned>(threads),
+                                                 p.layout().launch_smem_bytes(), static_cast<unsigned>(cluster));
       cfg.pdl = false;  // the occupancy query: the cluster shape and resources alone
       // at least 1: a cluster that does not fit would have failed to launch anyway
       n = std::max(jit::max_active_clusters(function(p, device, stream), cfg, stream), 1);
@@ -127,11 +135,13 @@ inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const 
   const int vec = TopkLayout::kVecBytes / elem_bytes;
   const int64_t vecs = (static_cast<int64_t>(args.num_cols) + vec - 1) / vec + (starts_aligned ? 0 : 1);
   const sm90::TopkResidentLaunch t =
-      sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, args.k, num_sms, [&](int kpt, int64_t c) {
-        return TopkResidentRuntime::clusters_at_once(elem_bytes, kpt, c, device, stream);
-      });
+      sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, args.k, num_sms,
+                                 [&](int kpt, int threads, int64_t c) {
+                                   return TopkResidentRuntime::clusters_at_once(elem_bytes, kpt, threads, c, device, stream);
+                                 });
   if (t.use) {
-    TopkResidentRuntime::launch({elem_bytes, t.keys_per_thread, t.cluster > 1}, t, args, device, stream);
+    TopkResidentRuntime::launch({elem_bytes, t.keys_per_thread, t.cluster > 1, static_cast<int>(t.threads)}, t, args,
+                                device, stream);
     return;
   }
   TopkRuntime::launch({elem_bytes, sorted, false}, args, dev, num_sms, device, stream);

@@ -92,46 +92,64 @@ struct TopkLayout {
   DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return sort_offset() + sort_bytes(); }
 };
 
-// The resident form (topk_resident.cuh): a cluster of C CTAs of kThreads per row, each thread holding
-// keys_per_thread consecutive keys of the row in registers; no survivor buffer, no bitmap planes.
+// The resident form (topk_resident.cuh): a cluster of C CTAs of `threads` threads per row (one CTA per
+// SM), each thread holding keys_per_thread consecutive keys of the row in registers; no survivor buffer,
+// no bitmap planes.
 struct TopkResidentLayout {
-  static constexpr int kThreads = 1024;  // one CTA per SM
-  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kMaxThreads = 1024;
+  static constexpr int kMinThreads = 256;  // a group of 64 bins spans >= kMaxCluster lanes (one per peer CTA)
+  static constexpr int kMaxWarps = kMaxThreads / 32;
   static constexpr int kHistBins = TopkLayout::kHistBins;
   static constexpr int kMaxCluster = TopkLayout::kMaxClusterCtas;  // portable cluster sizes
   static constexpr int kGroupBins = 64;      // a cluster's histograms are combined in groups of 64 bins
+  static constexpr int kGroups = kHistBins / kGroupBins;  // one per lane of the warp that searches them
   // a radix pass's histogram: kHistBins bins, then a word per warp that counts the keys outside the k-th
   // key's bin (never read)
-  static constexpr int kHistStride = kHistBins + kWarps;
+  static constexpr int kHistStride = kHistBins + kMaxWarps;
   // scalars: [0, 3) the k-th key's bin, [4] a varlen row's block-table row, [5] / [6] the lower CTAs' keys
   // above / equal to the k-th key
   static constexpr int kScalarTableRow = 4;
   static constexpr int kScalarLowerAbove = 5;
   static constexpr int kScalarLowerEqual = 6;
+  // Register budget (one CTA per SM: 65536 / threads registers per thread): the keys a thread may hold,
+  // as measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state).
+  DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster) {
+    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads;
+    return budget < 31 ? budget : 31;
+  }
 
   int elem_bytes;        // 4: float32, 2: bfloat16
-  int keys_per_thread;   // 4 or 12 (float32), 8 or 16: whole 16-byte vectors per thread
+  int keys_per_thread;   // whole 16-byte vectors per thread, < 32 (a bit per key)
+  int threads;           // 256, 512 or 1024
 
   DI_HOST_DEVICE constexpr int vec() const { return TopkLayout::kVecBytes / elem_bytes; }
   DI_HOST_DEVICE constexpr int vecs_per_thread() const { return keys_per_thread / vec(); }
   DI_HOST_DEVICE constexpr int num_passes() const { return TopkLayout{elem_bytes, false}.num_passes(); }
   // 16-byte vectors a CTA holds; a row of `vecs` vectors needs ceil(vecs / that) CTAs.
-  DI_HOST_DEVICE constexpr int64_t vecs_per_cta() const { return static_cast<int64_t>(kThreads) * vecs_per_thread(); }
+  DI_HOST_DEVICE constexpr int warps() const { return threads / 32; }
+  DI_HOST_DEVICE constexpr int64_t vecs_per_cta() const { return static_cast<int64_t>(threads) * vecs_per_thread(); }
 
   // Byte offsets inside dynamic shared memory: one histogram per radix pass, warp sums, row scalars;
-  // cluster form, per pass: every CTA's group totals [kMaxCluster][kWarps] and its bins of the chosen
+  // cluster form, per pass: every CTA's group totals [kMaxCluster][kGroups] and its bins of the chosen
   // group [kMaxCluster][kGroupBins], sent by the CTAs (st.async); mbarriers: [pass] totals, [passes + pass] bins.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned warp_sums_offset() const { return hist_offset() + num_passes() * kHistStride * 4; }
-  DI_HOST_DEVICE constexpr unsigned scalars_offset() const { return warp_sums_offset() + kWarps * 4; }
+  DI_HOST_DEVICE constexpr unsigned scalars_offset() const { return warp_sums_offset() + kMaxWarps * 4; }
   DI_HOST_DEVICE constexpr unsigned recv_groups_offset() const { return scalars_offset() + 8 * 4; }
   DI_HOST_DEVICE constexpr unsigned recv_bins_offset() const {
-    return recv_groups_offset() + num_passes() * kMaxCluster * kWarps * 4;
+    return recv_groups_offset() + num_passes() * kMaxCluster * kGroups * 4;
   }
   DI_HOST_DEVICE constexpr unsigned mbar_offset() const {
     return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;  // 8-byte aligned
   }
   DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
+  // NOTES: launched with more than half an SM's shared memory (228 KiB on SM90, 1 KiB of it reserved per
+  // CTA), so that the scheduler places one CTA per SM whatever the registers allow: a second CTA on an SM
+  // would halve both rows' issue slots.
+  static constexpr unsigned kOneCtaPerSmBytes = 116 * 1024;
+  DI_HOST_DEVICE constexpr unsigned launch_smem_bytes() const {
+    return smem_bytes() > kOneCtaPerSmBytes ? smem_bytes() : kOneCtaPerSmBytes;
+  }
 };
 
 // Index conventions of the output (see docs/topk.md).

@@ -1,12 +1,12 @@
 // topk_resident: top-k indices of rows short enough for one cluster to hold in registers (docs/topk.md).
 //
-// A cluster of C CTAs (TopkResidentLayout::kThreads threads, one CTA per SM) per row, grid-stride over
+// A cluster of C CTAs (kThreads threads, one CTA per SM) per row, grid-stride over
 // rows. CTA c holds the row's 16-byte vectors [c * P, (c + 1) * P) (P = vecs_per_cta()), thread t of it
 // the vecs_per_thread() consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
 // (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.
 // 1. Selection: a radix select over every key (float32 11/11/10 bits, bfloat16 11/5). Each CTA counts
 //    its keys into its own histogram. One CTA: a block-wide search of the k-th key's bin. A cluster:
-//    each warp sends its 64 bins' total to every CTA, one warp of every CTA finds the chosen group in
+//    the lanes of each group of 64 bins send its total to every CTA, one warp of every CTA finds the chosen group in
 //    the sums and sends its bins of that group to every CTA, and every CTA finds the same bin
 //    (st.async into the peers' shared memory, an mbarrier per exchange; no cluster barrier).
 //    Stops once that bin is taken whole.
@@ -29,17 +29,17 @@
 namespace deep_indexer {
 
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
-// 2-8 CTAs per row (else one CTA per row, no cluster exchange; 12 and 16 keys per thread only so). Unsorted
-// output.
-template <int kElemBytes, int kKeysPerThread, bool kCluster>
-__global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident_kernel(const TopkArgs a) {
+// 2-8 CTAs per row (else one CTA per row, no cluster exchange); kThreads: 256, 512 or 1024 per CTA (fewer
+// threads with more keys each: the same keys per SM in fewer per-warp steps). Unsorted output.
+template <int kElemBytes, int kKeysPerThread, bool kCluster, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkArgs a) {
   namespace cg = cooperative_groups;
   using namespace topk_detail;
-  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread};
+  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread, kThreads};
   constexpr TopkLayout kDigits{kElemBytes, false};  // the digit schedule
-  constexpr int kThreads = TopkResidentLayout::kThreads;
-  constexpr int kWarps = TopkResidentLayout::kWarps;
+  constexpr int kWarps = L.warps();
   constexpr int kBins = TopkResidentLayout::kHistBins;
+  constexpr int kGroups = TopkResidentLayout::kGroups;
   constexpr int kHistStride = TopkResidentLayout::kHistStride;
   static_assert(kHistStride % 4 == 0, "histograms cleared in 16-byte words");
   constexpr int kVec = L.vec();
@@ -47,9 +47,13 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   constexpr int kPasses = L.num_passes();
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
   static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread < 32, "whole vectors; key bits in a word");
-  static_assert(kBins == 2 * kThreads, "two bins per thread in the histogram sums");
+  static_assert(kThreads >= TopkResidentLayout::kMinThreads && kThreads <= TopkResidentLayout::kMaxThreads &&
+                    kThreads % 32 == 0, "a thread count the layout supports");
+  // the bins a thread sums in the searches (consecutive, loaded as 8- or 16-byte words)
+  constexpr int kBinsPerThread = kBins / kThreads;
+  static_assert(kBins % kThreads == 0 && kBinsPerThread % 2 == 0 && kBinsPerThread <= 8, "2, 4 or 8 bins per thread");
   static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
-  static_assert(!(kCluster && kKeysPerThread > 8), "registers: the cluster form holds at most 8 keys per thread");
+  static_assert(kKeysPerThread <= TopkResidentLayout::max_keys_per_thread(kThreads, kCluster), "the register budget");
   constexpr uint32_t kAllValid = (1u << kKeysPerThread) - 1u;
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());  // [kPasses][kHistStride], zero between rows
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.warp_sums_offset());
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
-  uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kWarps]
+  uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kGroups]
   uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
   uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
   constexpr int kMaxC = TopkResidentLayout::kMaxCluster;
@@ -84,6 +88,23 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
     for (int j = 0; j < kClearSteps; ++j) {
       const int i = tid + j * kThreads;
       if (i < passes * (kHistStride / 4)) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  // this thread's bins [kBinsPerThread * tid, kBinsPerThread * (tid + 1)) of histogram h
+  auto load_own_bins = [&](const uint32_t* h, uint32_t(&c)[kBinsPerThread]) {
+    if constexpr (kBinsPerThread == 2) {
+      const uint2 w = reinterpret_cast<const uint2*>(h)[tid];
+      c[0] = w.x;
+      c[1] = w.y;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBinsPerThread / 4; ++j) {
+        const uint4 w = reinterpret_cast<const uint4*>(h)[tid * (kBinsPerThread / 4) + j];
+        c[4 * j] = w.x;
+        c[4 * j + 1] = w.y;
+        c[4 * j + 2] = w.z;
+        c[4 * j + 3] = w.w;
+      }
     }
   };
   clear_hists(kPasses);
@@ -181,29 +202,40 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           // CTA q); warp 0 of each CTA finds the k_rem-th key's group g, sends its own 64 bins of g to every
           // CTA and finds the bin in their sums. Every CTA computes the same (g, bin). Warp 0 also counts
           // the lower CTAs' keys above the bin and in it: their emission offsets, without another exchange.
-          static_assert(kBins == kGroupBins * kWarps && kWarps == 32, "a group of 64 bins per warp, a group per lane");
+          // NOTES: group q of 64 bins is summed by kLanesPerGroup consecutive lanes; lane i of them sends it to CTA i
+          constexpr int kLanesPerGroup = kGroupBins / kBinsPerThread;
+          static_assert(kGroups == 32 && kLanesPerGroup >= kMaxC && kLanesPerGroup <= 32, "a lane per peer CTA in a group");
           __syncthreads();
-          const uint2 own = reinterpret_cast<const uint2*>(h)[tid];
-          const uint32_t gs = __reduce_add_sync(radix::kFullMask, own.x + own.y);
+          uint32_t own[kBinsPerThread];
+          load_own_bins(h, own);
+          uint32_t gs = 0;
+#pragma unroll
+          for (int j = 0; j < kBinsPerThread; ++j) gs += own[j];
+          if constexpr (kLanesPerGroup == 32) {
+            gs = __reduce_add_sync(radix::kFullMask, gs);
+          } else {
+#pragma unroll
+            for (int off = kLanesPerGroup / 2; off >= 1; off >>= 1) gs += __shfl_xor_sync(radix::kFullMask, gs, off);
+          }
           if (!cluster_ready) {
             ptx::cluster_wait();
             cluster_ready = true;
           }
           uint64_t* bar_g = mbar + pass;
           uint64_t* bar_b = mbar + kPasses + pass;
-          if (lane < num_ctas) {
-            const uint32_t dst = ptx::smem_addr(recv_groups + (pass * kMaxC + rank) * kWarps + warp);
-            ptx::st_async_u32(ptx::map_cluster(dst, lane), gs, ptx::map_cluster(ptx::smem_addr(bar_g), lane));
+          if (const int to = lane % kLanesPerGroup; to < num_ctas) {
+            const uint32_t dst = ptx::smem_addr(recv_groups + (pass * kMaxC + rank) * kGroups + tid / kLanesPerGroup);
+            ptx::st_async_u32(ptx::map_cluster(dst, to), gs, ptx::map_cluster(ptx::smem_addr(bar_g), to));
           }
           if (warp == 0) {
-            if (lane == 0) ptx::mbar_arrive_expect_tx(bar_g, static_cast<uint32_t>(num_ctas * kWarps * 4));
+            if (lane == 0) ptx::mbar_arrive_expect_tx(bar_g, static_cast<uint32_t>(num_ctas * kGroups * 4));
             ptx::mbar_wait(bar_g, (phases >> pass) & 1u);
-            const uint32_t* rg = recv_groups + pass * kMaxC * kWarps;
+            const uint32_t* rg = recv_groups + pass * kMaxC * kGroups;
             uint32_t t = 0, t_low = 0;
             // NOTES: every slot is loaded (back to back, no branch per CTA); the ones of absent CTAs are dropped
             uint32_t v[kMaxC];
 #pragma unroll
-            for (int q = 0; q < kMaxC; ++q) v[q] = rg[q * kWarps + lane];
+            for (int q = 0; q < kMaxC; ++q) v[q] = rg[q * kGroups + lane];
 #pragma unroll
             for (int q = 0; q < kMaxC; ++q) {
               t += q < num_ctas ? v[q] : 0u;
@@ -257,8 +289,9 @@ __global__ void __launch_bounds__(TopkResidentLayout::kThreads, 1) topk_resident
           kb = {scalars[0], scalars[1], scalars[2]};
         } else {
           __syncthreads();
-          const uint2 s = reinterpret_cast<const uint2*>(h)[tid];  // bins 2 * tid and 2 * tid + 1
-          kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return (b & 1) ? s.y : s.x; }, k_rem,
+          uint32_t own[kBinsPerThread];
+          load_own_bins(h, own);
+          kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return own[b % kBinsPerThread]; }, k_rem,
                                                            warp_sums, scalars);
         }
         prefix |= kb.bin << shift;
