@@ -100,11 +100,10 @@ def variants(
                     add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl, wide=wide)
             # the resident form (unsorted): the forms its heuristic takes (heuristics_sm90.hpp), whole
             # 16-byte vectors per thread up to the register budget (TopkResidentLayout::max_keys_per_thread)
-            # (cluster, threads, keys cap): one CTA of 512 threads only up to 16 keys, else 1024 threads
-            forms = ((0, 512, 16), (0, 1024, 31), (1, 256, 31), (1, 512, 31), (1, 1024, 31))
-            for dt, (cl, threads, cap) in itertools.product(dtypes, forms):
+            forms = ((0, 1024), (1, 256), (1, 512), (1, 1024))  # (cluster, threads)
+            for dt, (cl, threads) in itertools.product(dtypes, forms):
                 vec = 16 // _ELEM_BYTES[dt]
-                most = min((8 if cl else 16) * 1024 // threads, cap)
+                most = min((8 if cl else 16) * 1024 // threads, 31)
                 for kpt in range(vec, most + 1, vec):
                     add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads)
         elif op in ("training_logits", "training_logits_stats"):

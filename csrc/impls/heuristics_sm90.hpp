@@ -193,8 +193,7 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // Resident top-k (topk_resident.cuh), unsorted output: CTAs of 256, 512 or 1024 threads (one per SM) hold
 // whole rows in registers, keys_per_thread each (whole 16-byte vectors, up to the register budget
 // TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
-// - One CTA per row (C = 1) when rows <= SMs: 512 threads where they hold the row with <= 16 keys each,
-//   else 1024; the fewest keys per thread that hold it.
+// - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it.
 // - Else a cluster of C <= 8 CTAs per row: the fewest threads per CTA (256, else 512, 1024), then the fewest
 //   keys per thread (the most CTAs), when the device holds a cluster for every row at once
 //   (`clusters_at_once(kpt, threads, C)`: the driver's count, which the GPCs bound below SMs / C; a smaller C
@@ -206,7 +205,8 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 //   clusters: 1 x 32K (C = 8) 8.8 / 8.0 / 8.0; 8 x ~40K 11.0 / 10.6 / 9.9; 1 x 64K 9.5 / 9.0 / - (256 threads
 //          would need 32 keys);
 //   one CTA: 64 x ~8K (k = 2048, 12 / 24 keys at 1024 / 512 threads) 9.8 / 10.1; 100 x ~9K (k = 1024) 9.9 /
-//          10.0; 64 x 8000 (k = 512, 8 / 16 keys) 9.1 / 8.9.
+//          10.0; 64 x 8000 (k = 512, 8 / 16 keys) 9.1 / 8.9, then 9.2 / 9.1; 128 x 6000 (k = 256, 8 / 12 keys)
+//          8.6 / 8.8: no gain, 1024 threads kept.
 // Against the buffered kernel (H200, 1024 threads): C = 1: 64 rows of 5.7-10.6K keys, k = 2048: 12.9 -> 10.9
 //   (12 keys; H100 12.0 -> 10.8); 128 x ~6K, k = 256: 10.9 -> 9.3; clusters: 1 x 32K 14.4 -> 9.2, 4 x ~32K
 //   (C = 4) 17.4 -> 11.3, 8 x ~40K (C = 7; 15 such clusters fit at once) 17.6 -> 11.7. More rows than fit at
@@ -240,9 +240,9 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
            kpt <= TopkResidentLayout::max_keys_per_thread(threads, cluster);
   };
   int kpt = 0, threads = 0;
-  for (const int n : {512, 1024})  // one CTA per row
+  for (const int n : {1024, 512, 256})  // one CTA per row (1024 threads unless forced)
     for (int c = vec; c < 32; c += vec)
-      if (kpt == 0 && allowed(c, n, false) && (n != 512 || c <= 16 || forced_threads == n) && ctas(c, n) == 1 &&
+      if (kpt == 0 && allowed(c, n, false) && (n == 1024 || forced_threads == n) && ctas(c, n) == 1 &&
           (forced == 1 || rows <= sms))
         kpt = c, threads = n;
   // bit m: the device does not hold `rows` clusters of m CTAs at once (one CTA per SM: the same for every form)
