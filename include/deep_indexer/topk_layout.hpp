@@ -103,9 +103,6 @@ struct TopkResidentLayout {
   static constexpr int kMaxCluster = TopkLayout::kMaxClusterCtas;  // portable cluster sizes
   static constexpr int kGroupBins = 64;      // a cluster's histograms are combined in groups of 64 bins
   static constexpr int kGroups = kHistBins / kGroupBins;  // one per lane of the warp that searches them
-  static constexpr int kWinGroups = 3;                    // radix pass 0: the groups of bins a CTA sends at once
-  static constexpr int kWinBins = kWinGroups * kGroupBins;
-  static constexpr int kWinStride = kWinBins + 4;         // words per CTA: the bins, the first group, padding
   // a radix pass's histogram: kHistBins bins, then a word per warp that counts the keys outside the k-th
   // key's bin (never read)
   static constexpr int kHistStride = kHistBins + kMaxWarps;
@@ -133,24 +130,19 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr int64_t vecs_per_cta() const { return static_cast<int64_t>(threads) * vecs_per_thread(); }
 
   // Byte offsets inside dynamic shared memory: one histogram per radix pass, warp sums, row scalars;
-  // cluster form, per pass: every CTA's group totals [kMaxCluster][kGroups] (pass 0: two sets, by row
-  // parity) and its bins of the chosen group [kMaxCluster][kGroupBins]; pass 0's windows [2][kMaxCluster]
-  // [kWinStride], all sent by the CTAs (st.async); mbarriers: [pass] totals, [passes + pass] bins,
-  // [2 passes] pass 0's totals of odd rows.
+  // cluster form, per pass: every CTA's group totals [kMaxCluster][kGroups] and its bins of the chosen
+  // group [kMaxCluster][kGroupBins], sent by the CTAs (st.async); mbarriers: [pass] totals, [passes + pass] bins.
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned warp_sums_offset() const { return hist_offset() + num_passes() * kHistStride * 4; }
   DI_HOST_DEVICE constexpr unsigned scalars_offset() const { return warp_sums_offset() + kMaxWarps * 4; }
   DI_HOST_DEVICE constexpr unsigned recv_groups_offset() const { return scalars_offset() + 8 * 4; }
   DI_HOST_DEVICE constexpr unsigned recv_bins_offset() const {
-    return recv_groups_offset() + (num_passes() + 1) * kMaxCluster * kGroups * 4;
-  }
-  DI_HOST_DEVICE constexpr unsigned recv_win_offset() const {
-    return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;
+    return recv_groups_offset() + num_passes() * kMaxCluster * kGroups * 4;
   }
   DI_HOST_DEVICE constexpr unsigned mbar_offset() const {
-    return recv_win_offset() + 2 * kMaxCluster * kWinStride * 4;  // 8-byte aligned
+    return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;  // 8-byte aligned
   }
-  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + (2 * num_passes() + 1) * 8; }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
   // NOTES: launched with more than half an SM's shared memory (228 KiB on SM90, 1 KiB of it reserved per
   // CTA), so that the scheduler places one CTA per SM whatever the registers allow: a second CTA on an SM
   // would halve both rows' issue slots.

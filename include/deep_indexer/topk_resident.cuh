@@ -63,14 +63,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   uint32_t* scalars = reinterpret_cast<uint32_t*>(smem + L.scalars_offset());
   uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kGroups]
   uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
-  uint32_t* recv_win = reinterpret_cast<uint32_t*>(smem + L.recv_win_offset());  // [2][kMaxCluster][kWinStride]
-  uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2 kPasses + 1]
+  uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
   constexpr int kMaxC = TopkResidentLayout::kMaxCluster;
   constexpr int kGroupBins = TopkResidentLayout::kGroupBins;
-  constexpr int kWinGroups = TopkResidentLayout::kWinGroups;
-  constexpr int kWinBins = TopkResidentLayout::kWinBins;
-  constexpr int kWinStride = TopkResidentLayout::kWinStride;
-  static_assert(kWinStride % 4 == 0 && kWinGroups <= kGroups, "16-byte aligned windows inside the digit");
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
@@ -79,14 +74,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   // NOTES: the peers send into this CTA's mbarriers only after the cluster barrier's wait (first pass)
   if constexpr (kCluster) {
     if (tid == 0) {
-      for (int i = 0; i < 2 * kPasses + 1; ++i) ptx::mbar_init(mbar + i, 1);
+      for (int i = 0; i < 2 * kPasses; ++i) ptx::mbar_init(mbar + i, 1);
       ptx::fence_mbar_init();
     }
     ptx::cluster_arrive_relaxed();
   }
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
-  int row_iter = 0;     // rows this CTA has done (pass 0's exchange buffers alternate by its parity)
   // the first `passes` histograms (words past the bins included) to zero, in unrolled predicated steps
   auto clear_hists = [&](int passes) {
     constexpr int kClearSteps = (kPasses * kHistStride / 4 + kThreads - 1) / kThreads;
@@ -223,64 +217,20 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
 #pragma unroll
             for (int off = kLanesPerGroup / 2; off >= 1; off >>= 1) gs += __shfl_xor_sync(radix::kFullMask, gs, off);
           }
-          // NOTES: pass 0, windowed: warp 0 also sends, with the group totals, its bins of the kWinGroups groups
-          // around the one its own keys put the k-th key in; where every CTA's window holds the chosen group
-          // (or the CTA has no key in it), the bins are known after one exchange (the CTAs hold parts of one
-          // row, so their estimates agree but near a group edge). Else the bins of the chosen group follow.
-          // Its buffers alternate by row: a CTA may start the next row once it has the peers' pass-0 data.
-#ifdef DI_TOPK_NO_WINDOW
-          constexpr bool kWindowed = false;
-#else
-          constexpr bool kWindowed = true;
-#endif
-          const bool windowed = kWindowed && pass == 0;
-          const int slot = pass == 0 && (row_iter & 1) ? kPasses : pass;  // recv_groups and totals mbarrier
-          if (windowed && lane % kLanesPerGroup == 0) warp_sums[tid / kLanesPerGroup] = gs;
           if (!cluster_ready) {
             ptx::cluster_wait();
             cluster_ready = true;
           }
-          uint64_t* bar_g = mbar + (slot == kPasses ? 2 * kPasses : pass);
+          uint64_t* bar_g = mbar + pass;
           uint64_t* bar_b = mbar + kPasses + pass;
-          const int bit_g = slot == kPasses ? 2 * kPasses : pass;
           if (const int to = lane % kLanesPerGroup; to < num_ctas) {
-            const uint32_t dst = ptx::smem_addr(recv_groups + (slot * kMaxC + rank) * kGroups + tid / kLanesPerGroup);
+            const uint32_t dst = ptx::smem_addr(recv_groups + (pass * kMaxC + rank) * kGroups + tid / kLanesPerGroup);
             ptx::st_async_u32(ptx::map_cluster(dst, to), gs, ptx::map_cluster(ptx::smem_addr(bar_g), to));
           }
-          if (windowed && warp != 0) ptx::named_barrier_arrive(1, kThreads);  // the local group totals are in
           if (warp == 0) {
-            uint32_t* win = recv_win + (row_iter & 1) * kMaxC * kWinStride;  // [kMaxC][kWinStride]
-            if (windowed) {
-              ptx::named_barrier_sync(1, kThreads);
-              // the group of this CTA's share of the k-th key: its k * (its keys / n)-th largest
-              const uint32_t lt = warp_sums[lane];
-              const uint32_t lincl = radix::warp_suffix_sum(lt);
-              const uint32_t n_loc = __shfl_sync(radix::kFullMask, lincl, 0);
-              const uint32_t k_loc = static_cast<uint32_t>((static_cast<uint64_t>(k_rem) * n_loc + n - 1) / n);
-              const int g_est = __ffs(__ballot_sync(radix::kFullMask, lincl - lt < k_loc && k_loc <= lincl)) - 1;
-              const int w0 = min(max(g_est - 1, 0), kGroups - kWinGroups);
-              const uint32_t dst = ptx::smem_addr(win + rank * kWinStride + 2 * lane);
-              uint2 mine[kWinGroups];
-#pragma unroll
-              for (int j = 0; j < kWinGroups; ++j) mine[j] = reinterpret_cast<const uint2*>(h)[(kGroupBins / 2) * (w0 + j) + lane];
-#pragma unroll
-              for (int q = 0; q < kMaxC; ++q) {
-                if (q < num_ctas) {
-                  const uint32_t bar_q = ptx::map_cluster(ptx::smem_addr(bar_g), static_cast<uint32_t>(q));
-#pragma unroll
-                  for (int j = 0; j < kWinGroups; ++j)
-                    ptx::st_async_v2(ptx::map_cluster(dst + j * kGroupBins * 4, static_cast<uint32_t>(q)), mine[j], bar_q);
-                  if (lane == 0)
-                    ptx::st_async_u32(ptx::map_cluster(ptx::smem_addr(win + rank * kWinStride + kWinBins), static_cast<uint32_t>(q)),
-                                      static_cast<uint32_t>(w0), bar_q);
-                }
-              }
-            }
-            constexpr uint32_t kWinTx = (kWinBins + 1) * 4;
-            if (lane == 0)
-              ptx::mbar_arrive_expect_tx(bar_g, static_cast<uint32_t>(num_ctas) * (kGroups * 4 + (windowed ? kWinTx : 0u)));
-            ptx::mbar_wait(bar_g, (phases >> bit_g) & 1u);
-            const uint32_t* rg = recv_groups + slot * kMaxC * kGroups;
+            if (lane == 0) ptx::mbar_arrive_expect_tx(bar_g, static_cast<uint32_t>(num_ctas * kGroups * 4));
+            ptx::mbar_wait(bar_g, (phases >> pass) & 1u);
+            const uint32_t* rg = recv_groups + pass * kMaxC * kGroups;
             uint32_t t = 0, t_low = 0;
             // NOTES: every slot is loaded (back to back, no branch per CTA); the ones of absent CTAs are dropped
             uint32_t v[kMaxC];
@@ -295,35 +245,20 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
             const uint32_t g_hit = __ballot_sync(radix::kFullMask, incl - t < k_rem && k_rem <= incl);
             const int g = __ffs(g_hit) - 1;
             const uint32_t g_above = __shfl_sync(radix::kFullMask, incl - t, g);
-            uint2 o[kMaxC];  // CTA q's bins 2 lane, 2 lane + 1 of group g
-            // lane q < num_ctas: CTA q's window start, and whether it holds g (or CTA q has no key in g)
-            const int w0_l = windowed && lane < num_ctas ? static_cast<int>(win[lane * kWinStride + kWinBins]) : 0;
-            const bool covered = !windowed || lane >= num_ctas || static_cast<unsigned>(g - w0_l) < kWinGroups ||
-                                 rg[lane * kGroups + g] == 0u;
-            if (windowed && __all_sync(radix::kFullMask, covered)) {
+            const uint2 mine = reinterpret_cast<const uint2*>(h)[(kGroupBins / 2) * g + lane];
+            const uint32_t dst = ptx::smem_addr(recv_bins + (pass * kMaxC + rank) * kGroupBins + 2 * lane);
 #pragma unroll
-              for (int q = 0; q < kMaxC; ++q) {
-                const int d = g - __shfl_sync(radix::kFullMask, w0_l, q);
-                o[q] = q < num_ctas && static_cast<unsigned>(d) < kWinGroups
-                           ? *reinterpret_cast<const uint2*>(win + q * kWinStride + d * kGroupBins + 2 * lane)
-                           : make_uint2(0u, 0u);
-              }
-            } else {
-              const uint2 mine = reinterpret_cast<const uint2*>(h)[(kGroupBins / 2) * g + lane];
-              const uint32_t dst = ptx::smem_addr(recv_bins + (pass * kMaxC + rank) * kGroupBins + 2 * lane);
-#pragma unroll
-              for (int q = 0; q < kMaxC; ++q)
-                if (q < num_ctas)
-                  ptx::st_async_v2(ptx::map_cluster(dst, static_cast<uint32_t>(q)), mine,
-                                   ptx::map_cluster(ptx::smem_addr(bar_b), static_cast<uint32_t>(q)));
-              if (lane == 0) ptx::mbar_arrive_expect_tx(bar_b, static_cast<uint32_t>(num_ctas * kGroupBins * 4));
-              ptx::mbar_wait(bar_b, (phases >> (kPasses + pass)) & 1u);
-              phases ^= 1u << (kPasses + pass);  // warp 0's copy (the only one read)
-              const uint32_t* rb = recv_bins + pass * kMaxC * kGroupBins + 2 * lane;
-#pragma unroll
-              for (int q = 0; q < kMaxC; ++q) o[q] = *reinterpret_cast<const uint2*>(rb + q * kGroupBins);
-            }
+            for (int q = 0; q < kMaxC; ++q)
+              if (q < num_ctas)
+                ptx::st_async_v2(ptx::map_cluster(dst, static_cast<uint32_t>(q)), mine,
+                                 ptx::map_cluster(ptx::smem_addr(bar_b), static_cast<uint32_t>(q)));
+            if (lane == 0) ptx::mbar_arrive_expect_tx(bar_b, static_cast<uint32_t>(num_ctas * kGroupBins * 4));
+            ptx::mbar_wait(bar_b, (phases >> (kPasses + pass)) & 1u);
+            const uint32_t* rb = recv_bins + pass * kMaxC * kGroupBins + 2 * lane;
             uint2 b = make_uint2(0u, 0u), b_low = make_uint2(0u, 0u);
+            uint2 o[kMaxC];
+#pragma unroll
+            for (int q = 0; q < kMaxC; ++q) o[q] = *reinterpret_cast<const uint2*>(rb + q * kGroupBins);
 #pragma unroll
             for (int q = 0; q < kMaxC; ++q) {
               const bool in = q < num_ctas, low = q < rank;
@@ -349,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
                          (lane > f ? b_low.x + b_low.y : lane == f && !upper_f ? b_low.y : 0u);
             low_equal = lane == f ? (upper_f ? b_low.y : b_low.x) : 0u;
           }
-          phases ^= 1u << bit_g;
+          phases ^= (1u << pass) | (1u << (kPasses + pass));
           __syncthreads();
           kb = {scalars[0], scalars[1], scalars[2]};
         } else {
@@ -457,7 +392,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
     clear_hists(passes);
-    ++row_iter;
     __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
   }
