@@ -1,13 +1,13 @@
 // topk_resident: top-k indices of rows short enough for one cluster to hold in registers (docs/topk.md).
 //
-// A cluster of C CTAs (kThreads threads, one CTA per SM) per row, grid-stride over
-// rows. CTA c holds the row's 16-byte vectors [c * P, (c + 1) * P) (P = vecs_per_cta()), thread t of it
-// the vecs_per_thread() consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
+// A cluster of C CTAs (kThreads threads, one CTA per SM) per row, grid-stride over rows. CTA c holds the
+// row's 16-byte vectors [c * P, (c + 1) * P) (P = vecs_per_cta()), thread t of it the vecs_per_thread()
+// consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
 // (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.
 // 1. Selection: a radix select over every key (float32 11/11/10 bits, bfloat16 11/5). Each CTA counts
 //    its keys into its own histogram. One CTA: a block-wide search of the k-th key's bin. A cluster:
-//    the lanes of each group of 64 bins send its total to every CTA, one warp of every CTA finds the chosen group in
-//    the sums and sends its bins of that group to every CTA, and every CTA finds the same bin
+//    the lanes holding each group of 64 bins send its total to every CTA, one warp of every CTA finds
+//    the chosen group in the sums and sends its bins of that group to every CTA, and every CTA finds the same bin
 //    (st.async into the peers' shared memory, an mbarrier per exchange; no cluster barrier).
 //    Stops once that bin is taken whole.
 // 2. Emission: each thread's (above, equal) counts, a block scan and the counts of the cluster's lower
@@ -198,11 +198,11 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
         }
         radix::KthBin kb;
         if constexpr (kCluster) {
-          // NOTES: two levels, pushed: every warp sends its group total (64 bins) to every CTA (lane q to
-          // CTA q); warp 0 of each CTA finds the k_rem-th key's group g, sends its own 64 bins of g to every
-          // CTA and finds the bin in their sums. Every CTA computes the same (g, bin). Warp 0 also counts
-          // the lower CTAs' keys above the bin and in it: their emission offsets, without another exchange.
-          // NOTES: group q of 64 bins is summed by kLanesPerGroup consecutive lanes; lane i of them sends it to CTA i
+          // NOTES: two levels, pushed: the kLanesPerGroup consecutive lanes that hold a group of 64 bins sum
+          // it, and lane i of them sends the total to CTA i; warp 0 of each CTA finds the k_rem-th key's
+          // group g, sends its own 64 bins of g to every CTA and finds the bin in their sums. Every CTA
+          // computes the same (g, bin). Warp 0 also counts the lower CTAs' keys above the bin and in it:
+          // their emission offsets, without another exchange.
           constexpr int kLanesPerGroup = kGroupBins / kBinsPerThread;
           static_assert(kGroups == 32 && kLanesPerGroup >= kMaxC && kLanesPerGroup <= 32, "a lane per peer CTA in a group");
           __syncthreads();
