@@ -244,11 +244,11 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   };
   int kpt = 0, threads = 0;
   // one CTA per row (1024 threads unless forced); up to two rows per CTA for rows of > 4K keys at k >= 1024
-  for (const int n : {1024, 512, 256})
-    for (int c = vec; c < 32; c += vec)
-      if (kpt == 0 && allowed(c, n, false) && (n == 1024 || forced_threads == n) && ctas(c, n) == 1 &&
-          (forced == 1 || rows <= sms || (rows <= 2 * sms && k >= 1024 && vecs * vec > 4096)))
-        kpt = c, threads = n;
+  const int one_cta = forced_threads == 256 || forced_threads == 512 ? forced_threads : TopkResidentLayout::kMaxThreads;
+  for (int c = vec; c < 32; c += vec)
+    if (kpt == 0 && allowed(c, one_cta, false) && ctas(c, one_cta) == 1 &&
+        (forced == 1 || rows <= sms || (rows <= 2 * sms && k >= 1024 && vecs * vec > 4096)))
+      kpt = c, threads = one_cta;
   // bit m: the device does not hold `rows` clusters of m CTAs at once (one CTA per SM: the same for every form)
   uint32_t failed = 0;
   for (const int n : {256, 512, 1024})  // a cluster per row

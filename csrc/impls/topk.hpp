@@ -101,18 +101,16 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
     jit::launch(function(p, device, stream), topk_launch_config(t.grid, t.threads, t.smem, t.cluster), stream, args);
   }
 
-  // Clusters of `cluster` CTAs of the cluster form (elem_bytes, keys_per_thread, threads) that the device
-  // runs at once (cuOccupancyMaxActiveClusters, once per device, form and size).
+  // Clusters of `cluster` CTAs that the device runs at once (cuOccupancyMaxActiveClusters, asked with the
+  // form (elem_bytes, keys_per_thread, threads) once per device and size).
+  // NOTES: every form launches one CTA per SM (TopkResidentLayout::launch_smem_bytes), so the count depends
+  // on the cluster size alone.
   static int64_t clusters_at_once(int elem_bytes, int keys_per_thread, int threads, int64_t cluster, int device,
                                   CUstream stream) {
     DI_CHECK_ARG(device >= 0 && device < jit::kMaxDevices && cluster >= 2 && cluster <= TopkResidentLayout::kMaxCluster,
                  "topk_resident: device {} or cluster size {} out of range", device, cluster);
-    DI_CHECK_ARG(keys_per_thread >= 4 && keys_per_thread < 32 && keys_per_thread % 4 == 0,
-                 "topk_resident: keys_per_thread {} out of range", keys_per_thread);
-    constexpr int kForms = 2 * 3 * 8;  // elem_bytes x threads x keys_per_thread / 4
-    static std::array<std::atomic<int>, jit::kMaxDevices * kForms * (TopkResidentLayout::kMaxCluster + 1)> cache{};
-    const int form = ((elem_bytes == 4 ? 0 : 3) + (threads == 256 ? 0 : threads == 512 ? 1 : 2)) * 8 + keys_per_thread / 4;
-    std::atomic<int>& slot = cache[(device * kForms + form) * (TopkResidentLayout::kMaxCluster + 1) + cluster];
+    static std::array<std::atomic<int>, jit::kMaxDevices * (TopkResidentLayout::kMaxCluster + 1)> cache{};
+    std::atomic<int>& slot = cache[device * (TopkResidentLayout::kMaxCluster + 1) + cluster];
     int n = slot.load(std::memory_order_relaxed);  // 0: not asked yet
     if (n == 0) {
       const Params p{elem_bytes, keys_per_thread, true, threads};
