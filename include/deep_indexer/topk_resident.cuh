@@ -90,23 +90,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
       if (i < passes * (kHistStride / 4)) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
     }
   };
-  // this thread's bins [kBinsPerThread * tid, kBinsPerThread * (tid + 1)) of histogram h
-  auto load_own_bins = [&](const uint32_t* h, uint32_t(&c)[kBinsPerThread]) {
-    if constexpr (kBinsPerThread == 2) {
-      const uint2 w = reinterpret_cast<const uint2*>(h)[tid];
-      c[0] = w.x;
-      c[1] = w.y;
-    } else {
-#pragma unroll
-      for (int j = 0; j < kBinsPerThread / 4; ++j) {
-        const uint4 w = reinterpret_cast<const uint4*>(h)[tid * (kBinsPerThread / 4) + j];
-        c[4 * j] = w.x;
-        c[4 * j + 1] = w.y;
-        c[4 * j + 2] = w.z;
-        c[4 * j + 3] = w.w;
-      }
-    }
-  };
   clear_hists(kPasses);
   __syncthreads();
   // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
@@ -196,6 +179,22 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
               atomicAdd((key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
           }
         }
+        __syncthreads();  // the histogram is complete
+        uint32_t own[kBinsPerThread];  // this thread's bins [kBinsPerThread * tid, kBinsPerThread * (tid + 1))
+        if constexpr (kBinsPerThread == 2) {
+          const uint2 w = reinterpret_cast<const uint2*>(h)[tid];
+          own[0] = w.x;
+          own[1] = w.y;
+        } else {
+#pragma unroll
+          for (int j = 0; j < kBinsPerThread / 4; ++j) {
+            const uint4 w = reinterpret_cast<const uint4*>(h)[tid * (kBinsPerThread / 4) + j];
+            own[4 * j] = w.x;
+            own[4 * j + 1] = w.y;
+            own[4 * j + 2] = w.z;
+            own[4 * j + 3] = w.w;
+          }
+        }
         radix::KthBin kb;
         if constexpr (kCluster) {
           // NOTES: two levels, pushed: the kLanesPerGroup consecutive lanes that hold a group of 64 bins sum
@@ -205,9 +204,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
           // their emission offsets, without another exchange.
           constexpr int kLanesPerGroup = kGroupBins / kBinsPerThread;
           static_assert(kGroups == 32 && kLanesPerGroup >= kMaxC && kLanesPerGroup <= 32, "a lane per peer CTA in a group");
-          __syncthreads();
-          uint32_t own[kBinsPerThread];
-          load_own_bins(h, own);
           uint32_t gs = 0;
 #pragma unroll
           for (int j = 0; j < kBinsPerThread; ++j) gs += own[j];
@@ -288,9 +284,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
           __syncthreads();
           kb = {scalars[0], scalars[1], scalars[2]};
         } else {
-          __syncthreads();
-          uint32_t own[kBinsPerThread];
-          load_own_bins(h, own);
           kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return own[b % kBinsPerThread]; }, k_rem,
                                                            warp_sums, scalars);
         }
