@@ -142,7 +142,10 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr unsigned mbar_offset() const {
     return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;  // 8-byte aligned
   }
-  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
+  // The CTA's vectors of its next row, copied while this row is selected: [vecs_per_thread][threads].
+  DI_HOST_DEVICE constexpr unsigned next_row_offset() const { return (mbar_offset() + 2 * num_passes() * 8 + 15) / 16 * 16; }
+  DI_HOST_DEVICE constexpr unsigned next_row_bytes() const { return static_cast<unsigned>(vecs_per_cta()) * 16u; }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return next_row_offset() + next_row_bytes(); }
   // NOTES: launched with more than half an SM's shared memory (228 KiB on SM90, 1 KiB of it reserved per
   // CTA), so that the scheduler places one CTA per SM whatever the registers allow: a second CTA on an SM
   // would halve both rows' issue slots.

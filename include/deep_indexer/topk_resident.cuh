@@ -26,6 +26,11 @@
 #include "trace.cuh"
 #include "varlen.cuh"
 
+// Experiment switch (DI_JIT_EXTRA_FLAGS=-DDI_TOPK_RESIDENT_COPY=0): every row's keys loaded from global memory.
+#ifndef DI_TOPK_RESIDENT_COPY
+#define DI_TOPK_RESIDENT_COPY 1
+#endif
+
 namespace deep_indexer {
 
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
@@ -64,6 +69,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kGroups]
   uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
   uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
+  // this thread's vectors of its next row: [u * kThreads + tid] (cp.async, read back by this thread alone)
+  const uint4* next_row = reinterpret_cast<const uint4*>(smem + L.next_row_offset());
+  const uint32_t next_row_s = ptx::smem_addr(next_row + threadIdx.x);
+  static_assert(L.smem_bytes() <= TopkResidentLayout::kOneCtaPerSmBytes, "the one-CTA-per-SM launch holds the layout");
   constexpr int kMaxC = TopkResidentLayout::kMaxCluster;
   constexpr int kGroupBins = TopkResidentLayout::kGroupBins;
 
@@ -101,25 +110,45 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   tr.start();
 
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
+  const int v0 = rank * kThreads * kVecs + tid * kVecs;  // the thread's first vector; < 2^31: the API bounds the columns
+  // NOTES: a CTA with several rows copies its vectors of row r + num_clusters into shared memory while it
+  // selects row r (each thread its own, cp.async): the next row's keys are not a global round trip.
+  // The next row's range is loaded at row r's start. Without ks every row starts at column 0: the copy is
+  // issued before row r's selection; with ks, once that range has arrived, before row r's emission.
+  auto copy_next_row = [&](const RowSpan<kElemBytes>& next) {
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const bool in = v0 + u < next.num_vecs;
+      ptx::cp_async_16_zfill(next_row_s + 16u * static_cast<uint32_t>(u * kThreads), in ? next.vec + v0 + u : next.vec, in);
+    }
+  };
+  const bool early = a.ks == nullptr;
+  bool copied = false;  // this row's vectors are in shared memory
+  int ks_next = 0, ke_next = 0;  // the next row's range (loaded when it is copied)
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
-    const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
     uint4 raw[kVecs];
     auto load_vecs = [&](const uint4* vp, int nv) {
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) raw[u] = v0 + u < nv ? __ldg(vp + v0 + u) : make_uint4(0u, 0u, 0u, 0u);
     };
-    const bool early = a.ks == nullptr;
-    if (early) {
+    const int r_next = r + num_clusters;
+    const bool has_next = DI_TOPK_RESIDENT_COPY != 0 && r_next < a.num_rows;
+    if (copied) {
+      ptx::cp_async_wait_all();
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) raw[u] = next_row[u * kThreads + tid];
+    } else if (early) {
       const RowSpan<kElemBytes> whole_row(a, r);  // columns [0, num_cols)
       load_vecs(whole_row.vec, whole_row.num_vecs);
     }
-    int ks_r, ke_r;
-    load_row_range(a, r, ks_r, ke_r);
+    int ks_r = ks_next, ke_r = ke_next;  // a copied row's range came with the copy
+    if (!copied) load_row_range(a, r, ks_r, ke_r);
+    if (has_next) load_row_range(a, r_next, ks_next, ke_next);
     const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);  // early: the same lo (0), mis and vectors
     const int n = row.n;
-    if (!early) load_vecs(row.vec, row.num_vecs);
+    if (!early && !copied) load_vecs(row.vec, row.num_vecs);
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
     uint32_t key[kKeysPerThread];
 #pragma unroll
@@ -134,6 +163,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
       for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
     }
     tr.mark<0>(static_cast<int>(key[0]));
+    // NOTES: the keys above were computed from `raw`, so this thread's reads of the copy are done
+    if (early && has_next) copy_next_row(RowSpan<kElemBytes>(a, r_next));
+    copied = early && has_next;
 
     // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
     // to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
@@ -309,6 +341,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
       }
     }
     tr.mark<4>();
+    if (!early && has_next) {
+      copy_next_row(RowSpan<kElemBytes>(a, r_next, ks_next, ke_next));
+      copied = true;
+    }
 
     // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
     // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
