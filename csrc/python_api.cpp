@@ -66,8 +66,7 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       r = PagedMqaMetadataRuntime::precompile(p, arch);
     } else if (op == "topk" && params.contains("resident") && params["resident"].cast<int>() != 0) {
       TopkResidentRuntime::Params p{param(params, "elem_bytes"), param(params, "keys_per_thread"),
-                                    param(params, "cluster") != 0, param(params, "threads"),
-                                    params.contains("smem_keys") ? param(params, "smem_keys") : 0};
+                                    param(params, "cluster") != 0, param(params, "threads")};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkResidentRuntime::precompile(p, arch);

@@ -106,10 +106,6 @@ def variants(
                 most = min((8 if cl else 16) * 1024 // threads, 31)
                 for kpt in range(vec, most + 1, vec):
                     add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads)
-                if not cl and threads == 1024:  # keys in shared memory beyond the 16 in registers (up to 28)
-                    for s in range(vec, 28 + 1, vec):
-                        add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=16, cluster=0, threads=1024,
-                            smem_keys=s)
         elif op in ("training_logits", "training_logits_stats"):
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
             for h, d in itertools.product(hs, dims):

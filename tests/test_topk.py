@@ -946,35 +946,6 @@ def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,smem_keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.float32, "28"),
-                                             (torch.bfloat16, "8"), (torch.bfloat16, "24")])
-@pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan"])
-@pytest.mark.parametrize("m", [3, 140])
-def test_topk_resident_smem_keys(monkeypatch, dtype, smem_keys, kind, m):
-    # one CTA per row holding keys in shared memory beyond its registers' 16 per thread: rows filling it,
-    # rows ending inside the register keys of some threads and the shared-memory keys of others, more rows
-    # than SMs (grid-stride), misaligned starts, empty rows, rows of fewer than k keys
-    monkeypatch.setenv("DI_TOPK_RESIDENT", "1")
-    monkeypatch.setenv("DI_TOPK_RESIDENT_SMEM_KEYS", smem_keys)
-    per_cta = 1024 * (16 + int(smem_keys))
-    gen = torch.Generator().manual_seed(int(smem_keys) + m + len(kind))
-    for n_max in (per_cta - 8, per_cta // 2 + 3):
-        x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
-        ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
-        ke = torch.randint(n_max // 3, n_max + 5, (m,), generator=gen, dtype=torch.int32)
-        ke[0], ks[0] = n_max, 0
-        ke[1 % m] = ks[1 % m]  # empty
-        ke[2 % m] = ks[2 % m] + 100  # fewer keys than k
-        off = torch.randint(-1000, 1000, (m,), generator=gen, dtype=torch.int32)
-        _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off, return_values=True)
-        _check(x, 333, ks, ke)
-        ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
-        bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
-        _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
-
-
-@requires_sm90
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 32768, 256), (1, 32768, 2048), (8, 40000, 2048), (40, 25000, 1024),
                                    (64, 8000, 512), (200, 3000, 2048), (200, 8000, 2048), (256, 8000, 512),
@@ -983,7 +954,7 @@ def test_topk_default_choice(monkeypatch, dtype, m, n, k):
     # the heuristic's own choice (no forcing): one row over a cluster, a cluster per row where the device
     # runs them all at once, more rows than that (buffered), one CTA per row at k < 1024, rows > SMs
     # (short rows: buffered; rows of 8K keys: two rows per CTA at k = 2048, buffered at k = 512), rows <= SMs
-    # too long for the registers (keys in shared memory)
+    # too long for one CTA's registers whose clusters do not all fit at once (buffered)
     monkeypatch.delenv("DI_TOPK_RESIDENT", raising=False)
     monkeypatch.delenv("DI_TOPK_RESIDENT_KEYS", raising=False)
     gen = torch.Generator().manual_seed(m + n + k)

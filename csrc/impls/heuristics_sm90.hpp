@@ -221,7 +221,6 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 struct TopkResidentLaunch {
   bool use = false;
   int keys_per_thread = 8;
-  int smem_keys = 0;  // keys per thread in shared memory
   unsigned grid = 0, cluster = 1, smem = 0, threads = TopkResidentLayout::kMaxThreads;
   int64_t clusters_at_once = 0;  // the device's count for the chosen cluster form (0: one CTA per row, or forced)
 };
@@ -232,12 +231,11 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const int forced = env::get_int("DI_TOPK_RESIDENT", -1);
   const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
   const int forced_threads = env::get_int("DI_TOPK_RESIDENT_THREADS", 0);
-  const int forced_smem = env::get_int("DI_TOPK_RESIDENT_SMEM_KEYS", -1);
   if (sorted || forced == 0 || rows <= 0 || (forced != 1 && k < 256)) return t;
   const int64_t sms = std::max(1, num_sms);
   const int vec = TopkLayout::kVecBytes / elem_bytes;
-  auto ctas = [&](int kpt, int threads, int smem_keys = 0) {  // CTAs per row
-    const TopkResidentLayout l{elem_bytes, kpt, threads, smem_keys};
+  auto ctas = [&](int kpt, int threads) {  // CTAs per row
+    const TopkResidentLayout l{elem_bytes, kpt, threads};
     return std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
   };
   auto allowed = [&](int kpt, int threads, bool cluster) {
@@ -248,7 +246,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   // one CTA per row (1024 threads unless forced); up to two rows per CTA for rows of > 4K keys at k >= 1024
   const int one_cta = forced_threads == 256 || forced_threads == 512 ? forced_threads : TopkResidentLayout::kMaxThreads;
   for (int c = vec; c < 32; c += vec)
-    if (kpt == 0 && forced_smem <= 0 && allowed(c, one_cta, false) && ctas(c, one_cta) == 1 &&
+    if (kpt == 0 && allowed(c, one_cta, false) && ctas(c, one_cta) == 1 &&
         (forced == 1 || rows <= sms || (rows <= 2 * sms && k >= 1024 && vecs * vec > 4096)))
       kpt = c, threads = one_cta;
   // bit m: the device does not hold `rows` clusters of m CTAs at once (one CTA per SM: the same for every form)
@@ -256,8 +254,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   for (const int n : {256, 512, 1024})  // a cluster per row
     for (int c = vec; c < 32; c += vec) {
       const int64_t m = ctas(c, n);
-      if (kpt != 0 || forced_smem > 0 || !allowed(c, n, true) || m < 2 || m > TopkResidentLayout::kMaxCluster ||
-          ((failed >> m) & 1u))
+      if (kpt != 0 || !allowed(c, n, true) || m < 2 || m > TopkResidentLayout::kMaxCluster || ((failed >> m) & 1u))
         continue;
       if (forced != 1 && (rows > sms / m || rows > (t.clusters_at_once = clusters_at_once(c, n, m)))) {
         failed |= 1u << m;
@@ -265,29 +262,20 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
       }
       kpt = c, threads = n;
     }
-  // one CTA of 1024 threads per row with keys in shared memory beyond its 16 per thread in registers
-  int smem_keys = 0;
-  const int reg_keys = TopkResidentLayout::max_keys_per_thread(TopkResidentLayout::kMaxThreads, false);
-  if (kpt == 0 && forced_smem != 0 && (forced_threads == 0 || forced_threads == TopkResidentLayout::kMaxThreads) &&
-      (forced_keys == 0 || forced_keys == reg_keys) && (forced == 1 || rows <= sms))
-    for (int s = vec; s <= TopkResidentLayout::kMaxSmemKeys; s += vec)
-      if (kpt == 0 && (forced_smem < 0 || forced_smem == s) && ctas(reg_keys, TopkResidentLayout::kMaxThreads, s) == 1)
-        kpt = reg_keys, threads = TopkResidentLayout::kMaxThreads, smem_keys = s;
   if (kpt != 0) {
-    const int64_t c = ctas(kpt, threads, smem_keys);
+    const int64_t c = ctas(kpt, threads);
     t.use = true;
     t.keys_per_thread = kpt;
-    t.smem_keys = smem_keys;
     t.threads = static_cast<unsigned>(threads);
     t.cluster = static_cast<unsigned>(c);
-    t.smem = TopkResidentLayout{elem_bytes, kpt, threads, smem_keys}.launch_smem_bytes();
+    t.smem = TopkResidentLayout{elem_bytes, kpt, threads}.launch_smem_bytes();
     const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, sms / c));
     t.grid = static_cast<unsigned>(clusters * c);
   }
   print_choice([&] {
     return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={} k={}: grid {}, cluster {}, {} threads x {} "
-                               "keys (+ {} in shared memory), smem {} B, clusters at once {}", rows, vecs, elem_bytes, k,
-                               t.grid, t.cluster, t.threads, t.keys_per_thread, t.smem_keys, t.smem, t.clusters_at_once)
+                               "keys, smem {} B, clusters at once {}", rows, vecs, elem_bytes, k, t.grid, t.cluster,
+                               t.threads, t.keys_per_thread, t.smem, t.clusters_at_once)
                  : fmt::format("topk resident rows={} vecs={} elem_bytes={} k={} sorted={}: not taken", rows, vecs,
                                elem_bytes, k, sorted);
   });

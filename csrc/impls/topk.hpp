@@ -70,7 +70,6 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
     int keys_per_thread;  // whole 16-byte vectors: a multiple of 4 (float32) or 8 (bfloat16)
     bool cluster;         // launched with clusters of 2-8 CTAs per row
     int threads;          // 256, 512 or 1024 per CTA
-    int smem_keys = 0;    // keys per thread in shared memory (one CTA of 1024 threads per row): whole vectors
     TopkResidentLayout layout() const {
       DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk_resident: elem_bytes must be 4 or 2, got {}", elem_bytes);
       DI_CHECK_ARG(threads == 256 || threads == 512 || threads == 1024,
@@ -80,25 +79,19 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
       DI_CHECK_ARG(keys_per_thread >= vec && keys_per_thread % vec == 0 && keys_per_thread <= most,
                    "topk_resident: keys_per_thread must be a multiple of {} up to {} ({} threads{}), got {}", vec, most,
                    threads, cluster ? ", cluster" : "", keys_per_thread);
-      DI_CHECK_ARG(smem_keys == 0 || (!cluster && threads == TopkResidentLayout::kMaxThreads && smem_keys % vec == 0 &&
-                                      smem_keys <= TopkResidentLayout::kMaxSmemKeys),
-                   "topk_resident: smem_keys must be 0, or a multiple of {} up to {} for one CTA of {} threads per row, "
-                   "got {} ({} threads{})", vec, TopkResidentLayout::kMaxSmemKeys, TopkResidentLayout::kMaxThreads,
-                   smem_keys, threads, cluster ? ", cluster" : "");
-      return TopkResidentLayout{elem_bytes, keys_per_thread, threads, smem_keys};
+      return TopkResidentLayout{elem_bytes, keys_per_thread, threads};
     }
   };
 
   static const char* kernel_name() { return "topk_resident"; }
   static const char* header() { return "deep_indexer/topk_resident.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("topk_resident<{}, {} keys{}, {} threads{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
-                       p.keys_per_thread, p.smem_keys ? fmt::format(" + {} in smem", p.smem_keys) : std::string(),
-                       p.threads, p.cluster ? ", cluster" : "");
+    return fmt::format("topk_resident<{}, {} keys, {} threads{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
+                       p.keys_per_thread, p.threads, p.cluster ? ", cluster" : "");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::topk_resident_kernel<{}, {}, {}, {}, {}>", p.elem_bytes, p.keys_per_thread,
-                       p.cluster ? "true" : "false", p.threads, p.smem_keys);
+    return fmt::format("&deep_indexer::topk_resident_kernel<{}, {}, {}, {}>", p.elem_bytes, p.keys_per_thread,
+                       p.cluster ? "true" : "false", p.threads);
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
   static int threads(const Params& p) { return p.threads; }
@@ -145,8 +138,8 @@ inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const 
                                    return TopkResidentRuntime::clusters_at_once(elem_bytes, kpt, threads, c, device, stream);
                                  });
   if (t.use) {
-    TopkResidentRuntime::launch({elem_bytes, t.keys_per_thread, t.cluster > 1, static_cast<int>(t.threads), t.smem_keys},
-                                t, args, device, stream);
+    TopkResidentRuntime::launch({elem_bytes, t.keys_per_thread, t.cluster > 1, static_cast<int>(t.threads)}, t, args,
+                                device, stream);
     return;
   }
   TopkRuntime::launch({elem_bytes, sorted, false}, args, dev, num_sms, device, stream);

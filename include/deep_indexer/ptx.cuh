@@ -72,13 +72,6 @@ DI_DEVICE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.clu
 DI_DEVICE void cp_async_4(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.ca.shared::cta.global [%0], [%1], 4;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src) : "memory");
 }
-// 16-byte asynchronous copy global -> shared, bypassing L1; `full` false: 16 zero bytes, nothing read.
-DI_DEVICE void cp_async_16_zfill(uint32_t smem_dst, const void* gmem_src, bool full) {
-  asm volatile("cp.async.cg.shared::cta.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(gmem_src), "r"(full ? 16 : 0)
-               : "memory");
-}
-// This thread's cp.async copies so far, landed and visible to it.
-DI_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // One arrival on `bar` once this thread's earlier cp.async copies have landed (.noinc: the barrier's
 // expected count must include it).
 DI_DEVICE void cp_async_mbar_arrive(uint64_t* bar) {

@@ -118,24 +118,16 @@ struct TopkResidentLayout {
     return budget < 31 ? budget : 31;
   }
 
-  // Keys a one-CTA row holds beyond its registers' (16 per thread at 1024 threads): up to 28 float32 / 24
-  // bfloat16 keys per thread in shared memory, read back by each radix pass (44K / 40K keys per CTA).
-  static constexpr int kMaxSmemKeys = 28;
-
   int elem_bytes;        // 4: float32, 2: bfloat16
-  int keys_per_thread;   // whole 16-byte vectors per thread in registers, < 32 (a bit per key)
+  int keys_per_thread;   // whole 16-byte vectors per thread, < 32 (a bit per key)
   int threads;           // 256, 512 or 1024
-  int smem_keys = 0;     // whole 16-byte vectors per thread in shared memory (one CTA per row), < 32
 
   DI_HOST_DEVICE constexpr int vec() const { return TopkLayout::kVecBytes / elem_bytes; }
   DI_HOST_DEVICE constexpr int vecs_per_thread() const { return keys_per_thread / vec(); }
-  DI_HOST_DEVICE constexpr int smem_vecs_per_thread() const { return smem_keys / vec(); }
   DI_HOST_DEVICE constexpr int num_passes() const { return TopkLayout{elem_bytes, false}.num_passes(); }
   // 16-byte vectors a CTA holds; a row of `vecs` vectors needs ceil(vecs / that) CTAs.
   DI_HOST_DEVICE constexpr int warps() const { return threads / 32; }
-  DI_HOST_DEVICE constexpr int64_t vecs_per_cta() const {
-    return static_cast<int64_t>(threads) * (vecs_per_thread() + smem_vecs_per_thread());
-  }
+  DI_HOST_DEVICE constexpr int64_t vecs_per_cta() const { return static_cast<int64_t>(threads) * vecs_per_thread(); }
 
   // Byte offsets inside dynamic shared memory: one histogram per radix pass, warp sums, row scalars;
   // cluster form, per pass: every CTA's group totals [kMaxCluster][kGroups] and its bins of the chosen
@@ -150,15 +142,7 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr unsigned mbar_offset() const {
     return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;  // 8-byte aligned
   }
-  // The CTA's vectors of its next row, copied while this row is selected: [vecs_per_thread][threads].
-  DI_HOST_DEVICE constexpr unsigned next_row_offset() const { return (mbar_offset() + 2 * num_passes() * 8 + 15) / 16 * 16; }
-  DI_HOST_DEVICE constexpr unsigned next_row_bytes() const {
-    return smem_keys == 0 ? static_cast<unsigned>(threads * vecs_per_thread()) * 16u : 0u;
-  }
-  // The keys held in shared memory: [smem_vecs_per_thread][threads] 16-byte words of keys.
-  DI_HOST_DEVICE constexpr unsigned smem_keys_offset() const { return next_row_offset() + next_row_bytes(); }
-  DI_HOST_DEVICE constexpr unsigned smem_keys_bytes() const { return static_cast<unsigned>(threads * smem_vecs_per_thread()) * 16u; }
-  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return smem_keys_offset() + smem_keys_bytes(); }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
   // NOTES: launched with more than half an SM's shared memory (228 KiB on SM90, 1 KiB of it reserved per
   // CTA), so that the scheduler places one CTA per SM whatever the registers allow: a second CTA on an SM
   // would halve both rows' issue slots.

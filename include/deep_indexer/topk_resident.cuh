@@ -26,24 +26,16 @@
 #include "trace.cuh"
 #include "varlen.cuh"
 
-// Experiment switch (DI_JIT_EXTRA_FLAGS=-DDI_TOPK_RESIDENT_COPY=n): 0 every row's keys loaded from global
-// memory; the next row's copy issued 1 at the keys (without ks), 2 after radix pass 0's count, 3 before the emission.
-#ifndef DI_TOPK_RESIDENT_COPY
-#define DI_TOPK_RESIDENT_COPY 1
-#endif
-
 namespace deep_indexer {
 
-// kKeysPerThread: keys held per thread in registers (whole 16-byte vectors); kCluster: launched with
-// clusters of 2-8 CTAs per row (else one CTA per row, no cluster exchange); kThreads: 256, 512 or 1024 per
-// CTA (fewer threads with more keys each: the same keys per SM in fewer per-warp steps); kSmemKeys: keys per
-// thread held in shared memory after its register keys (one CTA per row; each radix pass reads them back).
-// Unsorted output.
-template <int kElemBytes, int kKeysPerThread, bool kCluster, int kThreads, int kSmemKeys>
+// kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
+// 2-8 CTAs per row (else one CTA per row, no cluster exchange); kThreads: 256, 512 or 1024 per CTA (fewer
+// threads with more keys each: the same keys per SM in fewer per-warp steps). Unsorted output.
+template <int kElemBytes, int kKeysPerThread, bool kCluster, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkArgs a) {
   namespace cg = cooperative_groups;
   using namespace topk_detail;
-  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread, kThreads, kSmemKeys};
+  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread, kThreads};
   constexpr TopkLayout kDigits{kElemBytes, false};  // the digit schedule
   constexpr int kWarps = L.warps();
   constexpr int kBins = TopkResidentLayout::kHistBins;
@@ -60,16 +52,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   // the bins a thread sums in the searches (consecutive, loaded as 8- or 16-byte words)
   constexpr int kBinsPerThread = kBins / kThreads;
   static_assert(kBins % kThreads == 0 && kBinsPerThread % 2 == 0 && kBinsPerThread <= 8, "2, 4 or 8 bins per thread");
-  constexpr int kSmemVecs = L.smem_vecs_per_thread();
-  constexpr int kAllVecs = kVecs + kSmemVecs;  // the thread's consecutive vectors: registers, then shared memory
-  constexpr int kAllKeys = kKeysPerThread + kSmemKeys;
-  static_assert(kSmemVecs * kVec == kSmemKeys && kSmemKeys < 32 && (kSmemKeys == 0 || !kCluster),
-                "whole vectors; key bits in a word; one CTA per row");
-  static_assert(kThreads * kAllKeys < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
-  static_assert(L.smem_bytes() <= 227u * 1024u, "SM90's shared memory per block");
+  static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
   static_assert(kKeysPerThread <= TopkResidentLayout::max_keys_per_thread(kThreads, kCluster), "the register budget");
   constexpr uint32_t kAllValid = (1u << kKeysPerThread) - 1u;
-  constexpr uint32_t kAllValidSmem = (1u << kSmemKeys) - 1u;
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
   extern __shared__ __align__(16) uint8_t smem[];
@@ -79,12 +64,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kGroups]
   uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
   uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
-  // this thread's vectors of its next row: [u * kThreads + tid] (cp.async, read back by this thread alone)
-  const uint4* next_row = reinterpret_cast<const uint4*>(smem + L.next_row_offset());
-  const uint32_t next_row_s = ptx::smem_addr(next_row + threadIdx.x);
-  // this thread's shared-memory keys: [u * kThreads + tid], each written and read by this thread alone
-  uint4* smem_keys = reinterpret_cast<uint4*>(smem + L.smem_keys_offset()) + threadIdx.x;
-  const uint32_t smem_keys_s = ptx::smem_addr(smem_keys);
   constexpr int kMaxC = TopkResidentLayout::kMaxCluster;
   constexpr int kGroupBins = TopkResidentLayout::kGroupBins;
 
@@ -122,50 +101,25 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   tr.start();
 
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
-  const int v0 = (rank * kThreads + tid) * kAllVecs;  // the thread's first vector; < 2^31: the API bounds the columns
-  // NOTES: a CTA with several rows copies its vectors of row r + num_clusters into shared memory while it
-  // selects row r (each thread its own, cp.async): the next row's keys are not a global round trip.
-  // The next row's range is loaded at row r's start. Without ks every row starts at column 0: the copy is
-  // issued before row r's selection; with ks, once that range has arrived, before row r's emission.
-  auto copy_next_row = [&](const RowSpan<kElemBytes>& next) {
-#pragma unroll
-    for (int u = 0; u < kVecs; ++u) {
-      const bool in = v0 + u < next.num_vecs;
-      ptx::cp_async_16_zfill(next_row_s + 16u * static_cast<uint32_t>(u * kThreads), in ? next.vec + v0 + u : next.vec, in);
-    }
-  };
-  const bool early = a.ks == nullptr;
-  bool copied = false;  // this row's vectors are in shared memory
-  int ks_next = 0, ke_next = 0;  // the next row's range (loaded when it is copied)
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
+    const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
     uint4 raw[kVecs];
     auto load_vecs = [&](const uint4* vp, int nv) {
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) raw[u] = v0 + u < nv ? __ldg(vp + v0 + u) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-      for (int u = 0; u < kSmemVecs; ++u) {
-        const int v = v0 + kVecs + u;
-        ptx::cp_async_16_zfill(smem_keys_s + 16u * static_cast<uint32_t>(u * kThreads), v < nv ? vp + v : vp, v < nv);
-      }
     };
-    const int r_next = r + num_clusters;
-    const bool has_next = DI_TOPK_RESIDENT_COPY != 0 && kSmemKeys == 0 && r_next < a.num_rows;
-    if (copied) {
-      ptx::cp_async_wait_all();
-#pragma unroll
-      for (int u = 0; u < kVecs; ++u) raw[u] = next_row[u * kThreads + tid];
-    } else if (early) {
+    const bool early = a.ks == nullptr;
+    if (early) {
       const RowSpan<kElemBytes> whole_row(a, r);  // columns [0, num_cols)
       load_vecs(whole_row.vec, whole_row.num_vecs);
     }
-    int ks_r = ks_next, ke_r = ke_next;  // a copied row's range came with the copy
-    if (!copied) load_row_range(a, r, ks_r, ke_r);
-    if (has_next) load_row_range(a, r_next, ks_next, ke_next);
+    int ks_r, ke_r;
+    load_row_range(a, r, ks_r, ke_r);
     const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);  // early: the same lo (0), mis and vectors
     const int n = row.n;
-    if (!early && !copied) load_vecs(row.vec, row.num_vecs);
+    if (!early) load_vecs(row.vec, row.num_vecs);
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
     uint32_t key[kKeysPerThread];
 #pragma unroll
@@ -179,37 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
 #pragma unroll
       for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
     }
-    // the shared-memory keys, transformed in place (float32: a key per word, bfloat16: two per word)
-    const uint32_t valid_s = kSmemKeys == 0 ? 0u : row.valid_bits(v0 + kVecs, kSmemKeys);
-    if constexpr (kSmemKeys > 0) {
-      ptx::cp_async_wait_all();
-#pragma unroll
-      for (int u = 0; u < kSmemVecs; ++u) {
-        uint32_t e[kVec];
-        radix::unpack<kElemBytes>(smem_keys[u * kThreads], e);
-#pragma unroll
-        for (int c = 0; c < kVec; ++c) e[c] = (valid_s >> (u * kVec + c)) & 1u ? radix::to_key<kElemBytes>(e[c]) : 0u;
-        smem_keys[u * kThreads] = radix::pack<kElemBytes>(e);
-      }
-    }
-    // f(i, key) over this thread's shared-memory keys, i in [0, kSmemKeys) in column order
-    auto for_smem_keys = [&](auto&& f) {
-#pragma unroll
-      for (int u = 0; u < kSmemVecs; ++u) {
-        const uint4 w = smem_keys[u * kThreads];
-#pragma unroll
-        for (int c = 0; c < kVec; ++c) f(u * kVec + c, radix::raw_at<kElemBytes>(w, c));
-      }
-    };
     tr.mark<0>(static_cast<int>(key[0]));
-    // NOTES: the keys above were computed from `raw`, so this thread's reads of the copy are done
-    bool copy_pending = has_next;
-    auto issue_copy = [&] {
-      if (copy_pending) copy_next_row(early ? RowSpan<kElemBytes>(a, r_next) : RowSpan<kElemBytes>(a, r_next, ks_next, ke_next));
-      copy_pending = false;
-    };
-    if (DI_TOPK_RESIDENT_COPY == 1 && early) issue_copy();
-    copied = has_next;
 
     // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
     // to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
@@ -231,9 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
           static_assert(kDigits.digit_shift(0) + kDigits.digit_bits(0) == 8 * kElemBytes, "digit 0: the top bits");
 #pragma unroll
           for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + (key[i] >> shift), 1u);
-          for_smem_keys([&](int, uint32_t sk) { atomicAdd(h + (sk >> shift), 1u); });
-          if (valid != kAllValid || valid_s != kAllValidSmem)
-            atomicSub(h, static_cast<uint32_t>(kAllKeys - __popc(valid) - __popc(valid_s)));
+          if (valid != kAllValid) atomicSub(h, static_cast<uint32_t>(kKeysPerThread - __popc(valid)));
         } else {
           // the few keys in the k-th key's bin so far; keys outside the row (0) never match: the bin of
           // pass 0 is not 0 here. The others count into the warp's word past the bins (no branch per key;
@@ -245,23 +167,19 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
             static_assert(kElemBytes != 4 || kDigits.digit_shift(1) >= 2, "a bin's byte offset from the key");
             const uint32_t sink_bytes = static_cast<uint32_t>(kBins + warp) * 4u;
             const uint32_t below = (1u << shift) - 1u;
-            auto count = [&](uint32_t kk) {
-              const uint32_t bytes = min(((kk ^ prefix) & ~below) >> (shift - 2), sink_bytes);
-              atomicAdd(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(h) + bytes), 1u);
-            };
 #pragma unroll
-            for (int i = 0; i < kKeysPerThread; ++i) count(key[i]);
-            for_smem_keys([&](int, uint32_t sk) { count(sk); });
+            for (int i = 0; i < kKeysPerThread; ++i) {
+              const uint32_t bytes = min(((key[i] ^ prefix) & ~below) >> (shift - 2), sink_bytes);
+              atomicAdd(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(h) + bytes), 1u);
+            }
           } else {
             uint32_t* const sink = h + kBins + warp;
-            auto count = [&](uint32_t kk) { atomicAdd((kk & mask) == prefix ? h + ((kk >> shift) & digit_mask) : sink, 1u); };
 #pragma unroll
-            for (int i = 0; i < kKeysPerThread; ++i) count(key[i]);
-            for_smem_keys([&](int, uint32_t sk) { count(sk); });
+            for (int i = 0; i < kKeysPerThread; ++i)
+              atomicAdd((key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
           }
         }
         __syncthreads();  // the histogram is complete
-        if (DI_TOPK_RESIDENT_COPY == 2 && pass == 0) issue_copy();
         uint32_t own[kBinsPerThread];  // this thread's bins [kBinsPerThread * tid, kBinsPerThread * (tid + 1))
         if constexpr (kBinsPerThread == 2) {
           const uint2 w = reinterpret_cast<const uint2*>(h)[tid];
@@ -391,43 +309,32 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
       }
     }
     tr.mark<4>();
-    issue_copy();
 
     // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
     // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
-    // (gt_s, eq_s: the same for the shared-memory keys)
-    uint32_t gt = 0, eq = 0, gt_s = 0, eq_s = 0;
+    uint32_t gt = 0, eq = 0;
     if (whole) {  // one compare per key (most rows)
 #pragma unroll
       for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key[i] >= prefix) << i;
-      for_smem_keys([&](int i, uint32_t sk) { gt_s |= static_cast<uint32_t>(sk >= prefix) << i; });
       gt &= valid;
-      gt_s &= valid_s;
     } else {
       const uint32_t hi = prefix | (~mask & kFullKeyMask);
-      uint32_t ge = 0, ge_s = 0;
+      uint32_t ge = 0;
 #pragma unroll
       for (int i = 0; i < kKeysPerThread; ++i) {
         ge |= static_cast<uint32_t>(key[i] >= prefix) << i;
         gt |= static_cast<uint32_t>(key[i] > hi) << i;
       }
-      for_smem_keys([&](int i, uint32_t sk) {
-        ge_s |= static_cast<uint32_t>(sk >= prefix) << i;
-        gt_s |= static_cast<uint32_t>(sk > hi) << i;
-      });
       ge &= valid;
       gt &= valid;
       eq = ge & ~gt;
-      ge_s &= valid_s;
-      gt_s &= valid_s;
-      eq_s = ge_s & ~gt_s;
     }
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
     if (slot_mode && a.indices != nullptr && warp == 0) {  // a varlen row's block-table row, read after the barrier
       const int first = varlen::run_first_row(a.indices, r, lane);
       if (lane == 0) scalars[TopkResidentLayout::kScalarTableRow] = static_cast<uint32_t>(first);
     }
-    const uint32_t mine = (__popc(gt) + __popc(gt_s)) | ((__popc(eq) + __popc(eq_s)) << 16);
+    const uint32_t mine = __popc(gt) | (__popc(eq) << 16);
     const uint32_t incl = radix::warp_prefix_sum(mine);
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
@@ -439,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
         g += scalars[TopkResidentLayout::kScalarLowerAbove];
         e += scalars[TopkResidentLayout::kScalarLowerEqual];
       } else {  // every valid key is taken: the lower CTAs' valid keys
-        const int below = rank * kThreads * kAllKeys - row.mis;
+        const int below = rank * kThreads * kKeysPerThread - row.mis;
         g += static_cast<uint32_t>(min(max(below, 0), n));
       }
     }
@@ -453,34 +360,26 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     // NOTES: taken are the keys above the k-th key and, of those equal to it, the first take_eq in
     // column order (e before this thread's): selected key j of this thread (in column order) is
     // output entry base + j.
-    // The shared-memory keys follow the register keys in column order (room_s: their share of the room).
-    uint32_t eq_taken = eq, eq_taken_s = eq_s;
+    uint32_t eq_taken = eq;
     const uint32_t room = e < take_eq ? take_eq - e : 0u;
-    const uint32_t room_s = room > static_cast<uint32_t>(__popc(eq)) ? room - __popc(eq) : 0u;
     while (static_cast<uint32_t>(__popc(eq_taken)) > room) eq_taken &= ~(0x80000000u >> __clz(eq_taken));  // rare
-    while (static_cast<uint32_t>(__popc(eq_taken_s)) > room_s) eq_taken_s &= ~(0x80000000u >> __clz(eq_taken_s));
+    uint32_t sel = gt | eq_taken;
     const int base = static_cast<int>(g + min(e, take_eq));
-    // the selected keys `sel` of this thread from column col0 on, output entries from pos on
-    auto store_selected = [&](uint32_t sel, int col0_, int pos) {
-      if (!slot_mode && a.out_values == nullptr) {  // the column plus a constant
-        const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
-        const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
-        int* dst = out_row + pos;  // advanced per store (no index arithmetic per store)
-        const uint32_t c0 = static_cast<uint32_t>(col0_) + add;
-        while (sel != 0u) {
-          *dst++ = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
-          sel &= sel - 1u;
-        }
-      } else {
-        for (int j = 0; sel != 0u; ++j) {
-          store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, pos + j, col0_ + __ffs(sel) - 1);
-          sel &= sel - 1u;
-        }
+    if (!slot_mode && a.out_values == nullptr) {  // the column plus a constant
+      const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
+      const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
+      int* dst = out_row + base;  // advanced per store (no index arithmetic per store)
+      const uint32_t c0 = static_cast<uint32_t>(col0) + add;
+      while (sel != 0u) {
+        *dst++ = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
+        sel &= sel - 1u;
       }
-    };
-    const uint32_t sel = gt | eq_taken;
-    store_selected(sel, col0, base);
-    if constexpr (kSmemKeys > 0) store_selected(gt_s | eq_taken_s, col0 + kKeysPerThread, base + __popc(sel));
+    } else {
+      for (int j = 0; sel != 0u; ++j) {
+        store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, base + j, col0 + __ffs(sel) - 1);
+        sel &= sel - 1u;
+      }
+    }
     if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
