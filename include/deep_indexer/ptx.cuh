@@ -174,6 +174,9 @@ DI_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
 DI_DEVICE void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // ---------------------------------------------------------------- TMA
+// The 128-byte line of `p` asked of L2 (no data returned, no register).
+DI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

@@ -26,6 +26,11 @@
 #include "trace.cuh"
 #include "varlen.cuh"
 
+// Experiment switch (DI_JIT_EXTRA_FLAGS=-DDI_TOPK_RESIDENT_PREFETCH=0): no L2 prefetch of the CTA's next row.
+#ifndef DI_TOPK_RESIDENT_PREFETCH
+#define DI_TOPK_RESIDENT_PREFETCH 1
+#endif
+
 namespace deep_indexer {
 
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
@@ -134,6 +139,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
       for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
     }
     tr.mark<0>(static_cast<int>(key[0]));
+    // NOTES: without ks the CTA's next row (columns from 0) is asked of L2 while this one is selected: a
+    // line per thread, the one of its first vector (a thread's <= 8 vectors start in every line the CTA reads)
+    static_assert(kVecs <= 8, "a thread's vectors start in every line of the CTA's share");
+    if (DI_TOPK_RESIDENT_PREFETCH && early && r + num_clusters < a.num_rows) {
+      const RowSpan<kElemBytes> next(a, r + num_clusters);
+      if (v0 < next.num_vecs) ptx::prefetch_l2(next.vec + v0);
+    }
 
     // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
     // to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
