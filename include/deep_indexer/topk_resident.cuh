@@ -139,10 +139,11 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
       for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
     }
     tr.mark<0>(static_cast<int>(key[0]));
-    // NOTES: without ks the CTA's next row (columns from 0) is asked of L2 while this one is selected: a
-    // line per thread, the one of its first vector (a thread's <= 8 vectors start in every line the CTA reads)
+    // NOTES: one CTA per row without ks: the CTA's next row (columns from 0) is asked of L2 while this one is
+    // selected, a line per thread, the one of its first vector (a thread's <= 8 vectors start in every line
+    // the CTA reads). Clusters take one row each unless forced (and their 1024-thread form would spill).
     static_assert(kVecs <= 8, "a thread's vectors start in every line of the CTA's share");
-    if (DI_TOPK_RESIDENT_PREFETCH && early && r + num_clusters < a.num_rows) {
+    if (DI_TOPK_RESIDENT_PREFETCH && !kCluster && early && r + num_clusters < a.num_rows) {
       const RowSpan<kElemBytes> next(a, r + num_clusters);
       if (v0 < next.num_vecs) ptx::prefetch_l2(next.vec + v0);
     }
