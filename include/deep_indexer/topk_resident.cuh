@@ -26,11 +26,6 @@
 #include "trace.cuh"
 #include "varlen.cuh"
 
-// Experiment switch (DI_JIT_EXTRA_FLAGS=-DDI_TOPK_RESIDENT_PREFETCH=0): no L2 prefetch of the CTA's next row.
-#ifndef DI_TOPK_RESIDENT_PREFETCH
-#define DI_TOPK_RESIDENT_PREFETCH 1
-#endif
-
 namespace deep_indexer {
 
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
@@ -143,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     // selected, a line per thread, the one of its first vector (a thread's <= 8 vectors start in every line
     // the CTA reads). Clusters take one row each unless forced (and their 1024-thread form would spill).
     static_assert(kVecs <= 8, "a thread's vectors start in every line of the CTA's share");
-    if (DI_TOPK_RESIDENT_PREFETCH && !kCluster && early && r + num_clusters < a.num_rows) {
+    if (!kCluster && early && r + num_clusters < a.num_rows) {
       const RowSpan<kElemBytes> next(a, r + num_clusters);
       if (v0 < next.num_vecs) ptx::prefetch_l2(next.vec + v0);
     }
