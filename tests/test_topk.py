@@ -949,12 +949,11 @@ def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 32768, 256), (1, 32768, 2048), (8, 40000, 2048), (40, 25000, 1024),
                                    (64, 8000, 512), (200, 3000, 2048), (200, 8000, 2048), (256, 8000, 512),
-                                   (128, 42000, 2048), (100, 20000, 512), (500, 6000, 1024), (600, 6000, 2048)])
+                                   (128, 42000, 2048), (100, 20000, 512), (500, 6000, 1024), (1100, 6000, 2048)])
 def test_topk_default_choice(monkeypatch, dtype, m, n, k):
     # the heuristic's own choice (no forcing): one row over a cluster, a cluster per row where the device
     # runs them all at once, more rows than that (buffered), one CTA per row at k < 1024, rows > SMs
-    # (short rows: buffered; rows of 6-8K keys: up to four rows per CTA at k >= 1024, buffered at k = 512 or
-    # beyond four rows per CTA on an H100 / H200), rows <= SMs
+    # (short rows: buffered; rows of 6-8K keys: several rows per CTA at k >= 1024, buffered at k = 512), rows <= SMs
     # too long for one CTA's registers whose clusters do not all fit at once (buffered)
     monkeypatch.delenv("DI_TOPK_RESIDENT", raising=False)
     monkeypatch.delenv("DI_TOPK_RESIDENT_KEYS", raising=False)

@@ -194,10 +194,12 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // whole rows in registers, keys_per_thread each (whole 16-byte vectors, up to the register budget
 // TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
 // - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it. Also
-//   for up to 4 x SMs rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of
-//   more than 4K keys where k >= 1024; H100 A/B against the buffered kernel, us: 256 x ~8K k = 2048 17.5 ->
-//   16.3, k = 1024 15.6 -> 14.7, 200 x 8000 16.7 -> 15.9, 256 x 12000 19.1 -> 19.0, 396 x ~8K 27.7 -> 21.7,
-//   528 x ~6K 26.7 -> 23.2; but k = 512 (256 x ~8K) 14.6 -> 14.9: not taken. Not measured beyond 4 x SMs.
+//   for more rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of more than
+//   4K keys where k >= 1024; H100 A/B against the buffered kernel, us: 256 x ~8K k = 2048 17.5 -> 16.3,
+//   k = 1024 15.6 -> 14.7, 200 x 8000 16.7 -> 15.9, 256 x 12000 19.1 -> 19.0, 396 x ~8K 27.7 -> 21.7, 528 x ~6K
+//   26.7 -> 23.2, 1056 x ~8K 52.0 -> 47.8, 2048 x ~8K 96.8 -> 88.1, 1056 x ~12K 57.0 -> 54.8, 4096 x ~5K 168.1
+//   -> 141.4, 1056 x ~6K (k = 1024) 40.4 -> 36.7; but k = 512 loses (256 x ~8K 14.6 -> 14.9, 528 x ~8K 23.3 ->
+//   24.6, 1056 x ~8K 41.0 -> 41.9): not taken. Rows of <= 4K keys: not measured.
 // - Else a cluster of C <= 8 CTAs per row: the fewest threads per CTA (256, else 512, 1024), then the fewest
 //   keys per thread (the most CTAs), when the device holds a cluster for every row at once
 //   (`clusters_at_once(kpt, threads, C)`: the driver's count, which the GPCs bound below SMs / C; a smaller C
@@ -244,11 +246,11 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
            kpt <= TopkResidentLayout::max_keys_per_thread(threads, cluster);
   };
   int kpt = 0, threads = 0;
-  // one CTA per row (1024 threads unless forced); up to four rows per CTA for rows of > 4K keys at k >= 1024
+  // one CTA per row (1024 threads unless forced); any number of rows per CTA for rows of > 4K keys at k >= 1024
   const int one_cta = forced_threads == 256 || forced_threads == 512 ? forced_threads : TopkResidentLayout::kMaxThreads;
   for (int c = vec; c < 32; c += vec)
     if (kpt == 0 && allowed(c, one_cta, false) && ctas(c, one_cta) == 1 &&
-        (forced == 1 || rows <= sms || (rows <= 4 * sms && k >= 1024 && vecs * vec > 4096)))
+        (forced == 1 || rows <= sms || (k >= 1024 && vecs * vec > 4096)))
       kpt = c, threads = one_cta;
   // bit m: the device does not hold `rows` clusters of m CTAs at once (one CTA per SM: the same for every form)
   uint32_t failed = 0;
