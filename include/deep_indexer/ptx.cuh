@@ -174,9 +174,6 @@ DI_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
 DI_DEVICE void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // ---------------------------------------------------------------- TMA
-// The 128-byte line of `p` asked of L2 (no data returned, no register).
-DI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -376,7 +373,10 @@ struct PipelineState {
   }
 };
 
-// ---------------------------------------------------------------- stores
+// ---------------------------------------------------------------- global memory
+// The 128-byte line of `p` asked of L2 (no data returned, no register).
+DI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 DI_DEVICE void st_global_v4(void* ptr, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
