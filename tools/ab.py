@@ -4,7 +4,8 @@
     python3 tools/ab.py --variants ";DI_JIT_EXTRA_FLAGS=-DX=1 -DY,DI_PAGED_MATH_WGS=4" D3
     python3 tools/ab.py --variants "DI_MQA_SPLIT_RELU=0;DI_MQA_SPLIT_RELU=1" P1 P2 4096:32768:causal:32:64
 
-A shape is a benchmark id (P1..P5, P2c, D1..D7, K-* top-k), K:rows:avg:k (top-k, decode pattern), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill, fp32, clean) or
+A shape is a benchmark id (P1..P5, P2c, D1..D7, K-* top-k, KF-<decode id>[:k] the fused decode call with its
+metadata), K:rows:avg:k (top-k, decode pattern), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill, fp32, clean) or
 B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean). The inputs are drawn once
 per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
 median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
@@ -22,6 +23,7 @@ import statistics
 
 import torch
 
+import deep_indexer as di
 from deep_indexer import bench
 
 
@@ -64,8 +66,24 @@ def main() -> None:
         if sid.startswith("K:"):  # K:rows:avg:k, a decode-pattern top-k shape of one's own
             rows, avg, k = (int(v) for v in sid.split(":")[1:])
             bench.TOPK_SHAPES[sid] = (rows, avg, "decode", k)
-        one_call = sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
-        if sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
+        fused = sid.startswith("KF-")
+        one_call = fused or sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
+        if fused:  # KF-<decode id>[:k]: the fused decode call with its metadata, as the bench times it
+            base, _, kk = sid[3:].partition(":")
+            B, nn, avg, H = bench.decode_shape(base)
+            x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
+            k = int(kk) if kk else 2048
+            what = f"fused decode B={B} next_n={nn} avg={avg} k={k}"
+            ws = di.topk_workspace(B * nn, x["max_context_len"], device=dev)
+            fused_out = torch.empty(B * nn, k, dtype=torch.int32, device=dev)
+            num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+            def run(x=x, ws=ws, out=fused_out, k=k, num_sms=num_sms):
+                meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64, num_sms)
+                return di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
+                                                     x["block_table"], meta, x["max_context_len"], k, workspace=ws,
+                                                     out=out)
+        elif sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
             what = f"top-k {bench.TOPK_SHAPES[sid]}"
             run = bench.topk_run(bench.topk_case(sid, dev, seed=1))
         elif one_call:
@@ -91,7 +109,7 @@ def main() -> None:
                 if v not in runs:
                     runs[v] = run if one_call else bench.decode_call(x)
                 times[v].append(timer(runs[v], iters=a.iters))
-        if sid in bench.TOPK_SHAPES:  # deterministic: every variant must return the same indices
+        if fused or sid in bench.TOPK_SHAPES:  # deterministic: every variant must return the same indices
             outs = {}
             for v in shape_variants:
                 use_variant(v)

@@ -14,10 +14,13 @@ entry/exit %globaltimer and %clock64 marks (include/deep_indexer/trace.cuh):
            (q: 7 likewise, 4 its first context length in; the first work is resolved before __syncthreads)
     math : 0 after __syncthreads, 1 first tile full, 2 q ready, 3 first tile done, 4 last tile done,
            5 total wait for full stages
-    topk : thread 0 of each CTA, its first row: 0 sample in, 1 threshold known, 2 own filter done,
-           3 survivors complete (cluster), 4 selection threshold, 5 emitted, 6 row end, 7 cycles in
-           fallbacks (all rows); n = the first row's survivors
-A shape is a benchmark id (D1..D7, K-* top-k) or B:next_n:avg[:H].
+    topk : thread 0 of each CTA, its first row. Buffered kernel (topk.cuh): 0 sample in, 1 threshold known,
+           2 own filter done, 3 survivors complete (cluster), 4 selection threshold, 5 emitted, 6 row end,
+           7 cycles in fallbacks (all rows); n = the first row's survivors. Resident kernel (topk_resident.cuh,
+           from the CTA's entry): 7 past the PDL wait, 0 keys in, 1 / 2 radix pass 0 / 1 done, 4 selection
+           threshold, 3 output positions known, 5 emitted, 6 row end
+A shape is a benchmark id (D1..D7, K-* top-k, KF-<decode id>[:k]: the fused decode call with its metadata) or
+B:next_n:avg[:H]. Entries / exits: %globaltimer after the first entry of any role.
 The report gives, per role and mark, the median and max over CTAs in ns (clock64 converted with the
 clock rate measured from the same records), the spread of CTA starts and the kernel span.
 """
@@ -88,6 +91,8 @@ def analyse(text: str) -> dict:
         d["end_ns"] = (round(statistics.median(ends)), round(max(ends)))
         fin = [r["gt1"] - t0 for r in rr]
         d["exit_after_first_start_ns"] = (round(statistics.median(fin)), round(max(fin)))
+        beg = [r["gt0"] - t0 for r in rr]
+        d["start_after_first_start_ns"] = (round(min(beg)), round(statistics.median(beg)), round(max(beg)))
         out[role] = d
     return out
 
@@ -99,6 +104,8 @@ def show(a: dict) -> None:
             marks = " ".join(f"{k[4]}:{v[0]}/{v[1]}" for k, v in a[role].items() if k.startswith("mark"))
             print(f"    {role:5s} n={a[role]['items_median']} marks(median/max ns) {marks} "
                   f"end {a[role]['end_ns'][0]}/{a[role]['end_ns'][1]}")
+            print(f"          entries (min/median/max ns after the first) {a[role]['start_after_first_start_ns']}, "
+                  f"exits (median/max) {a[role]['exit_after_first_start_ns']}")
 
 
 def main() -> int:
@@ -110,6 +117,28 @@ def main() -> int:
     timer = bench.Timer(dev, "read")
     res = {}
     for sid in args.shapes:
+        if sid.startswith("KF-"):  # fused decode: metadata, logits and top-k on one timeline
+            base, _, kk = sid[3:].partition(":")
+            B, nn, avg, H = bench.decode_shape(base)
+            x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
+            k = int(kk) if kk else 2048
+            ws = di.topk_workspace(B * nn, x["max_context_len"], device=dev)
+            num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+            def fused(x=x, ws=ws, k=k, num_sms=num_sms):
+                meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64, num_sms)
+                di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"],
+                                              meta, x["max_context_len"], k, workspace=ws)
+            capture(lambda: [fused() for _ in range(3)])
+            runs = []
+            for _ in range(5):
+                timer.flush_l2()
+                runs.append(analyse(capture(fused)))
+            best = min(runs, key=lambda a: a.get("span_ns", 1e18))
+            res[sid] = {"best": best, "spans_ns": [a.get("span_ns") for a in runs]}
+            print(f"== {sid} (B={B} next_n={nn} avg={avg} k={k}, metadata + logits + top-k): spans {res[sid]['spans_ns']} ns")
+            show(best)
+            continue
         if sid in bench.TOPK_SHAPES:
             run = bench.topk_run(bench.topk_case(sid, dev, seed=1))
             capture(lambda: [run() for _ in range(3)])

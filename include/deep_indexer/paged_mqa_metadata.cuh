@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include <deep_indexer/paged_mqa_logits_layout.hpp>
+#include <deep_indexer/ptx.cuh>
 #include <deep_indexer/trace.cuh>
 
 namespace deep_indexer {
@@ -202,7 +203,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   }
 
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  ptx::launch_dependents();
   tr.mark<6>();
   if (tid == 0) tr.print("meta", 0, batch_size);
 }

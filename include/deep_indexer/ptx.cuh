@@ -172,6 +172,10 @@ DI_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
 // the previous kernel of the stream finishes: it waits here, before its first global read or write,
 // until that kernel has completed and its writes are visible (a no-op in a plain launch).
 DI_DEVICE void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Lets the stream's next kernel (if launched with PDL) be scheduled once every CTA of this grid has
+// issued it or exited: its CTAs take SMs as they free up and still wait in grid_dependency_wait for
+// this grid's completion. One thread per CTA suffices (later issues have no effect).
+DI_DEVICE void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // ---------------------------------------------------------------- TMA
 DI_DEVICE void prefetch_tensor_map(const CUtensorMap* map) {

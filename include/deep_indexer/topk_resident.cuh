@@ -71,6 +71,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   const int num_ctas = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
   const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // DI_KERNEL_TRACE: thread 0's first row, from the CTA's entry; marks 7 past the PDL wait, 0 keys in, 1 / 2
+  // radix pass 0 / 1 done, 4 selection threshold, 3 output positions known, 5 emitted, 6 row end
+  Tracer tr;
+  tr.start();
   // NOTES: the peers send into this CTA's mbarriers only after the cluster barrier's wait (first pass)
   if constexpr (kCluster) {
     if (tid == 0) {
@@ -95,10 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
   // its tail)
   ptx::grid_dependency_wait();
-  // DI_KERNEL_TRACE: thread 0's first row; marks 0 keys in, 1 / 2 radix pass 0 / 1 done, 4 selection threshold,
-  // 3 output positions known, 5 emitted, 6 row end
-  Tracer tr;
-  tr.start();
+  tr.mark<7>();
 
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
