@@ -107,10 +107,11 @@ struct TopkResidentLayout {
   // key's bin (never read)
   static constexpr int kHistStride = kHistBins + kMaxWarps;
   // scalars: [0, 3) the k-th key's bin, [4] a varlen row's block-table row, [5] / [6] the lower CTAs' keys
-  // above / equal to the k-th key
+  // above / equal to the k-th key, [7] a sink for the parameter reads before the PDL wait (never read)
   static constexpr int kScalarTableRow = 4;
   static constexpr int kScalarLowerAbove = 5;
   static constexpr int kScalarLowerEqual = 6;
+  static constexpr int kScalarParamSink = 7;
   // Register budget (one CTA per SM: 65536 / threads registers per thread): the keys a thread may hold,
   // as measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state).
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster) {
