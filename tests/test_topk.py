@@ -15,7 +15,7 @@ import deep_indexer as di
 from deep_indexer import reference
 
 DEV = "cuda"
-KINDS = ("random", "equal", "ties", "few", "neginf", "huge_neg", "low_contrast", "nan", "signed_zero")
+KINDS = ("random", "equal", "ties", "few", "neginf", "huge_neg", "low_contrast", "nan", "signed_zero", "small_bins")
 
 
 def make_rows(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -39,6 +39,13 @@ def make_rows(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generato
             return bits.view(torch.bfloat16)
         bits = 0x3F800000 + torch.randint(0, 24, (m, n), generator=gen, dtype=torch.int32)
         return bits.view(torch.float32)
+    elif kind == "small_bins":  # ~16 keys per bin of all but the last radix digit, 4 values each: exact ties in it
+        low = torch.randint(0, 4, (m, n), generator=gen, dtype=torch.int32)
+        if dtype == torch.bfloat16:  # bins of the top 11 bits (below +inf)
+            g = torch.randint(0, min(max(1, n // 16), 600), (m, n), generator=gen, dtype=torch.int32)
+            return (0x3000 + (g << 5) + low).to(torch.int16).view(torch.bfloat16)
+        g = torch.randint(0, max(1, n // 16), (m, n), generator=gen, dtype=torch.int32)  # bins of the top 22 bits
+        return (0x3F800000 + (g << 10) + low).view(torch.float32)
     elif kind == "nan":
         x = torch.randn(m, n, generator=gen)
         x[torch.rand(m, n, generator=gen) < 0.2] = float("nan")
@@ -916,7 +923,7 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
 @pytest.mark.parametrize("threads,keys", [("1024", "4"), ("1024", "8"), ("1024", "12"), ("1024", "16"), ("512", "8"),
                                           ("512", "16"), ("512", "24"), ("256", "16"), ("256", "24")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan"])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
 @pytest.mark.parametrize("m", [3, 300])
 def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
     # the resident form on every cluster size it takes (rows up to 8 CTAs' keys), more rows than
