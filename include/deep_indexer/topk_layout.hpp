@@ -143,11 +143,7 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr unsigned mbar_offset() const {
     return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;  // 8-byte aligned
   }
-  // one CTA per row: the keys of a k-th key's bin of at most kSmallBin keys (resolved by one warp instead of
-  // more radix passes), then the count appended so far (zero between rows)
-  static constexpr int kSmallBin = 32;
-  DI_HOST_DEVICE constexpr unsigned small_bin_offset() const { return mbar_offset() + 2 * num_passes() * 8; }
-  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return small_bin_offset() + (kSmallBin + 4) * 4; }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
   // NOTES: launched with more than half an SM's shared memory (228 KiB on SM90, 1 KiB of it reserved per
   // CTA), so that the scheduler places one CTA per SM whatever the registers allow: a second CTA on an SM
   // would halve both rows' issue slots.

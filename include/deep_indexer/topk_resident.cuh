@@ -64,8 +64,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kGroups]
   uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
   uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
-  uint32_t* small_bin = reinterpret_cast<uint32_t*>(smem + L.small_bin_offset());  // [kSmallBin] keys, then a count
-  constexpr int kSmallBin = TopkResidentLayout::kSmallBin;
   constexpr int kMaxC = TopkResidentLayout::kMaxCluster;
   constexpr int kGroupBins = TopkResidentLayout::kGroupBins;
 
@@ -97,7 +95,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     }
   };
   clear_hists(kPasses);
-  if (!kCluster && tid == 0) small_bin[kSmallBin] = 0u;
   __syncthreads();
   // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
   // its tail)
@@ -165,47 +162,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     int passes = 0;  // histograms used (cleared at the row's end)
     if (n > a.k) {
       uint32_t k_rem = static_cast<uint32_t>(a.k);
-      uint32_t in_bin = static_cast<uint32_t>(n);  // keys matching the prefix so far
       whole = false;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         if (whole || mask == kFullKeyMask) break;  // uniform over the cluster: every CTA found the same bin
-#ifndef DI_TOPK_NO_SMALL_BIN
-        if (!kCluster && pass > 0 && in_bin <= static_cast<uint32_t>(kSmallBin)) {
-          // NOTES: a bin of few keys (most often after pass 1 of float32 rows, where pass 2 would count every key
-          // again): its keys are gathered and warp 0 finds the k_rem-th largest, T, from the keys above it and
-          // equal to it; then prefix = T with every bit resolved, exactly what the remaining passes give. The
-          // gather's order does not matter.
-#pragma unroll
-          for (int i = 0; i < kKeysPerThread; ++i)
-            if ((key[i] & mask) == prefix) small_bin[atomicAdd(small_bin + kSmallBin, 1u)] = key[i];
-          __syncthreads();
-          if (warp == 0) {
-            const bool live = static_cast<uint32_t>(lane) < in_bin;
-            const uint32_t mine = live ? small_bin[lane] : 0u;
-            uint32_t above = 0;  // gathered keys above this lane's
-#pragma unroll
-            for (int j = 0; j < kSmallBin; ++j) {
-              const uint32_t other = __shfl_sync(radix::kFullMask, mine, j);
-              above += static_cast<uint32_t>(static_cast<uint32_t>(j) < in_bin && other > mine);
-            }
-            const uint32_t equal = __popc(__match_any_sync(radix::kFullMask, mine) & __ballot_sync(radix::kFullMask, live));
-            const uint32_t hit = __ballot_sync(radix::kFullMask, live && above < k_rem && k_rem <= above + equal);
-            if (lane == __ffs(hit) - 1) {
-              scalars[0] = mine;
-              scalars[1] = above;
-              scalars[2] = equal;
-            }
-            if (lane == 0) small_bin[kSmallBin] = 0u;
-          }
-          __syncthreads();
-          prefix = scalars[0];
-          mask = kFullKeyMask;
-          k_rem -= scalars[1];
-          whole = k_rem == scalars[2];
-          break;
-        }
-#endif
         const int shift = kDigits.digit_shift(pass);
         const uint32_t digit_mask = (1u << kDigits.digit_bits(pass)) - 1u;
         uint32_t* h = hist + pass * kHistStride;
@@ -349,7 +309,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
         mask |= digit_mask << shift;
         k_rem -= kb.above;
         whole = k_rem == kb.count;
-        in_bin = kb.count;
         // NOTES: bin 0 of pass 0 holds NaN keys alone, all 0 (radix::float_key / bf16_key): resolved
         if (pass == 0 && kb.bin == 0) mask = kFullKeyMask;
         passes = pass + 1;
