@@ -1,5 +1,6 @@
 // Shared-memory layout, sampling rule and arguments of the top-k kernel, shared by host and device.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "host_device.hpp"
@@ -180,5 +181,11 @@ struct TopkArgs {
   void* out_values;       // may be null; logits dtype
   int64_t values_stride;
 };
+// topk_detail::touch_args reads logits, ke, row_offset and values_stride: one field in every 56 bytes
+static_assert(offsetof(TopkArgs, logits) == 0 && offsetof(TopkArgs, ke) <= 56 &&
+                  offsetof(TopkArgs, row_offset) - offsetof(TopkArgs, ke) <= 56 &&
+                  offsetof(TopkArgs, values_stride) - offsetof(TopkArgs, row_offset) <= 56 &&
+                  sizeof(TopkArgs) == offsetof(TopkArgs, values_stride) + 8,
+              "touch_args meets every 64-byte line of TopkArgs");
 
 }  // namespace deep_indexer

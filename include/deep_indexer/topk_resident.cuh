@@ -100,13 +100,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   // its tail)
   ptx::grid_dependency_wait();
 #ifdef DI_TOPK_TOUCH_PARAMS
-  // NOTES: a CTA's first read of each line of its parameters misses the constant cache; reading every
-  // 64-byte line of TopkArgs here (before the PDL wait) takes those misses off the row's first loads
-  static_assert(sizeof(TopkArgs) <= 192, "TopkArgs spans three 64-byte lines");
-  if (tid == kThreads - 32)
-    scalars[TopkResidentLayout::kScalarParamSink] = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(a.logits)) ^
-                                                     static_cast<uint32_t>(reinterpret_cast<uintptr_t>(a.ke)) ^
-                                                     static_cast<uint32_t>(a.values_stride);
+  if (tid == kThreads - 32) scalars[TopkResidentLayout::kScalarParamSink] = touch_args(a);
 #endif
   tr.mark<7>();
 
