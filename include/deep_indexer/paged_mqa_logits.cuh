@@ -314,9 +314,6 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // A launch with programmatic stream serialization (PDL) may start before the previous kernel has
   // finished: every read of the inputs comes after this (a no-op otherwise).
   ptx::grid_dependency_wait();
-#ifdef DI_PAGED_EARLY_TRIGGER
-  if (threadIdx.x == 0) ptx::launch_dependents();
-#endif
 
   // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes measured 1.3 us slower)
   // while the producers resolve their first work items (schedule rows -> context lengths -> block

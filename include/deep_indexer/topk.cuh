@@ -187,9 +187,6 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   if (tid == 0) *count = 0;
   clear_words(hist, 2 * kBins);
   clear_words(plane_gt, 2 * TopkLayout::kWindowWords);
-#ifdef DI_TOPK_TOUCH_PARAMS
-  if (tid == kThreads - 32) scalars[TopkLayout::kScalarSink] = touch_args(a);  // before the first row's sink counts
-#endif
   row_sync();
   // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
   // its tail)

@@ -1,6 +1,5 @@
 // Shared-memory layout, sampling rule and arguments of the top-k kernel, shared by host and device.
 #pragma once
-#include <cstddef>
 #include <cstdint>
 
 #include "host_device.hpp"
@@ -108,11 +107,10 @@ struct TopkResidentLayout {
   // key's bin (never read)
   static constexpr int kHistStride = kHistBins + kMaxWarps;
   // scalars: [0, 3) the k-th key's bin, [4] a varlen row's block-table row, [5] / [6] the lower CTAs' keys
-  // above / equal to the k-th key, [7] a sink for the parameter reads before the PDL wait (never read)
+  // above / equal to the k-th key
   static constexpr int kScalarTableRow = 4;
   static constexpr int kScalarLowerAbove = 5;
   static constexpr int kScalarLowerEqual = 6;
-  static constexpr int kScalarParamSink = 7;
   // Register budget (one CTA per SM: 65536 / threads registers per thread): the keys a thread may hold,
   // as measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state).
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster) {
@@ -181,11 +179,5 @@ struct TopkArgs {
   void* out_values;       // may be null; logits dtype
   int64_t values_stride;
 };
-// topk_detail::touch_args reads logits, ke, row_offset and values_stride: one field in every 56 bytes
-static_assert(offsetof(TopkArgs, logits) == 0 && offsetof(TopkArgs, ke) <= 56 &&
-                  offsetof(TopkArgs, row_offset) - offsetof(TopkArgs, ke) <= 56 &&
-                  offsetof(TopkArgs, values_stride) - offsetof(TopkArgs, row_offset) <= 56 &&
-                  sizeof(TopkArgs) == offsetof(TopkArgs, values_stride) + 8,
-              "touch_args meets every 64-byte line of TopkArgs");
 
 }  // namespace deep_indexer

@@ -99,9 +99,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
   // its tail)
   ptx::grid_dependency_wait();
-#ifdef DI_TOPK_TOUCH_PARAMS
-  if (tid == kThreads - 32) scalars[TopkResidentLayout::kScalarParamSink] = touch_args(a);
-#endif
   tr.mark<7>();
 
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;

@@ -8,15 +8,6 @@
 namespace deep_indexer {
 namespace topk_detail {
 
-// NOTES: a CTA's first read of each 64-byte line of its kernel parameters misses the constant cache. The
-// kernels read this (one thread, into a never-read shared word) before the PDL wait, which hides the misses
-// behind the previous kernel's tail instead of adding them to the first row's loads. One field in every 56
-// bytes of TopkArgs (topk_layout.hpp checks the offsets) meets every line whatever the bank's alignment.
-__device__ __forceinline__ uint32_t touch_args(const TopkArgs& a) {
-  return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(a.logits)) ^ static_cast<uint32_t>(reinterpret_cast<uintptr_t>(a.ke)) ^
-         static_cast<uint32_t>(reinterpret_cast<uintptr_t>(a.row_offset)) ^ static_cast<uint32_t>(a.values_stride);
-}
-
 // The (ks, ke) entries of row r.
 __device__ __forceinline__ void load_row_range(const TopkArgs& a, int64_t r, int& ks_v, int& ke_v) {
   const int g = a.range_next_n == 1 ? static_cast<int>(r) : static_cast<int>(r) / a.range_next_n;  // no division per row
