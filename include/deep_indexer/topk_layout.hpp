@@ -142,16 +142,7 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr unsigned mbar_offset() const {
     return recv_bins_offset() + num_passes() * kMaxCluster * kGroupBins * 4;  // 8-byte aligned
   }
-  // The row's vectors as loaded (lane-contiguous: coalesced) and read back by each thread as its
-  // vecs_per_thread() consecutive ones: threads * vecs_per_thread() 16-byte slots, one pad slot after every 8
-  // where vecs_per_thread() is a power of two (the read-back's 8-lane phases then hit 8 distinct bank groups).
-  DI_HOST_DEVICE constexpr bool stage_padded() const { return (vecs_per_thread() & (vecs_per_thread() - 1)) == 0; }
-  DI_HOST_DEVICE constexpr int stage_slot(int v) const { return stage_padded() ? v + v / 8 : v; }
-  DI_HOST_DEVICE constexpr unsigned stage_offset() const { return (mbar_offset() + 2 * num_passes() * 8 + 15u) / 16u * 16u; }
-  DI_HOST_DEVICE constexpr unsigned stage_bytes() const {
-    return vecs_per_thread() > 1 ? static_cast<unsigned>(stage_slot(threads * vecs_per_thread())) * 16u : 0u;
-  }
-  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return stage_offset() + stage_bytes(); }
+  DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
   // NOTES: launched with more than half an SM's shared memory (228 KiB on SM90, 1 KiB of it reserved per
   // CTA), so that the scheduler places one CTA per SM whatever the registers allow: a second CTA on an SM
   // would halve both rows' issue slots.

@@ -64,7 +64,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   uint32_t* recv_groups = reinterpret_cast<uint32_t*>(smem + L.recv_groups_offset());  // [kPasses][kMaxCluster][kGroups]
   uint32_t* recv_bins = reinterpret_cast<uint32_t*>(smem + L.recv_bins_offset());  // [kPasses][kMaxCluster][kGroupBins]
   uint64_t* mbar = reinterpret_cast<uint64_t*>(smem + L.mbar_offset());  // [2][kPasses]
-  uint4* stage = reinterpret_cast<uint4*>(smem + L.stage_offset());  // the row's vectors as loaded
   constexpr int kMaxC = TopkResidentLayout::kMaxCluster;
   constexpr int kGroupBins = TopkResidentLayout::kGroupBins;
 
@@ -109,24 +108,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
     uint4 raw[kVecs];
     auto load_vecs = [&](const uint4* vp, int nv) {
-#ifndef DI_TOPK_THREAD_LOADS
-      if constexpr (kVecs > 1) {
-        // NOTES: loaded lane-contiguous (each instruction reads whole lines; a thread's own consecutive
-        // vectors would spread an instruction over kVecs times the lines) and exchanged through shared memory
-        const int base = rank * kThreads * kVecs;
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u) {
-          const int v = base + u * kThreads + tid;
-          raw[u] = v < nv ? __ldg(vp + v) : make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u) stage[L.stage_slot(u * kThreads + tid)] = raw[u];
-        __syncthreads();  // the previous row's reads of `stage` ended before its first radix pass
-#pragma unroll
-        for (int u = 0; u < kVecs; ++u) raw[u] = stage[L.stage_slot(tid * kVecs + u)];
-        return;
-      }
-#endif
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) raw[u] = v0 + u < nv ? __ldg(vp + v0 + u) : make_uint4(0u, 0u, 0u, 0u);
     };
