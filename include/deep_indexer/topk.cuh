@@ -182,15 +182,13 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
   const int& k = a.k;  // read from the parameter bank where used (no register for the whole kernel)
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
   if (tid == 0) *count = 0;
   clear_words(hist, 2 * kBins);
   clear_words(plane_gt, 2 * TopkLayout::kWindowWords);
   row_sync();
-  // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
-  // its tail)
-  ptx::grid_dependency_wait();
   // DI_KERNEL_TRACE: thread 0's first row; marks 0 sample in, 1 threshold, 2 own filter done,
   // 3 survivors complete, 4 selection threshold, 5 emitted, 6 row end; 7 cycles in fallbacks
   Tracer tr;
