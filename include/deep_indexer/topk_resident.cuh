@@ -379,20 +379,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
       const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
       int* dst = out_row + base;  // advanced per store (no index arithmetic per store)
       const uint32_t c0 = static_cast<uint32_t>(col0) + add;
-#ifdef DI_TOPK_UNROLLED_STORES
-      uint32_t j = 0;
-#pragma unroll
-      for (int i = 0; i < kKeysPerThread; ++i) {
-        const uint32_t bit = (sel >> i) & 1u;
-        if (bit) dst[j] = static_cast<int>(c0 + static_cast<uint32_t>(i));
-        j += bit;
-      }
-#else
       while (sel != 0u) {
         *dst++ = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
         sel &= sel - 1u;
       }
-#endif
     } else {
       for (int j = 0; sel != 0u; ++j) {
         store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, base + j, col0 + __ffs(sel) - 1);
