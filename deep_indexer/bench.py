@@ -409,6 +409,37 @@ def decode_call(x: dict):
                                            x["block_table"], meta, x["max_context_len"], False)
 
 
+def fused_decode_call(x: dict, k: int):
+    """The fused decode op (metadata + logits + top-k) on decode_inputs `x` as the bench times it: the
+    schedule computed in every call, a workspace and output reused. Returns (call, workspace)."""
+    import deep_indexer as di
+
+    dev = x["q"].device
+    rows = x["q"].shape[0] * x["q"].shape[1]
+    block_kv = x["kv_cache"].shape[1]
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ws = di.topk_workspace(rows, x["max_context_len"], device=dev)
+    out = torch.empty(rows, k, dtype=torch.int32, device=dev)
+
+    def call():
+        meta = di.get_paged_mqa_logits_metadata(x["context_lens"], block_kv, num_sms)
+        return di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"],
+                                             meta, x["max_context_len"], k, workspace=ws, out=out)
+    return call, ws
+
+
+def fused_decode_case(spec: str, device) -> tuple:
+    """Inputs of a fused decode shape 'KF-<D1..D9>[:k]' (H = 64, D = 128, block 64, k = 2048 unless given)
+    and a call of the fused op on them (for the tools). Returns (x, k, call)."""
+    base, _, kk = spec[3:].partition(":")
+    if not spec.startswith("KF-") or base not in DECODE_SHAPES:
+        raise ValueError(f"fused decode shape must be KF-<D1..D9>[:k], got {spec!r}")
+    B, nn, avg, H = decode_shape(base)
+    x = decode_inputs(B, nn, avg, H, 128, 64, device)
+    k = int(kk) if kk else 2048
+    return x, k, fused_decode_call(x, k)[0]
+
+
 def run(args) -> dict:
     import deep_indexer as di
 
@@ -516,14 +547,7 @@ def run(args) -> dict:
                 B, nn, avg = DECODE_SHAPES[base]
                 x = decode_inputs(B, nn, avg, H, D, args.block_kv, device, seed=n)
                 num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-                ws = di.topk_workspace(B * nn, x["max_context_len"], device=device)
-                out = torch.empty(B * nn, k, dtype=torch.int32, device=device)
-
-                def fused(x=x, ws=ws, out=out, num_sms=num_sms, k=k):
-                    meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
-                    return di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
-                                                         x["block_table"], meta, x["max_context_len"], k,
-                                                         workspace=ws, out=out)
+                fused, ws = fused_decode_call(x, k)
 
                 def logits_only(x=x, ws=ws, num_sms=num_sms):
                     meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)

@@ -23,7 +23,6 @@ import statistics
 
 import torch
 
-import deep_indexer as di
 from deep_indexer import bench
 
 
@@ -69,20 +68,8 @@ def main() -> None:
         fused = sid.startswith("KF-")
         one_call = fused or sid in bench.TOPK_SHAPES or bench.is_prefill_shape(sid)  # else decode: a call per variant
         if fused:  # KF-<decode id>[:k]: the fused decode call with its metadata, as the bench times it
-            base, _, kk = sid[3:].partition(":")
-            B, nn, avg, H = bench.decode_shape(base)
-            x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
-            k = int(kk) if kk else 2048
-            what = f"fused decode B={B} next_n={nn} avg={avg} k={k}"
-            ws = di.topk_workspace(B * nn, x["max_context_len"], device=dev)
-            fused_out = torch.empty(B * nn, k, dtype=torch.int32, device=dev)
-            num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-
-            def run(x=x, ws=ws, out=fused_out, k=k, num_sms=num_sms):
-                meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64, num_sms)
-                return di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
-                                                     x["block_table"], meta, x["max_context_len"], k, workspace=ws,
-                                                     out=out)
+            x, k, run = bench.fused_decode_case(sid, dev)
+            what = f"fused decode {bench.DECODE_SHAPES[sid[3:].partition(':')[0]]} k={k}"
         elif sid in bench.TOPK_SHAPES:  # the standalone top-k on the bench's logits
             what = f"top-k {bench.TOPK_SHAPES[sid]}"
             run = bench.topk_run(bench.topk_case(sid, dev, seed=1))

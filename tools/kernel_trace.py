@@ -108,6 +108,11 @@ def show(a: dict) -> None:
                   f"exits (median/max) {a[role]['exit_after_first_start_ns']}")
 
 
+def pick(runs: list) -> dict:
+    """The run with the shortest span (the least disturbed)."""
+    return min(runs, key=lambda a: a.get("span_ns", 1e18))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="+")
@@ -118,25 +123,15 @@ def main() -> int:
     res = {}
     for sid in args.shapes:
         if sid.startswith("KF-"):  # fused decode: metadata, logits and top-k on one timeline
-            base, _, kk = sid[3:].partition(":")
-            B, nn, avg, H = bench.decode_shape(base)
-            x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
-            k = int(kk) if kk else 2048
-            ws = di.topk_workspace(B * nn, x["max_context_len"], device=dev)
-            num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-
-            def fused(x=x, ws=ws, k=k, num_sms=num_sms):
-                meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64, num_sms)
-                di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], x["context_lens"], x["block_table"],
-                                              meta, x["max_context_len"], k, workspace=ws)
+            _, k, fused = bench.fused_decode_case(sid, dev)
             capture(lambda: [fused() for _ in range(3)])
             runs = []
             for _ in range(5):
                 timer.flush_l2()
                 runs.append(analyse(capture(fused)))
-            best = min(runs, key=lambda a: a.get("span_ns", 1e18))
+            best = pick(runs)
             res[sid] = {"best": best, "spans_ns": [a.get("span_ns") for a in runs]}
-            print(f"== {sid} (B={B} next_n={nn} avg={avg} k={k}, metadata + logits + top-k): spans {res[sid]['spans_ns']} ns")
+            print(f"== {sid} (k={k}, metadata + logits + top-k): spans {res[sid]['spans_ns']} ns")
             show(best)
             continue
         if sid in bench.TOPK_SHAPES:
@@ -152,7 +147,6 @@ def main() -> int:
                 torch.sum(case["logits"], dim=1, out=torch.empty(case["logits"].shape[0], device=dev))
                 data_warm.append(analyse(capture(run)))
                 warm.append(analyse(capture(run)))  # code and data in L2 (and in the SMs' caches)
-            pick = lambda rs: min(rs, key=lambda a: a.get("span_ns", 1e18))
             best = pick(runs)
             res[sid] = {"best": best, "spans_ns": [a.get("span_ns") for a in runs], "data_warm": pick(data_warm),
                         "warm": pick(warm)}
@@ -181,7 +175,7 @@ def main() -> int:
             finally:
                 os.dup2(saved, 1)
                 os.close(saved)
-        best = min(runs, key=lambda a: a.get("span_ns", 1e18))
+        best = pick(runs)
         best["traced_event_us"] = us
         capture(run)
         best["warm"] = analyse(capture(run))  # no flush: everything it reads is in L2
