@@ -57,7 +57,7 @@ setup(
             sources=sources,
             include_dirs=[str(ROOT / "csrc"), str(ROOT / "include")] + cuda_include_dirs(),
             define_macros=[("FMT_HEADER_ONLY", None)],
-            extra_compile_args=["-O2", "-std=c++17", "-Wno-unused-function"],
+            extra_compile_args=["-O2", "-Wno-unused-function"],  # the C++ standard is torch's choice
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithHeaders},
