@@ -9,9 +9,9 @@ _PKG = pathlib.Path(__file__).resolve().parent
 
 
 def include_dir() -> pathlib.Path:
-    """Folder holding deep_indexer/*.cuh: inside the package when installed, else the repo's include/."""
+    """Folder holding the deep_indexer/<family>/*.cuh kernels: inside the package when installed, else the repo's include/."""
     for cand in (_PKG / "include", _PKG.parent / "include"):
-        if (cand / "deep_indexer" / "ptx.cuh").is_file():
+        if (cand / "deep_indexer" / "common" / "ptx.cuh").is_file():
             return cand
     raise RuntimeError(f"deep_indexer: kernel headers not found next to {_PKG}; reinstall the package")
 

@@ -216,7 +216,7 @@ def paged_mqa_logits(
 
 
 def split_relu_pieces(q_tilde: torch.Tensor, num_pieces: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' split_relu decomposition (include/deep_indexer/split_relu.cuh), for tests and study:
+    """The kernels' split_relu decomposition (include/deep_indexer/logits/split_relu.cuh), for tests and study:
     fp32 rows q~ [T, D] -> (pieces [num_pieces, T, D] float8_e4m3fn, scales [num_pieces, T] fp32) with
     q~ ~= sum_p scales[p, :, None] * pieces[p]. Piece p is e4m3(r_p / sigma_p) (saturating), r_0 = q~,
     r_{p+1} = r_p - sigma_p piece_p, sigma_p = max_d |r_p| / 448 (0 for an all-zero row)."""

@@ -25,7 +25,7 @@ def test_codegen_instantiates_the_template(isolated_cache):
     assert r["params"] == "clean_logits<float32>" and r["from_cache"] is False
     (entry,) = _entries(isolated_cache)
     src = (entry / "kernel.cu").read_text()
-    assert "#include <deep_indexer/clean_logits.cuh>" in src
+    assert "#include <deep_indexer/logits/clean_logits.cuh>" in src
     assert "&deep_indexer::clean_logits_kernel<4, 512>" in src
     meta = (entry / "meta.txt").read_text()
     assert "symbol=_ZN12deep_indexer19clean_logits_kernelILi4ELi512EEEvPvlliiPKiS3_" in meta
@@ -84,15 +84,15 @@ def test_key_covers_included_headers(tmp_path):
     import shutil
 
     shutil.copytree(ROOT / "include", inc)
-    src = "#include <deep_indexer/clean_logits.cuh>\n"
-    src_ptx = "#include <deep_indexer/ptx.cuh>\n"
+    src = "#include <deep_indexer/logits/clean_logits.cuh>\n"
+    src_ptx = "#include <deep_indexer/common/ptx.cuh>\n"
     old = _C.nvcc_path()  # noqa: F841  (resolve before switching folders)
     from deep_indexer._paths import cutlass_include_dir, include_dir
 
     try:
         _C.configure_jit(str(inc), "")
         k1, kp1 = _C.cache_key(src), _C.cache_key(src_ptx)
-        (inc / "deep_indexer" / "wgmma_fp8.cuh").write_text((inc / "deep_indexer" / "wgmma_fp8.cuh").read_text() + "\n// x\n")
+        (inc / "deep_indexer" / "common" / "wgmma_fp8.cuh").write_text((inc / "deep_indexer" / "common" / "wgmma_fp8.cuh").read_text() + "\n// x\n")
         k2, kp2 = _C.cache_key(src), _C.cache_key(src_ptx)
         assert k1 == k2  # clean_logits.cuh does not include wgmma_fp8.cuh
         assert kp1 != kp2  # ptx.cuh includes it

@@ -60,7 +60,7 @@ def make_rows(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generato
 
 
 # ------------------------------------------------------------------------------------ kernel emulation
-# Constants of include/deep_indexer/topk_layout.hpp (the emulation may shrink the buffer and the
+# Constants of include/deep_indexer/topk/topk_layout.hpp (the emulation may shrink the buffer and the
 # window to reach every path on short rows).
 THREADS, CAND_CAP, WINDOW = 512, 8192, 32768
 SAMPLE_MIN = THREADS * 8  # rows longer than this take the threshold sample

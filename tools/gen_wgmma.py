@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Generates include/deep_indexer/wgmma_fp8.cuh: fp8 (e4m3 x e4m3 -> f32) WGMMA m64nNk32
-wrappers, and include/deep_indexer/wgmma_bf16.cuh: bf16 (bf16 x bf16 -> f32) m64nNk16 wrappers
+"""Generates include/deep_indexer/common/wgmma_fp8.cuh: fp8 (e4m3 x e4m3 -> f32) WGMMA m64nNk32
+wrappers, and include/deep_indexer/common/wgmma_bf16.cuh: bf16 (bf16 x bf16 -> f32) m64nNk16 wrappers
 (both operands K-major), for every N that is a multiple of 8 up to 256, operands from shared memory;
-and include/deep_indexer/wgmma_bf16_rs.cuh: bf16 m64nNk16 with A from registers (4 x b32 per thread,
+and include/deep_indexer/common/wgmma_bf16_rs.cuh: bf16 m64nNk16 with A from registers (4 x b32 per thread,
 the mma.m16n8k16 A-fragment layout per warp) and B from shared memory, K-major (kTransB = false) or
 MN-major (kTransB = true), for the N in RS_NS.
 
@@ -87,11 +87,11 @@ def main():
     for kind in KINDS:
         header = HEADER.replace("{struct}", KINDS[kind][0])
         body = header + "\n".join(emit(n, kind) for n in range(8, 257, 8)) + "\n}  // namespace deep_indexer::ptx\n"
-        out = pathlib.Path(__file__).resolve().parent.parent / "include" / "deep_indexer" / f"wgmma_{kind}.cuh"
+        out = pathlib.Path(__file__).resolve().parent.parent / "include" / "deep_indexer" / "common" / f"wgmma_{kind}.cuh"
         out.write_text(body)
         print(f"wrote {out}")
     body = RS_HEADER + "\n".join(emit_rs(n, t) for n in RS_NS for t in (False, True)) + "\n}  // namespace deep_indexer::ptx\n"
-    out = pathlib.Path(__file__).resolve().parent.parent / "include" / "deep_indexer" / "wgmma_bf16_rs.cuh"
+    out = pathlib.Path(__file__).resolve().parent.parent / "include" / "deep_indexer" / "common" / "wgmma_bf16_rs.cuh"
     out.write_text(body)
     print(f"wrote {out}")
 

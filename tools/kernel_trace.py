@@ -4,7 +4,7 @@ DI_KERNEL_TRACE build.
     python3 tools/kernel_trace.py D1 D2 K-D2 K-P2 [--json FILE]
 
 The kernel is compiled with -DDI_KERNEL_TRACE (a separate JIT cache entry): every role prints its
-entry/exit %globaltimer and %clock64 marks (include/deep_indexer/trace.cuh):
+entry/exit %globaltimer and %clock64 marks (include/deep_indexer/common/trace.cuh):
     meta : 0 context_lens in (thread 0), 1 first scan done, 2 q, r known, 3 prefix sums stored, 4 own splits
            written, 5 after the chunk loop, 6 end
     q    : 0 after __syncthreads, 1 first sequence known (schedule + context_lens), 2 first q issued,

@@ -4,7 +4,7 @@
 #include <array>
 #include <climits>
 
-#include <deep_indexer/training_indexer_bwd_layout.hpp>
+#include <deep_indexer/training/training_indexer_bwd_layout.hpp>
 
 #include "../impls/training_logits.hpp"
 #include "../utils/checks.hpp"

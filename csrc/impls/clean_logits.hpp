@@ -12,7 +12,7 @@ struct CleanLogitsRuntime : jit::KernelRuntime<CleanLogitsRuntime> {
   };
 
   static const char* kernel_name() { return "clean_logits"; }
-  static const char* header() { return "deep_indexer/clean_logits.cuh"; }
+  static const char* header() { return "deep_indexer/logits/clean_logits.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("clean_logits<{}>", p.elem_bytes == 4 ? "float32" : "bfloat16");
   }

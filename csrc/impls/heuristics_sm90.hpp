@@ -7,9 +7,9 @@
 #include <set>
 #include <string>
 
-#include <deep_indexer/mqa_logits_layout.hpp>
-#include <deep_indexer/paged_mqa_logits_layout.hpp>
-#include <deep_indexer/topk_layout.hpp>
+#include <deep_indexer/logits/mqa_logits_layout.hpp>
+#include <deep_indexer/logits/paged_mqa_logits_layout.hpp>
+#include <deep_indexer/topk/topk_layout.hpp>
 
 #include "../jit/compiler.hpp"
 #include "../utils/env.hpp"

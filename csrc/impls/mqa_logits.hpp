@@ -1,4 +1,4 @@
-// Host side of the prefill kernel (include/deep_indexer/mqa_logits.cuh).
+// Host side of the prefill kernel (include/deep_indexer/logits/mqa_logits.cuh).
 #pragma once
 #include "../jit/kernel_runtime.hpp"
 #include "../jit/tma.hpp"
@@ -16,7 +16,7 @@ struct MqaLogitsRuntime : jit::KernelRuntime<MqaLogitsRuntime> {
   };
 
   static const char* kernel_name() { return "mqa_logits"; }
-  static const char* header() { return "deep_indexer/mqa_logits.cuh"; }
+  static const char* header() { return "deep_indexer/logits/mqa_logits.cuh"; }
   static std::string name(const Params& p) {
     const MqaLogitsLayout l = p.layout();
     return fmt::format("mqa_logits<H={},D={},wgs={},stages={},{}{}{}>", p.num_heads, p.head_dim, l.num_math_wgs(),

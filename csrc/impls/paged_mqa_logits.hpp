@@ -1,5 +1,5 @@
-// Host side of the decode kernels: the schedule (include/deep_indexer/paged_mqa_metadata.cuh) and
-// the paged logits (include/deep_indexer/paged_mqa_logits.cuh).
+// Host side of the decode kernels: the schedule (include/deep_indexer/logits/paged_mqa_metadata.cuh) and
+// the paged logits (include/deep_indexer/logits/paged_mqa_logits.cuh).
 #pragma once
 #include "../jit/kernel_runtime.hpp"
 #include "../jit/tma.hpp"
@@ -15,7 +15,7 @@ struct PagedMqaMetadataRuntime : jit::KernelRuntime<PagedMqaMetadataRuntime> {
     int threads() const { return small ? kPagedMqaMetadataSmallThreads : kPagedMqaMetadataThreads; }
   };
   static const char* kernel_name() { return "paged_mqa_logits_metadata"; }
-  static const char* header() { return "deep_indexer/paged_mqa_metadata.cuh"; }
+  static const char* header() { return "deep_indexer/logits/paged_mqa_metadata.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("paged_mqa_metadata<next_n={},{}>", p.next_n, p.small ? "small" : "any");
   }
@@ -49,7 +49,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
   };
 
   static const char* kernel_name() { return "paged_mqa_logits"; }
-  static const char* header() { return "deep_indexer/paged_mqa_logits.cuh"; }
+  static const char* header() { return "deep_indexer/logits/paged_mqa_logits.cuh"; }
   static std::string name(const Params& p) {
     const PagedMqaLogitsLayout l = p.layout();
     return fmt::format("paged_mqa_logits<next_n={},H={},D={},block={},stages={},wgs={},ctx{}d,{}{}{}>", p.next_n,

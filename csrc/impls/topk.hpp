@@ -4,7 +4,7 @@
 #include <array>
 #include <atomic>
 
-#include <deep_indexer/topk_layout.hpp>
+#include <deep_indexer/topk/topk_layout.hpp>
 
 #include "../jit/kernel_runtime.hpp"
 #include "heuristics_sm90.hpp"
@@ -36,7 +36,7 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   };
 
   static const char* kernel_name() { return "topk"; }
-  static const char* header() { return "deep_indexer/topk.cuh"; }
+  static const char* header() { return "deep_indexer/topk/topk.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("topk<{}, {}{}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
                        p.sorted ? "sorted" : "unsorted", p.cluster ? ", cluster" : "", p.wide ? ", wide" : "");
@@ -84,7 +84,7 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
   };
 
   static const char* kernel_name() { return "topk_resident"; }
-  static const char* header() { return "deep_indexer/topk_resident.cuh"; }
+  static const char* header() { return "deep_indexer/topk/topk_resident.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("topk_resident<{}, {} keys, {} threads{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
                        p.keys_per_thread, p.threads, p.cluster ? ", cluster" : "");

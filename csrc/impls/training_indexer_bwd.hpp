@@ -1,6 +1,6 @@
-// Host side of the indexer backward kernels (include/deep_indexer/training_indexer_bwd.cuh).
+// Host side of the indexer backward kernels (include/deep_indexer/training/training_indexer_bwd.cuh).
 #pragma once
-#include <deep_indexer/training_indexer_bwd_layout.hpp>
+#include <deep_indexer/training/training_indexer_bwd_layout.hpp>
 
 #include "../jit/kernel_runtime.hpp"
 #include "../jit/tma.hpp"
@@ -22,7 +22,7 @@ struct TrainingIndexerDkRuntime : jit::KernelRuntime<TrainingIndexerDkRuntime> {
     bool mask;
   };
   static const char* kernel_name() { return "training_indexer_dk"; }
-  static const char* header() { return "deep_indexer/training_indexer_bwd.cuh"; }
+  static const char* header() { return "deep_indexer/training/training_indexer_bwd.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("training_indexer_dk<D={},{}{}>", p.head_dim, p.loss ? "loss" : "grad", p.mask ? ",mask" : "");
   }
@@ -77,7 +77,7 @@ struct TrainingIndexerDqRuntime : jit::KernelRuntime<TrainingIndexerDqRuntime> {
     bool bf16_out;
   };
   static const char* kernel_name() { return "training_indexer_dq"; }
-  static const char* header() { return "deep_indexer/training_indexer_bwd.cuh"; }
+  static const char* header() { return "deep_indexer/training/training_indexer_bwd.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("training_indexer_dq<D={}{}{}>", p.head_dim, p.masked ? ",masked" : "", p.bf16_out ? ",bf16" : "");
   }

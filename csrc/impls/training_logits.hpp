@@ -1,6 +1,6 @@
-// Host side of the training kernel `training_logits_stats_kernel` (include/deep_indexer/training_logits.cuh).
+// Host side of the training kernel `training_logits_stats_kernel` (include/deep_indexer/training/training_logits.cuh).
 #pragma once
-#include <deep_indexer/training_logits_layout.hpp>
+#include <deep_indexer/training/training_logits_layout.hpp>
 
 #include "../jit/kernel_runtime.hpp"
 
@@ -20,7 +20,7 @@ struct TrainingLogitsStatsRuntime : jit::KernelRuntime<TrainingLogitsStatsRuntim
   };
 
   static const char* kernel_name() { return "training_logits_stats"; }
-  static const char* header() { return "deep_indexer/training_logits.cuh"; }
+  static const char* header() { return "deep_indexer/training/training_logits.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("training_logits_stats<H={},D={}>", p.num_heads, p.head_dim);
   }

@@ -1,6 +1,6 @@
-// Host side of the `per_head` warm-up loss kernels (include/deep_indexer/training_per_head.cuh).
+// Host side of the `per_head` warm-up loss kernels (include/deep_indexer/training/training_per_head.cuh).
 #pragma once
-#include <deep_indexer/training_per_head_layout.hpp>
+#include <deep_indexer/training/training_per_head_layout.hpp>
 
 #include "../jit/kernel_runtime.hpp"
 #include "../jit/tma.hpp"
@@ -30,7 +30,7 @@ struct TrainingPerHeadRowsRuntime : jit::KernelRuntime<TrainingPerHeadRowsRuntim
     bool bwd;
   };
   static const char* kernel_name() { return "training_per_head_rows"; }
-  static const char* header() { return "deep_indexer/training_per_head.cuh"; }
+  static const char* header() { return "deep_indexer/training/training_per_head.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("training_per_head_rows<Dqk={},D={},{}>", p.qk_dim, p.head_dim, p.bwd ? "bwd" : "fwd");
   }
@@ -75,7 +75,7 @@ struct TrainingPerHeadDkRuntime : jit::KernelRuntime<TrainingPerHeadDkRuntime> {
     int qk_dim, head_dim;
   };
   static const char* kernel_name() { return "training_per_head_dk"; }
-  static const char* header() { return "deep_indexer/training_per_head.cuh"; }
+  static const char* header() { return "deep_indexer/training/training_per_head.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("training_per_head_dk<Dqk={},D={}>", p.qk_dim, p.head_dim);
   }

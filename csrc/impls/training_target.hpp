@@ -1,7 +1,7 @@
-// Host side of `training_target_kernel` (include/deep_indexer/training_target.cuh): the head-mean
+// Host side of `training_target_kernel` (include/deep_indexer/training/training_target.cuh): the head-mean
 // attention target of the warm-up KL loss.
 #pragma once
-#include <deep_indexer/training_target_layout.hpp>
+#include <deep_indexer/training/training_target_layout.hpp>
 
 #include "../jit/kernel_runtime.hpp"
 #include "../jit/tma.hpp"
@@ -22,7 +22,7 @@ struct TrainingTargetRuntime : jit::KernelRuntime<TrainingTargetRuntime> {
   };
 
   static const char* kernel_name() { return "training_target"; }
-  static const char* header() { return "deep_indexer/training_target.cuh"; }
+  static const char* header() { return "deep_indexer/training/training_target.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("training_target<D={},cluster={}{}>", p.head_dim, p.cluster, p.lse_mode ? ",lse" : "");
   }

@@ -3,7 +3,7 @@
 //   struct Params;                                   // the kernel's compile-time parameters
 //   static std::string name(const Params&);          // e.g. "clean_logits<float>"
 //   static std::string instantiation(const Params&); // "&deep_indexer::kernel<...>" (address taken)
-//   static const char* header();                     // "deep_indexer/clean_logits.cuh"
+//   static const char* header();                     // "deep_indexer/logits/clean_logits.cuh"
 //   static unsigned smem_bytes(const Params&);       // dynamic shared memory per CTA
 // Code generation takes the kernel's address, which instantiates the template in the cubin.
 #pragma once

@@ -24,11 +24,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "radix_select.cuh"
-#include "topk_layout.hpp"
-#include "topk_row.cuh"
-#include "trace.cuh"
-#include "varlen.cuh"
+#include <deep_indexer/topk/radix_select.cuh>
+#include <deep_indexer/topk/topk_layout.hpp>
+#include <deep_indexer/topk/topk_row.cuh>
+#include <deep_indexer/common/trace.cuh>
+#include <deep_indexer/common/varlen.cuh>
 
 // -DDI_TOPK_DEBUG (through DI_JIT_EXTRA_FLAGS): device checks of the selection invariants (the JIT
 // builds with -DNDEBUG, so these trap instead of using assert).

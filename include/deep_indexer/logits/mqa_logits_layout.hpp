@@ -1,5 +1,5 @@
 // Launch geometry and shared-memory layout of the prefill kernel `mqa_logits_kernel`
-// (include/deep_indexer/mqa_logits.cuh). Plain C++17: usable from host code compiled by g++ (no
+// (include/deep_indexer/logits/mqa_logits.cuh). Plain C++17: usable from host code compiled by g++ (no
 // CUDA headers) and from device code (the kernel builds a constexpr instance from its template
 // parameters, so host and device agree on every number below).
 //
@@ -59,7 +59,7 @@
 //                      stages within 1% for H=64, D=128).
 #pragma once
 
-#include <deep_indexer/host_device.hpp>
+#include <deep_indexer/common/host_device.hpp>
 
 namespace deep_indexer {
 

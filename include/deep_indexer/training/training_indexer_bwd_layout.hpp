@@ -1,5 +1,5 @@
 // Launch geometry and shared-memory layout of the indexer backward kernels
-// (include/deep_indexer/training_indexer_bwd.cuh), H_I = 64 indexer heads, D_I = head_dim (64 or 128):
+// (include/deep_indexer/training/training_indexer_bwd.cuh), H_I = 64 indexer heads, D_I = head_dim (64 or 128):
 //   training_indexer_dk_kernel  key-major: a CTA owns 128 keys (64 per math warpgroup) and streams the
 //                               rows t of a row range whose key range meets them (one 64 x D_I tile of
 //                               q_I per row); dk_I partial per row range.
@@ -30,7 +30,7 @@
 //   barriers       full[s] 32 arrivals (producer warp) + the tile's bytes, empty[s] 8 (math warps).
 #pragma once
 
-#include <deep_indexer/host_device.hpp>
+#include <deep_indexer/common/host_device.hpp>
 
 namespace deep_indexer {
 

@@ -44,11 +44,11 @@
 #include <cuda_bf16.h>
 #include <type_traits>
 
-#include <deep_indexer/mqa_logits_layout.hpp>
-#include <deep_indexer/ptx.cuh>
-#include <deep_indexer/split_relu.cuh>
-#include <deep_indexer/wgmma_bf16.cuh>
-#include <deep_indexer/wgmma_fp8.cuh>
+#include <deep_indexer/logits/mqa_logits_layout.hpp>
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/logits/split_relu.cuh>
+#include <deep_indexer/common/wgmma_bf16.cuh>
+#include <deep_indexer/common/wgmma_fp8.cuh>
 
 namespace deep_indexer {
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cuda.h>
 
-#include <deep_indexer/wgmma_fp8.cuh>
+#include <deep_indexer/common/wgmma_fp8.cuh>
 
 #define DI_DEVICE __device__ __forceinline__
 

@@ -1,5 +1,5 @@
 // Launch geometry and shared-memory layout of `training_target_kernel`
-// (include/deep_indexer/training_target.cuh): the `mean` target of the warm-up KL loss,
+// (include/deep_indexer/training/training_target.cuh): the `mean` target of the warm-up KL loss,
 //   p[t, s] = inv_heads * sum_h exp(scale * q[t, h, :] . k[s, :] - lse[t, h])   for ks[t] <= s < ke[t],
 // with H = 128 attention heads and one key head (MQA). Plain C++17, shared by host (g++) and device code.
 //
@@ -21,7 +21,7 @@
 //   Registers       setmaxnreg: producer warpgroup kProducerRegs, math warpgroups kMathRegs.
 #pragma once
 
-#include <deep_indexer/host_device.hpp>
+#include <deep_indexer/common/host_device.hpp>
 
 namespace deep_indexer {
 

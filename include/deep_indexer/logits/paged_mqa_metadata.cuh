@@ -18,9 +18,9 @@
 #pragma once
 #include <cstdint>
 
-#include <deep_indexer/paged_mqa_logits_layout.hpp>
-#include <deep_indexer/ptx.cuh>
-#include <deep_indexer/trace.cuh>
+#include <deep_indexer/logits/paged_mqa_logits_layout.hpp>
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/common/trace.cuh>
 
 namespace deep_indexer {
 

@@ -1,5 +1,5 @@
 // Launch geometry and shared-memory layout of `training_logits_stats_kernel`
-// (include/deep_indexer/training_logits.cuh): per-row statistics of the bf16 indexer logits
+// (include/deep_indexer/training/training_logits.cuh): per-row statistics of the bf16 indexer logits
 //   I[t, s] = sum_h w[t, h] relu(q[t, h, :] . k[s, :])   for ks[t] <= s < ke[t].
 // Plain C++17, shared by host (g++) and device code.
 //
@@ -13,7 +13,7 @@
 //   smem_bytes()    offsets are from a 1024-byte-aligned base (one swizzle atom); + kAlign of slack.
 #pragma once
 
-#include <deep_indexer/host_device.hpp>
+#include <deep_indexer/common/host_device.hpp>
 
 namespace deep_indexer {
 

@@ -1,5 +1,5 @@
 // Shared-memory layout and launch configuration of the decode kernel `paged_mqa_logits_kernel`
-// (include/deep_indexer/paged_mqa_logits.cuh). Plain C++17: the host (g++, no CUDA headers) and
+// (include/deep_indexer/logits/paged_mqa_logits.cuh). Plain C++17: the host (g++, no CUDA headers) and
 // the device code (constexpr) read the same numbers from here.
 //
 // Host usage:
@@ -38,7 +38,7 @@
 //   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (+ pieces_full[2]) (uint64 mbarriers)
 #pragma once
 
-#include <deep_indexer/host_device.hpp>
+#include <deep_indexer/common/host_device.hpp>
 
 // Tokens per scheduled segment, a power of two >= 64. Experiment switch only (tools/ab.py): the metadata
 // kernel and the logits kernel must be built with the same value; the CPU reference assumes the default.

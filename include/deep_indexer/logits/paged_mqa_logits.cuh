@@ -65,11 +65,11 @@
 #include <cuda_bf16.h>
 #include <type_traits>
 
-#include <deep_indexer/paged_mqa_logits_layout.hpp>
-#include <deep_indexer/ptx.cuh>
-#include <deep_indexer/split_relu.cuh>
-#include <deep_indexer/trace.cuh>
-#include <deep_indexer/varlen.cuh>
+#include <deep_indexer/logits/paged_mqa_logits_layout.hpp>
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/logits/split_relu.cuh>
+#include <deep_indexer/common/trace.cuh>
+#include <deep_indexer/common/varlen.cuh>
 
 // L2 policy of the KV-cache TMA loads (read once per call).
 #ifndef DI_PAGED_MQA_KV_CACHE_HINT

@@ -1,5 +1,5 @@
 // Launch geometry and shared-memory layout of the `per_head` warm-up loss kernels
-// (include/deep_indexer/training_per_head.cuh): indexer head h against attention head h over 64-key tiles,
+// (include/deep_indexer/training/training_per_head.cuh): indexer head h against attention head h over 64-key tiles,
 // flash-attention style (query rows x keys of one head per WGMMA). Plain C++17, shared by host and device.
 //
 //   training_per_head_rows_kernel<kBwd>  row-major: a CTA owns 128 query rows (2 row tiles, one per math
@@ -19,7 +19,7 @@
 //   row-major kernel (which, like the forward, reads the rows' bounds and values from the caller's tensors).
 #pragma once
 
-#include <deep_indexer/host_device.hpp>
+#include <deep_indexer/common/host_device.hpp>
 
 namespace deep_indexer {
 

@@ -23,10 +23,10 @@
 #include <cuda_bf16.h>
 #include <type_traits>
 
-#include <deep_indexer/ptx.cuh>
-#include <deep_indexer/training_indexer_bwd.cuh>
-#include <deep_indexer/training_per_head_layout.hpp>
-#include <deep_indexer/wgmma_bf16.cuh>
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/training/training_indexer_bwd.cuh>
+#include <deep_indexer/training/training_per_head_layout.hpp>
+#include <deep_indexer/common/wgmma_bf16.cuh>
 
 namespace deep_indexer {
 

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "topk_layout.hpp"
+#include <deep_indexer/topk/topk_layout.hpp>
 
 namespace deep_indexer {
 namespace topk_detail {

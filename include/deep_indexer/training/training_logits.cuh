@@ -16,9 +16,9 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
-#include <deep_indexer/ptx.cuh>
-#include <deep_indexer/training_logits_layout.hpp>
-#include <deep_indexer/wgmma_bf16.cuh>
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/training/training_logits_layout.hpp>
+#include <deep_indexer/common/wgmma_bf16.cuh>
 
 namespace deep_indexer {
 

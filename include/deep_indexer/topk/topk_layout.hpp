@@ -2,7 +2,7 @@
 #pragma once
 #include <cstdint>
 
-#include "host_device.hpp"
+#include <deep_indexer/common/host_device.hpp>
 
 namespace deep_indexer {
 

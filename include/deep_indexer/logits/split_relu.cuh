@@ -14,8 +14,8 @@
 #pragma once
 #include <cstdint>
 
-#include <deep_indexer/host_device.hpp>
-#include <deep_indexer/ptx.cuh>
+#include <deep_indexer/common/host_device.hpp>
+#include <deep_indexer/common/ptx.cuh>
 
 namespace deep_indexer::split_relu {
 

@@ -34,10 +34,10 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <deep_indexer/ptx.cuh>
-#include <deep_indexer/training_indexer_bwd_layout.hpp>
-#include <deep_indexer/training_target.cuh>
-#include <deep_indexer/wgmma_bf16_rs.cuh>
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/training/training_indexer_bwd_layout.hpp>
+#include <deep_indexer/training/training_target.cuh>
+#include <deep_indexer/common/wgmma_bf16_rs.cuh>
 
 namespace deep_indexer {
 

@@ -19,12 +19,12 @@
 
 #include <cstdint>
 
-#include "ptx.cuh"
-#include "radix_select.cuh"
-#include "topk_layout.hpp"
-#include "topk_row.cuh"
-#include "trace.cuh"
-#include "varlen.cuh"
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/topk/radix_select.cuh>
+#include <deep_indexer/topk/topk_layout.hpp>
+#include <deep_indexer/topk/topk_row.cuh>
+#include <deep_indexer/common/trace.cuh>
+#include <deep_indexer/common/varlen.cuh>
 
 namespace deep_indexer {
 

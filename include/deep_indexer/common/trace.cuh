@@ -6,7 +6,7 @@
 #include <cstdio>
 #endif
 
-#include <deep_indexer/ptx.cuh>
+#include <deep_indexer/common/ptx.cuh>
 
 namespace deep_indexer {
 

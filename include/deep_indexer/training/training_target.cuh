@@ -22,9 +22,9 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <deep_indexer/ptx.cuh>
-#include <deep_indexer/training_target_layout.hpp>
-#include <deep_indexer/wgmma_bf16_rs.cuh>
+#include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/training/training_target_layout.hpp>
+#include <deep_indexer/common/wgmma_bf16_rs.cuh>
 
 namespace deep_indexer {
 
