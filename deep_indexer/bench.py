@@ -53,6 +53,8 @@ DECODE_SHAPES = {  # id: (B, next_n, avg context)
 VARLEN_SHAPES = {
     "V1": (64, 4, 32768),
 }
+# clean_logits alone: id: (rows, columns) of fp32 logits with random key ranges.
+CLEAN_SHAPES = {"C1": (4096, 131072)}
 
 
 # Top-k over fp32 logits (docs/topk.md): id: (rows, avg valid keys, pattern, k). "decode": row
@@ -145,25 +147,79 @@ def anchor_us(sid: str, heads: int, head_dim: int, logits_dtype: str, col: int):
 
 
 def source_commit() -> str:
-    """The commit measured: DI_BENCH_COMMIT when set (a copied tree's .git may be stale), else git's HEAD."""
+    """The commit measured, or "" when it cannot be known.
+
+    DI_BENCH_COMMIT when set (for a copied tree without its .git); else, when this package's folder is
+    part of a git checkout of deep_indexer (its parent folder is the work tree's root, as with
+    `pip install -e .`), that checkout's HEAD, with "+changes" when tracked files differ from it.
+    An installed copy (site-packages) has no commit to report: "".
+    """
     if os.environ.get("DI_BENCH_COMMIT"):
         return os.environ["DI_BENCH_COMMIT"]
+    pkg = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=pkg, timeout=10)
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode or os.path.realpath(top.stdout.strip()) != os.path.realpath(os.path.dirname(pkg)):
+            return ""  # not a checkout, or the package sits inside some other repository
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        if not head:
+            return ""
+        dirty = git("diff", "--quiet", "HEAD", "--").returncode == 1
+        return head + ("+changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
         return ""
 
 
+def default_output_dir() -> str:
+    """Where the bench writes its JSON and chart unless told: $XDG_CACHE_HOME/deep_indexer/bench
+    (default ~/.cache/deep_indexer/bench), beside the kernel cache but not in it."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deep_indexer", "bench")
+
+
+def shape_help() -> str:
+    """The shape ids, read from the tables above (for --help)."""
+    def nk(v):
+        return f"{v // 1024}K" if v % 1024 == 0 else str(v)
+
+    lines = ["shapes (H = 64, D = 128, fp32 logits, 64-token blocks unless --heads/--head-dim/... say otherwise):"]
+    lines += [f"  {i:<11} prefill: S={S}, SKV={SKV}, {'causal' if pat == 'causal' else 'context-parallel'}"
+              for i, (S, SKV, pat) in PREFILL_SHAPES.items()]
+    lines += [f"  {i:<11} {base} with compressed logits (max_seqlen_k = {m})" for i, (base, m) in COMPRESSED_SHAPES.items()]
+    lines += [f"  {i:<11} clean_logits on [{M}, {N}] fp32 logits, random key ranges" for i, (M, N) in CLEAN_SHAPES.items()]
+    lines += [f"  {i:<11} decode: B={B}, next_n={nn}, average context {avg}" for i, (B, nn, avg) in DECODE_SHAPES.items()]
+    lines += [f"  {i:<11} varlen decode: {B} requests x {nn} rows (indices), average context {avg}"
+              for i, (B, nn, avg) in VARLEN_SHAPES.items()]
+    lines += [f"  {i:<11} top-k: {rows} x ~{nk(avg)} keys ({pat} rows), k={k}" for i, (rows, avg, pat, k) in TOPK_SHAPES.items()]
+    lines += ["  " + " ".join(fused_topk_ids())]
+    lines += ["              logits + top-k in one call against the logits alone (KF-<shape>[:k], k = 2048 unless given)"]
+    lines += ["  groups: prefill, decode, clean, topk, fused_topk (default: prefill decode clean topk)",
+              "  custom: B:next_n:avg[:H] (decode), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill)"]
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", default=None, help="ids (P1..P5, P2c, D1..D9, V1, C1, K-* top-k, KF-* logits + top-k) or 'prefill'/'decode'/'clean'/'topk'/'fused_topk'")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = ("Times the benchmark shapes (cold L2, median of --iters CUDA-event timings of the whole call) "
+                     "next to the device's copy bandwidth and fp8 GEMM rate measured in the same run. Needs an SM90 GPU.")
+    p.epilog = (shape_help() + "\n\noutput: the table on stdout; JSON and a PNG chart in --out-dir (default "
+                "$XDG_CACHE_HOME/deep_indexer/bench, i.e. ~/.cache/deep_indexer/bench), named "
+                "<date>-<device>[-<commit>]; --json / --png PATH write exactly there, '' skips the file.")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="ID",
+                   help="shape ids or groups (listed below; default: prefill decode clean topk)")
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--logits-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--block-kv", type=int, default=64)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--json", default="bench.json", help="where to write the results")
-    p.add_argument("--png", default="bench.png", help="chart of the fraction of ceiling per shape ('' to skip)")
+    p.add_argument("--out-dir", default=None,
+                   help="folder for the JSON and chart (default: $XDG_CACHE_HOME/deep_indexer/bench)")
+    p.add_argument("--json", default=None, help="results file (default: in --out-dir; '' to skip)")
+    p.add_argument("--png", default=None, help="chart of the fraction of ceiling per shape (default: in --out-dir; '' to skip)")
     p.add_argument("--compare", default=None, help="an importable module with the same API, run side by side")
     p.add_argument("--no-ceilings", action="store_true", help="skip measuring the ceilings")
     p.add_argument("--no-kernel-time", action="store_true", help="skip the CUPTI kernel durations of decode shapes")
@@ -184,10 +240,10 @@ class Timer:
             raise ValueError(f"host_slack_us must be >= 0, got {host_slack_us}")
         props = torch.cuda.get_device_properties(device)
         self.flush = flush
-        # NOTES: a host slower than the flush (a loaded machine: the empty kernel measured 7-11 us
-        # instead of 3 on some) leaves the GPU idle between the start event and the timed kernel, and
-        # that idle time was counted (D4 160 vs 146 us, D1 20.7 vs 7.5 on one such machine); the slack
-        # covers it and changed nothing on a normal host (2026-11-22f). torch.cuda._sleep counts SM
+        # A host slower than the flush (a loaded machine: the empty kernel measured 7-11 us instead
+        # of 3 on some) leaves the GPU idle between the start event and the timed kernel, and that
+        # idle time was counted (D4 160 vs 146 us, D1 20.7 vs 7.5 on one such machine); the slack
+        # covers it and changed nothing on a normal host. torch.cuda._sleep counts SM
         # cycles: 2 GHz is above any Hopper clock, so the wait lasts at least host_slack_us.
         self.slack_cycles = int(host_slack_us * 2000)
         self.flush_buf = torch.ones(2 * props.L2_cache_size // 4 + 1024, dtype=torch.float32, device=device)
@@ -457,7 +513,7 @@ def run(args) -> dict:
     ids = []
     for s in wanted:
         ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES) + list(VARLEN_SHAPES),
-                "clean": ["C1"],
+                "clean": list(CLEAN_SHAPES),
                 "topk": list(TOPK_SHAPES), "fused_topk": fused_topk_ids()}.get(s, [s])
     print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
     ceil = {} if args.no_ceilings else measure_ceilings(timer, device)
@@ -514,15 +570,15 @@ def run(args) -> dict:
             if not args.no_kernel_time:
                 kernel_time.append((r, lambda call=call: call(di), meta_call))
             del x
-        elif sid == "C1":
-            M, N = 4096, 131072
+        elif sid in CLEAN_SHAPES:
+            M, N = CLEAN_SHAPES[sid]
             logits = torch.randn(M, N, device=device)
             ks = torch.randint(0, N // 2, (M,), device=device, dtype=torch.int32)
             ke = (ks + torch.randint(0, N // 2, (M,), device=device, dtype=torch.int32)).to(torch.int32)
             written = int((N - (ke - ks).clamp(min=0)).sum()) * 4
             us = timer(lambda: di.clean_logits(logits, ks, ke), args.iters)
             gbps = written / us / 1e3
-            r = {"id": "C1", "kind": "clean_logits", "shape": f"[{M}, {N}] float32, random ranges",
+            r = {"id": sid, "kind": "clean_logits", "shape": f"[{M}, {N}] float32, random ranges",
                  "us": us, "GBps": gbps, "fraction_of_ceiling": gbps / ceil["copy_GBps"] if ceil else None}
             del logits
         elif sid in TOPK_SHAPES:
@@ -564,7 +620,7 @@ def run(args) -> dict:
                 shape = f"S={S} SKV={SKV} {pat} H={H} D={D} k={k}"
             else:
                 raise SystemExit(f"bench: unknown shape id '{sid}'")
-            # NOTES: timed in turn: the fused call first and the logits after it (as before) favoured the
+            # Timed in turn: the fused call first and the logits after it (as before) favoured the
             # logits alone, which ran on a GPU already at its power cap (P2: 1.16x instead of 1.26-1.39x)
             us, base_us = timer.alternated([fused, logits_only], args.iters)
             r = {"id": sid, "kind": "fused_topk", "shape": shape, "us": us, "logits_us": base_us,
@@ -625,18 +681,35 @@ def draw(res: dict, path: str) -> None:
            color=["tab:blue" if r["kind"] == "prefill" else "tab:orange" for r in rs])
     ax.set_ylabel("fraction of measured ceiling")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"deep_indexer on {res['device']} ({res['commit']})")
+    ax.set_title(f"deep_indexer on {res['device']}" + (f" ({res['commit']})" if res.get("commit") else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def output_paths(res: dict, args) -> tuple:
+    """(json path, png path) of a run; '' where the file is skipped (see add_arguments)."""
+    stem = "-".join(x for x in (res["date"], "".join(c if c.isalnum() else "_" for c in res["device"]).strip("_"),
+                                res.get("commit", "")) if x)
+    out_dir = args.out_dir or default_output_dir()
+    paths = []
+    for value, ext in ((getattr(args, "json", None), "json"), (getattr(args, "png", None), "png")):
+        paths.append(os.path.join(out_dir, f"{stem}.{ext}") if value is None else value)
+    return tuple(paths)
 
 
 def main(args) -> int:
     res = run(args)
     print_table(res)
-    if args.json:
-        with open(args.json, "w") as f:
+    json_path, png_path = output_paths(res, args)
+    for path in (json_path, png_path):
+        if path and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.png:
-        draw(res, args.png)
+        print(f"wrote {json_path}")
+    if png_path:
+        draw(res, png_path)
+        if os.path.exists(png_path):
+            print(f"wrote {png_path}")
     return 0
