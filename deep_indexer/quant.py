@@ -456,7 +456,11 @@ def fp4_to_float(codes: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = tor
     """
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
-    c, exps = _fp4_inputs(codes, sf)
+    return _fp4_dequant(*_fp4_inputs(codes, sf), dtype)
+
+
+def _fp4_dequant(c: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Validated (codes uint8 [..., D / 2], exponents int32 [..., D / 32]) -> dequantized [..., D] in dtype."""
     vals = _code_values(_unpack_codes(c), torch.float64)
     scale = torch.pow(2.0, (exps - 127).to(torch.float64))
     out = vals.unflatten(-1, (exps.shape[-1], FP4_GROUP)) * scale.unsqueeze(-1)
