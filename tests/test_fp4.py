@@ -559,3 +559,26 @@ def test_fold_span_limits():
     assert ex.item() and base.item() == 244
     q = quant.per_token_cast_to_fp4(torch.randn(5, 64) * 1e20)
     assert _fold_check(*q)[2].all()
+
+
+@pytest.mark.parametrize("accum", [torch.float64, torch.float32])
+def test_fold_gives_the_fp4_logits_through_the_fp8_path(accum):
+    """The SM90 plan end to end: folded e4m3 q/k, k's base exponent as the fp32 k_scale and q's per-head base
+    folded into the weights give the FP4 logits bit for bit through the FP8 reference."""
+    s_len, h, d, skv = 9, 16, 128, 300
+    q = torch.randn(s_len, h, d) * torch.exp(torch.randn(s_len, h, 1) * 2)
+    k = torch.randn(skv, d) * torch.exp(torch.randn(skv, 1) * 2)
+    q[..., 7] *= 25
+    k[:, 7] *= 25
+    w = torch.randn(s_len, h)
+    q4, k4 = quant.per_token_cast_to_fp4(q), quant.per_token_cast_to_fp4(k)
+    qv, qb, qe = quant.fp4_to_e4m3_folded(*q4)
+    kv, kb, ke = quant.fp4_to_e4m3_folded(*k4)
+    assert qe.all() and ke.all()
+    ks = torch.zeros(s_len, dtype=torch.int32)
+    kend = torch.full((s_len,), skv, dtype=torch.int32)
+    want = reference.mqa_logits(q4, k4, w, ks, kend, accum_dtype=accum)
+    k_scale = torch.pow(2.0, (kb - 127).double()).float()
+    w_folded = (w.double() * torch.pow(2.0, (qb - 127).double())).float()
+    got = reference.mqa_logits(qv, (kv, k_scale), w_folded, ks, kend, accum_dtype=accum)
+    assert torch.equal(got, want)
