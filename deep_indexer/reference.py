@@ -17,6 +17,7 @@ import math
 import torch
 
 from .quant import FP8, _check, _check_int, _kv_cache_views
+from .quant import _fp4_dequant, _fp4_inputs
 
 __all__ = ["mqa_logits", "paged_mqa_logits", "clean_logits", "paged_mqa_logits_metadata", "topk_indices", "topk_keys"]
 
@@ -111,7 +112,14 @@ def mqa_logits(
     -inf elsewhere (always, clean_logits only validated). Compressed (max_seqlen_k = M > 0): column c
     of row i holds key lo_i + c for c < min(hi_i - lo_i, M) (a longer row keeps its first M keys),
     -inf after. chunk = query rows per chunk (None: auto).
+
+    FP4 inputs (DeepGEMM's fp4 form, deep_indexer.quant.per_token_cast_to_fp4): q = (codes [S, H, D / 2]
+    uint8/int8, sf [S, H] int32), kv = (codes [SKV, D / 2], sf [SKV] int32); both sides are dequantized
+    (codes x 2^(e - 127), exact in accum_dtype barring fp32 overflow) and the same logits are computed.
     """
+    if _is_fp4_q(q):  # FP4 inputs: q = (codes, sf), kv = (codes, sf)
+        return _mqa_logits_fp4(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
+                               max_seqlen_k, logits_dtype, accum_dtype, chunk)
     _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
     _check_int("max_seqlen_k", max_seqlen_k, min_value=0)
     q = _check("q", q, dtypes=(FP8,), ndim=3)
@@ -163,7 +171,13 @@ def paged_mqa_logits(
     indices (varlen): int32 [R] request id per q row (q [R, 1, H, D], context_lens [R] or [R, 1]).
     A run of equal consecutive ids is one request; each of its rows reads the block-table row of
     the run's first row and sees keys j < context_lens[r].
+
+    FP4 inputs: q = (codes [B, next_n, H, D / 2] uint8/int8, sf [B, next_n, H] int32) with an FP4 cache
+    uint8 [num_blocks, block_kv, 1, D / 2 + 4] (deep_indexer.quant.pack_paged_kv_cache_fp4); dequantized.
     """
+    if _is_fp4_q(q):  # FP4 inputs: q = (codes, sf), FP4 cache
+        return _paged_mqa_logits_fp4(q, kv_cache, weights, context_lens, block_table, max_context_len,
+                                     clean_logits, logits_dtype, accum_dtype, chunk, indices)
     _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
     q = _check("q", q, dtypes=(FP8,), ndim=4)
     b_sz, next_n, heads, d = q.shape
@@ -212,6 +226,98 @@ def paged_mqa_logits(
         rows = slice(b * next_n, (b + 1) * next_n)
         _weighted_relu_into(out[rows], q[b], k, scale.view(-1), w[rows], zero, ends[b],
                             accum_dtype, chunk)
+    return out
+
+
+# ------------------------------------------------------------------------------------ FP4 inputs
+def _is_fp4_q(q: object) -> bool:
+    """q given as (codes, sf) with sf a tensor: DeepGEMM's FP4 form."""
+    return isinstance(q, (tuple, list)) and len(q) == 2 and isinstance(q[1], torch.Tensor)
+
+
+def _fp4_operand(name: str, x: object, ndim: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """(codes [..., D / 2] uint8/int8, sf [...] int32) named `name` -> dequantized [..., D] in dtype."""
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise TypeError(f"{name}: expected a tuple (codes, sf) of FP4 codes and int32 scale words, got "
+                        f"{type(x).__name__}" + (f" of length {len(x)}" if isinstance(x, (tuple, list)) else ""))
+    codes = _check(f"{name}[0] (codes)", x[0], ndim=ndim, device=device)
+    c, exps = _fp4_inputs(codes, x[1], f"{name}[0] (codes)", f"{name}[1] (sf)")
+    return _fp4_dequant(c, exps, dtype)
+
+
+def _mqa_logits_fp4(q, kv, weights, ks_in, ke_in, clean_logits, max_seqlen_k, logits_dtype, accum_dtype, chunk):
+    """mqa_logits on FP4 inputs: dequantize q and k, then the same computation (k_scale = 1)."""
+    _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
+    _check_int("max_seqlen_k", max_seqlen_k, min_value=0)
+    qd = _fp4_operand("q", q, 3, accum_dtype)
+    s_len, heads, d = qd.shape
+    if heads < 1:
+        raise ValueError(f"q[0] (codes): expected shape [S, H >= 1, D / 2], got {list(q[0].shape)}")
+    dev = qd.device
+    kd = _fp4_operand("kv", kv, 2, accum_dtype, dev)
+    if kd.shape[1] != d:
+        raise ValueError(f"kv[0] (codes): expected shape [*, {d // 2}] (D = {d} from q), got {list(kv[0].shape)}")
+    skv = kd.shape[0]
+    w = _check("weights", weights, dtypes=(torch.float32, torch.bfloat16), shape=(s_len, heads), device=dev)
+    ks = _check("cu_seq_len_k_start", ks_in, dtypes=(torch.int32,), shape=(s_len,), device=dev)
+    ke = _check("cu_seq_len_k_end", ke_in, dtypes=(torch.int32,), shape=(s_len,), device=dev)
+    out = torch.full((s_len, max_seqlen_k or skv), _NEG_INF, dtype=logits_dtype, device=dev)
+    start = ks.cpu().long().clamp_min(0)
+    end = ke.cpu().long().clamp(0, skv)
+    if max_seqlen_k:
+        end = torch.minimum(end, start + max_seqlen_k)
+    ones = torch.ones(skv, dtype=accum_dtype, device=dev)
+    _weighted_relu_into(out, qd, kd, ones, w, start, end, accum_dtype, chunk, compressed=max_seqlen_k > 0)
+    return out
+
+
+def _paged_mqa_logits_fp4(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits,
+                          logits_dtype, accum_dtype, chunk, indices):
+    """paged_mqa_logits on FP4 inputs: q (codes, sf) and an FP4 paged cache, dequantized per sequence."""
+    _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
+    qd = _fp4_operand("q", q, 4, accum_dtype)
+    b_sz, next_n, heads, d = qd.shape
+    if next_n < 1 or heads < 1:
+        raise ValueError(f"q[0] (codes): expected shape [B, next_n >= 1, H >= 1, D / 2], got {list(q[0].shape)}")
+    dev = qd.device
+    k_bytes, s_bytes = _kv_cache_views(kv_cache, fp4=True)
+    nb, bkv, c_kv = k_bytes.shape
+    if 2 * c_kv != d or kv_cache.device != dev:
+        raise ValueError(f"kv_cache: expected an FP4 cache of shape [*, *, 1, {d // 2 + 4}] (D / 2 + 4) on {dev}, "
+                         f"got {list(kv_cache.shape)} on {kv_cache.device}")
+    w = _check("weights", weights, dtypes=(torch.float32,), shape=(b_sz * next_n, heads), device=dev)
+    ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=dev)
+    if tuple(ctx.shape) not in ((b_sz,), (b_sz, next_n)):
+        raise ValueError(f"context_lens: expected shape [{b_sz}] or [{b_sz}, {next_n}], got {list(ctx.shape)}")
+    bt = _check("block_table", block_table, dtypes=(torch.int32,), shape=(b_sz, None), device=dev)
+    mcl = _check_int("max_context_len", max_context_len, min_value=0)
+    if indices is not None and next_n != 1:
+        raise ValueError(f"q: expected shape [R, 1, H, D] with indices (varlen), got {list(q[0].shape)}")
+    bt_row = _table_rows(b_sz, 1, indices, dev)
+    ctx_c = ctx.cpu().long()
+    ends = ctx_c.unsqueeze(1) - next_n + 1 + torch.arange(next_n) if ctx_c.dim() == 1 else ctx_c
+    ends = ends.clamp(0, mcl)
+    bt_c = bt.cpu()
+    out = torch.full((b_sz * next_n, mcl), _NEG_INF, dtype=logits_dtype, device=dev)
+    zero = torch.zeros(next_n, dtype=torch.long)
+    for b in range(b_sz):
+        n_tok = int(ends[b].max())
+        if n_tok == 0:
+            continue
+        n_blk = math.ceil(n_tok / bkv)
+        if n_blk > bt.shape[1]:
+            raise ValueError(f"block_table: sequence {b} needs {n_blk} blocks, got only {bt.shape[1]} columns")
+        ids = bt_c[bt_row[b], :n_blk]
+        if bool(((ids < 0) | (ids >= nb)).any()):
+            raise ValueError(f"block_table: row {bt_row[b]} expected entries in [0, {nb}) for its first "
+                             f"{n_blk} blocks, got {ids.tolist()}")
+        ids = ids.long().to(dev)
+        codes = k_bytes.index_select(0, ids).reshape(n_blk * bkv, c_kv)[:n_tok]
+        words = s_bytes.index_select(0, ids).reshape(n_blk * bkv, 4)[:n_tok].contiguous().view(torch.int32)
+        k = _fp4_dequant(*_fp4_inputs(codes, words.view(-1)), accum_dtype)
+        ones = torch.ones(n_tok, dtype=accum_dtype, device=dev)
+        rows = slice(b * next_n, (b + 1) * next_n)
+        _weighted_relu_into(out[rows], qd[b], k, ones, w[rows], zero, ends[b], accum_dtype, chunk)
     return out
 
 
