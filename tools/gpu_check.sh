@@ -2,7 +2,8 @@
 # One iteration on the GPU machine (run from the repo root through the device tool):
 # install carried wheels, build the extension, precompile, run the GPU tests, the benchmark and
 # the host-overhead / cache-reuse probes. Logs and JSON go to $OUT (default ./.out).
-#   tools/gpu_check.sh [all|tests|bench|build] [PYTEST_K] [BENCH_SHAPES...]   (build: the install and build only)
+#   tools/gpu_check.sh [all|tests|bench|sanitize|build] [PYTEST_K] [BENCH_SHAPES...]   (build: the install and build only;
+#   sanitize: tools/sanitize_check.sh on the build, memcheck / racecheck / synccheck over a tiny case of every op)
 # env: PRECOMPILE=0 skips the full precompile, TESTS=files, MAXFAIL=n, TEST_TIMEOUT=s
 set -uo pipefail
 MODE=${1:-all}
@@ -54,4 +55,10 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   log "host overhead + cache reuse"
   python3 tools/host_overhead.py --json "$OUT/overhead.json" 2>&1 | tee -a "$OUT/gpu.log"
 fi
+if [ "$MODE" = all ] || [ "$MODE" = sanitize ]; then
+  log "sanitize"
+  BUILD=0 bash tools/sanitize_check.sh 2>&1 | tee -a "$OUT/gpu.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
+fi
 log "done"
+exit ${STATUS:-0}

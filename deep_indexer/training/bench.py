@@ -34,8 +34,7 @@ def _timer(dev):
     if dev.type == "cuda":
         def run(fn, iters, reps=3):
             # the median over `iters` samples, each the mean of `reps` back-to-back calls (so host work overlaps the
-            # previous call's kernels, as in a training step), after two warm-ups: the mean of a single sample let one
-            # stalled call (seen on the first case of a run) decide the result
+            # previous call's kernels, as in a training step), after two warm-ups: one stalled call cannot decide it
             for _ in range(2):
                 fn()
             torch.cuda.synchronize()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _C
 from ..reference import row_chunks
 
 _CHUNK_BYTES = 1 << 30  # one [rows, N] fp32 chunk buffer (the backward holds two)
@@ -86,8 +87,6 @@ def per_head_unsupported(q_i, k_i, q, k) -> str | None:
         return f"needs an SM90 (Hopper) CUDA device, got {q_i.device}"
     if any(x.dtype != torch.bfloat16 for x in (q_i, k_i, q, k)):
         return f"needs bfloat16 q_I, k_I, q and k, got {q_i.dtype}, {k_i.dtype}, {q.dtype} and {k.dtype}"
-    from .. import _C
-
     if not _C.training_per_head_supported(q.shape[2], q_i.shape[2]):
         return (f"per_head supports indexer dim 64 with attention dims 64, 128 or 192, got indexer dim "
                 f"{q_i.shape[2]} and attention dim {q.shape[2]}")
@@ -127,8 +126,6 @@ def _chunk_buffer(rc: int, n_keys: int, device) -> torch.Tensor:
 
 
 def _common(q_i, k_i, w, ks, ke):
-    from .. import _C
-
     return (_C, q_i.contiguous(), k_i.contiguous(), w.float().contiguous(), ks.int().contiguous(),
             ke.int().contiguous())
 
@@ -166,8 +163,6 @@ def _target(_C, q, k, lse, ks32, ke32, p, plogp, mass, r0, r1, scale, inv_heads)
 def attention_lse(q, k, scale, ks, ke):
     """lse [T, H] fp32 of the attention logits over each row's valid keys (-inf for an empty row), on the target
     kernel's structure (an online max / sum per (row, head)): for callers that pass no attn_lse."""
-    from .. import _C
-
     q, k = q.contiguous(), k.contiguous()
     ks32, ke32 = ks.int().contiguous(), ke.int().contiguous()
     heads = q.shape[1]

@@ -22,17 +22,10 @@ import torch
 from torch import Tensor
 
 from . import reference as ref
+from .core import (_bounds, _cast, _check_indices, _detached, _index_pair, _sm90_logits, attention_lse,
+                   logits_backward, warmup_backward, warmup_forward)
 
 _LIB = "deep_indexer"
-
-
-def _detached(*ts):
-    """See ops._detached: the compute sees inputs without requires_grad (torch.matmul's algorithm depends on it)."""
-    return tuple(None if t is None else t.detach() for t in ts)
-
-
-def _cast(g: Tensor, like: Tensor) -> Tensor:
-    return g.to(like.dtype)
 
 
 def _cpu_empty(rows) -> Tensor:
@@ -53,8 +46,6 @@ def training_bounds(like: Tensor, n_keys: int, ks: Optional[Tensor], ke: Optiona
                     cu_seqlens: Optional[Tensor], causal: bool,
                     token_mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Validated int64 bounds of `like.shape[0]` rows on like's device and on the CPU (masked rows emptied)."""
-    from .ops import _bounds, _index_pair
-
     ks_d, ke_d, ks_c, ke_c = _bounds(like.shape[0], n_keys, like.device, ks, ke, cu_seqlens, causal)
     if token_mask is not None:
         mask, mask_cpu = _index_pair("token_mask", token_mask, like.device)
@@ -77,8 +68,6 @@ def _(like, n_keys, ks, ke, cu_seqlens, causal, token_mask):
 def training_attention_lse(q: Tensor, k: Tensor, scale: float, ks: Tensor, ke: Tensor, ks_cpu: Tensor,
                            ke_cpu: Tensor, chunk_rows: Optional[int] = None,
                            chunk_keys: Optional[int] = None, backend: str = "torch") -> Tensor:
-    from .ops import attention_lse
-
     return attention_lse(q, k, scale, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend)
 
 
@@ -93,8 +82,6 @@ def indexer_logits_fwd(q_i: Tensor, k_i: Tensor, w: Tensor, ks: Tensor, ke: Tens
                        chunk_rows: Optional[int] = None, chunk_keys: Optional[int] = None,
                        backend: str = "torch") -> Tensor:
     if backend == "sm90":
-        from .ops import _sm90_logits
-
         return _sm90_logits(q_i, k_i, w, ks, ke)
     q_i, k_i, w = _detached(q_i, k_i, w)
     return ref.indexer_logits_fwd(q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys)
@@ -111,8 +98,6 @@ def indexer_logits_bwd(grad: Tensor, q_i: Tensor, k_i: Tensor, w: Tensor, ks: Te
                        ke_cpu: Tensor, chunk_rows: Optional[int] = None, chunk_keys: Optional[int] = None,
                        backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(dq_I, dk_I, dw) in the inputs' dtypes."""
-    from .ops import logits_backward
-
     grad, q_i, k_i, w = _detached(grad, q_i, k_i, w)
     dq, dk, dw = logits_backward(grad, q_i, k_i, w, ks, ke, ks_cpu, ke_cpu, chunk_rows, chunk_keys, backend)
     return _cast(dq, q_i), _cast(dk, k_i), _cast(dw, w)
@@ -145,8 +130,6 @@ def indexer_kl_loss_fwd(q_i: Tensor, k_i: Tensor, w: Tensor, q: Tensor, k: Tenso
                         partial: bool, chunk_rows: Optional[int] = None,
                         chunk_keys: Optional[int] = None, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(per_token loss [T], indexer_lse, target_mass) in the accumulation dtype."""
-    from .ops import warmup_forward
-
     q_i, k_i, w, q, k, lse_att = _detached(q_i, k_i, w, q, k, lse_att)
     return warmup_forward(q_i, k_i, w, q, k, scale, lse_att, ks, ke, ks_cpu, ke_cpu, per_head, total_heads, partial,
                           chunk_rows, chunk_keys, backend)
@@ -170,8 +153,6 @@ def indexer_kl_loss_bwd(grad: Tensor, q_i: Tensor, k_i: Tensor, w: Tensor, q: Te
                         scale: float, per_head: bool, total_heads: int, chunk_rows: Optional[int] = None,
                         chunk_keys: Optional[int] = None, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor]:
     """(dq_I, dk_I, dw) in the inputs' dtypes for the per-token loss gradient grad [T]."""
-    from .ops import warmup_backward
-
     grad, q_i, k_i, w, q, k, lse_att = _detached(grad, q_i, k_i, w, q, k, lse_att)
     dq, dk, dw = warmup_backward(grad, q_i, k_i, w, q, k, scale, lse_att, lse_i, mass, ks, ke, ks_cpu, ke_cpu,
                                  per_head, total_heads, chunk_rows, chunk_keys, backend)
@@ -211,8 +192,6 @@ def sparse_indexer_kl_loss_fwd(q_i: Tensor, k_i: Tensor, w: Tensor, q: Tensor, k
     With `check_indices`, validates idx first (range [-1, N), distinct keys per row: reads idx on the host).
     `deterministic` is for the backward (the k_I scatter)."""
     if check_indices:
-        from .ops import _check_indices
-
         _check_indices(idx, k_i.shape[0])
     q_i, k_i, w, q, k, lse_att = _detached(q_i, k_i, w, q, k, lse_att)
     return ref.sparse_kl_fwd(q_i, k_i, w, q, k, scale, lse_att, idx, ks, ke, per_head, total_heads, partial,

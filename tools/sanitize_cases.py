@@ -1,0 +1,407 @@
+"""One tiny case of every op, for compute-sanitizer (tools/sanitize_check.sh), and the parser of its reports.
+
+    python tools/sanitize_cases.py [--only NAME ...] [--list]      run the cases (CUDA, SM90)
+    python tools/sanitize_cases.py --parse LOG --tool TOOL         one line per case: clean / N reports;
+                                                                   exit 1 on a report not in SUPPRESSIONS
+
+Each case prints "@@case NAME" before its calls and synchronizes after them, so every report the sanitizer
+prints (memcheck at the launch or synchronization that finds it, racecheck / synccheck at the kernel's end)
+lands in its case's section of the log. The shapes are the smallest that still reach each kernel's paths
+(several pipeline stages, several CTAs, rows with no key): a sanitizer run costs ~100x the kernel time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+# (tool, pattern over a report's text, why it is not a bug). A report is suppressed when the pattern matches
+# it; keep each entry as narrow as the explanation.
+#
+# The training kernels' stage release: each consumer lane reads the stage (a header, per-row values, a partial
+# sum), then __syncwarp() and lane 0 alone arrives on the stage's "empty" mbarrier (count: one per warp); the
+# producer waits on it and refills the stage (generic stores, or cp.async.bulk in training_per_head_dk). Ordered:
+# bar.warp.sync orders every lane's reads before lane 0's mbarrier.arrive (release.cta, cumulative), and the
+# producer's try_wait (acquire) returns only after that arrival, so the refill follows every read. racecheck does
+# not carry the __syncwarp hand-off into the arrival and reports each read against the next item's writes (WAR):
+# tools/sanitize_repro.cu reproduces it in 80 lines (warp_arrive / warp_arrive_bulk reported, the same kernels
+# with every lane arriving clean; H200, compute-sanitizer racecheck). Every racecheck report of these kernels at
+# 39acb5e is this pair (reads: training_indexer_bwd.cuh make_ds / wait_item, training_per_head.cuh header and
+# RowInfo reads, training_target.cuh reducer sum; writes: the producer's fill of the same stage one ring turn later).
+_STAGE_RELEASE = "lane reads, __syncwarp, lane-0 arrive on the stage's empty mbarrier (tools/sanitize_repro.cu)"
+SUPPRESSIONS: list[tuple[str, str, str]] = [
+    ("racecheck", r"training_indexer_dk_kernel<.*training_indexer_bwd\.cuh", _STAGE_RELEASE),
+    ("racecheck", r"training_per_head_dk_kernel<.*training_per_head\.cuh", _STAGE_RELEASE),
+    ("racecheck", r"training_target_kernel<.*training_target\.cuh:\d+.*training_target\.cuh", _STAGE_RELEASE),
+]
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def _env(**kv):
+    """Sets the DI_* switches of one call (None: unset); returns the old values for _restore."""
+    old = {k: os.environ.get(k) for k in kv}
+    for k, v in kv.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = str(v)
+    return old
+
+
+def _restore(old):
+    _env(**old)
+
+
+# ------------------------------------------------------------------------------------------------ inference ops
+
+
+@case
+def mqa_logits():
+    import deep_indexer as di
+    from deep_indexer.bench import prefill_inputs
+
+    x = prefill_inputs(96, 2048, "causal", 64, 128, "cuda")  # 30+ KV tiles: the KV ring turns several times
+    x["ks"][::7] = 50  # rows starting inside the keys, and an empty row
+    x["ke"][5] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True, logits_dtype=dtype)
+    di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], False)
+
+
+@case
+def mqa_logits_compressed():
+    import deep_indexer as di
+    from deep_indexer.bench import prefill_inputs
+
+    x = prefill_inputs(96, 2048, "causal", 64, 128, "cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True, max_seqlen_k=128, logits_dtype=dtype)
+
+
+def _decode(next_n, two_d=False, varlen=False, dtype=torch.float32):
+    import deep_indexer as di
+    from deep_indexer.bench import decode_inputs, varlen_inputs
+
+    x = varlen_inputs(3, 2, 300, 64, 128, 64, "cuda") if varlen else decode_inputs(4, next_n, 300, 64, 128, 64, "cuda")
+    ctx = x["context_lens"]
+    if two_d:
+        ctx = (ctx[:, None] - next_n + 1 + torch.arange(next_n, device="cuda")).to(torch.int32).contiguous()
+    idx = x.get("indices")
+    meta = di.get_paged_mqa_logits_metadata(ctx, 64, indices=idx)
+    di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta, x["max_context_len"],
+                            True, logits_dtype=dtype, indices=idx)
+    return x, ctx, meta
+
+
+@case
+def metadata():
+    import deep_indexer as di
+
+    ctx = torch.tensor([1, 300, 0, 4000, 77], dtype=torch.int32, device="cuda")
+    di.get_paged_mqa_logits_metadata(ctx, 64)
+    di.get_paged_mqa_logits_metadata(torch.stack([ctx, ctx + 1], 1).contiguous(), 32)
+    di.get_paged_mqa_logits_metadata(ctx, 64, indices=torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32, device="cuda"))
+
+
+@case
+def paged_mqa_logits():
+    _decode(1)
+    _decode(1, dtype=torch.bfloat16)
+
+
+@case
+def paged_mqa_logits_next_n():
+    _decode(2)
+    _decode(4, two_d=True)
+
+
+@case
+def paged_mqa_logits_varlen():
+    _decode(1, varlen=True)
+
+
+@case
+def clean_logits():
+    import deep_indexer as di
+
+    ks = torch.tensor([0, 5, 100, -3], dtype=torch.int32, device="cuda")
+    ke = torch.tensor([300, 5, 200, 1000], dtype=torch.int32, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        di.clean_logits(torch.zeros(8, 1000, dtype=dtype, device="cuda"), ks, ke, next_n=2)
+        di.clean_logits(torch.zeros(4, 1000, dtype=dtype, device="cuda"), None, ke)
+
+
+def _topk(k=256, **forced):
+    import deep_indexer as di
+
+    old = _env(**forced)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        m, n = 5, 40000
+        x = torch.randn(m, n + 4, generator=gen)[:, 1:n + 1].cuda()
+        ks = torch.tensor([0, 3, 100, 7, 0], dtype=torch.int32, device="cuda")
+        ke = torch.tensor([n, n - 1, 300, 7, 12000], dtype=torch.int32, device="cuda")
+        di.topk_indices(x, k, ks, ke, return_values=True)
+        di.topk_indices(x.bfloat16(), k, ks, ke, index_mode="absolute")
+    finally:
+        _restore(old)
+
+
+@case
+def topk_buffered():
+    _topk(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0)
+    _topk(k=100, DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0)
+
+
+@case
+def topk_sorted():
+    import deep_indexer as di
+
+    x = torch.randn(3, 5000, device="cuda")
+    di.topk_indices(x, 512, None, torch.tensor([5000, 10, 4000], dtype=torch.int32, device="cuda"), sorted=True)
+
+
+@case
+def topk_cluster():
+    _topk(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=2, DI_TOPK_WIDE=0)
+
+
+@case
+def topk_wide():
+    _topk(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=1)
+
+
+@case
+def topk_resident():
+    _topk(DI_TOPK_RESIDENT=1, DI_TOPK_RESIDENT_THREADS=1024, DI_TOPK_RESIDENT_KEYS=8)  # rows over clusters
+    _topk(DI_TOPK_RESIDENT=1, DI_TOPK_RESIDENT_THREADS=256, DI_TOPK_RESIDENT_KEYS=16)
+
+
+@case
+def fused_mqa_topk():
+    import deep_indexer as di
+    from deep_indexer.bench import prefill_inputs
+
+    x = prefill_inputs(96, 2048, "causal", 64, 128, "cuda")
+    di.fp8_mqa_topk_indices(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], 64, chunk_rows=40)
+
+
+@case
+def fused_paged_topk():
+    import deep_indexer as di
+
+    x, ctx, meta = _decode(2)
+    di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                  x["max_context_len"], 64)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def _training_inputs(t, di_, heads=128, kv_heads=0, dqk=576, seed=0, heads_i=64):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to(device="cuda", dtype=torch.bfloat16)
+
+    q_i, k_i = r(t, heads_i, di_, std=di_ ** -0.25), r(t, di_, std=di_ ** -0.25)
+    w = (torch.randn(t, heads_i, generator=g) * 0.25).cuda()
+    q = r(t, heads, dqk)
+    k = r(t, dqk) if kv_heads == 0 else r(t, kv_heads, dqk)
+    return [x.requires_grad_() for x in (q_i, k_i, w)] + [q, k]
+
+
+# two packed sequences (one empty) and a row range that is not a multiple of any tile
+_CU = [0, 70, 70, 200]
+
+
+@case
+def training_logits():
+    """indexer_logits forward (training_logits) and backward (training_indexer_dk with the sign mask, the masked dq)."""
+    from deep_indexer.training import indexer_logits
+
+    cu = torch.tensor(_CU, dtype=torch.int32)
+    for d in (64, 128):
+        q_i, k_i, w, _, _ = _training_inputs(200, d, seed=d)
+        out = indexer_logits(q_i, k_i, w, cu_seqlens=cu, backend="sm90")
+        torch.where(torch.isfinite(out), out, torch.zeros_like(out)).sum().backward()
+
+
+@case
+def training_mean_loss():
+    """indexer_kl_loss target="mean": the attention lse and target kernels (clusters 1, 2), the dk kernel with the
+    loss (kLoss) and the dq kernel."""
+    from deep_indexer.training import indexer_kl_loss
+
+    cu = torch.tensor(_CU, dtype=torch.int32)
+    q_i, k_i, w, q, k = _training_inputs(200, 128, dqk=128, seed=3)
+    for cluster in (1, 2):
+        old = _env(DI_TRAINING_TARGET_CLUSTER=cluster)
+        try:
+            res = indexer_kl_loss(q_i, k_i, w, q, k, 0.05, cu_seqlens=cu, backend="sm90")
+            res.loss.backward()
+        finally:
+            _restore(old)
+
+
+@case
+def training_per_head_loss():
+    """indexer_kl_loss target="per_head": training_per_head_rows and training_per_head_dk (1 and 2 head groups)."""
+    from deep_indexer.training import indexer_kl_loss
+
+    cu = torch.tensor(_CU, dtype=torch.int32)
+    q_i, k_i, w, q, k = _training_inputs(200, 64, heads=8, kv_heads=8, dqk=128, seed=5, heads_i=8)
+    lse = torch.zeros(200, 8, device="cuda")
+    for groups in (1, 2):
+        old = _env(DI_TRAINING_PER_HEAD_GROUPS=groups)
+        try:
+            res = indexer_kl_loss(q_i, k_i, w, q, k, 0.1, cu_seqlens=cu, attn_lse=lse, target="per_head",
+                                  backend="sm90")
+            res.loss.backward()
+        finally:
+            _restore(old)
+
+
+# ------------------------------------------------------------------------------------------------ driver / parser
+
+
+def precompile(jobs: int) -> int:
+    """Compiles the kernel variants the cases use (a superset), `jobs` at a time, so that no case compiles under
+    the sanitizer and the plain run does not compile them one by one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deep_indexer import _C, jit
+
+    groups = [dict(ops=["topk", "clean_logits", "paged_mqa_logits_metadata"]),
+              dict(ops=["mqa_logits"], heads=[64], head_dims=[128]),
+              dict(ops=["paged_mqa_logits"], heads=[64], head_dims=[128], next_n=[1, 2, 4], block_kv=[64]),
+              dict(ops=["training_logits", "training_logits_stats"], heads=[64], head_dims=[64, 128]),
+              dict(ops=["training_target"], head_dims=[128]),
+              dict(ops=["training_indexer_dk", "training_indexer_dq"], head_dims=[64, 128]),
+              dict(ops=["training_per_head_rows", "training_per_head_dk"], head_dims=[64])]
+    todo = []
+    for g in groups:
+        for v in jit.variants(**g):
+            p = dict(v.params)
+            if v.op == "topk" and p.get("resident") and (p["threads"], p["keys_per_thread"]) not in ((1024, 8), (256, 16)):
+                continue  # the resident forms the cases force
+            if v.op.startswith("training_per_head") and p["qk_dim"] != 128:
+                continue
+            todo.append(v)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        res = list(pool.map(lambda v: _C.precompile_variant(v.op, dict(v.params), "sm_90a"), todo))
+    errors = [r for r in res if r.get("error")]
+    print(f"precompiled {len(res)} variants ({sum(bool(r.get('from_cache')) for r in res)} cached), "
+          f"{len(errors)} errors")
+    for r in errors:
+        print(f"  {r.get('kernel')} {r.get('params')}: {r['error'][:300]}")
+    return 1 if errors else 0
+
+
+def run(names) -> int:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("sanitize_cases: needs an SM90 GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    for name in names:
+        print(f"@@case {name}", flush=True)
+        CASES[name]()
+        torch.cuda.synchronize()
+        print(f"@@done {name}", flush=True)
+    return 0
+
+
+_HEAD = re.compile(r"^========= (?!\s)(.*)$")
+_NOT_REPORT = re.compile(r"^(COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|Target application|"
+                         r"This application|Program hit|No .* detected)")
+
+
+def parse(log_path: str, tool: str) -> int:
+    """Splits the log into the cases' sections and its reports (a `========= X` line and its indented lines)."""
+    sections: dict[str, list[str]] = {}
+    done: set[str] = set()
+    cur = "(startup)"
+    report: list[str] | None = None
+
+    def close():
+        nonlocal report
+        if report:
+            sections.setdefault(cur, []).append("\n".join(report))
+        report = None
+
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line.startswith("@@case "):
+                close()
+                cur = line.split()[1]
+                sections.setdefault(cur, [])
+                continue
+            if line.startswith("@@done "):
+                close()
+                done.add(line.split()[1])
+                continue
+            m = _HEAD.match(line)
+            if m:
+                close()
+                if not _NOT_REPORT.match(m.group(1)) and m.group(1).strip():
+                    report = [line]
+            elif report is not None and line.startswith("=========  "):
+                report.append(line)
+            else:
+                close()
+    close()
+    bad = 0
+    for name, reports in sections.items():
+        if name == "(startup)" and not reports:
+            continue
+        kept, suppressed = [], 0
+        for r in reports:
+            if any(t == tool and re.search(p, r, re.S) for t, p, _ in SUPPRESSIONS):
+                suppressed += 1
+            else:
+                kept.append(r)
+        status = "clean" if not kept else f"{len(kept)} reports"
+        if name != "(startup)" and name not in done:
+            status += " (did not finish)"
+            bad += 1
+        extra = f", {suppressed} suppressed" if suppressed else ""
+        print(f"{tool:10s} {name:26s} {status}{extra}")
+        for r in kept[:3]:
+            print("    " + r.replace("\n", "\n    ")[:1200])
+        bad += len(kept)
+    missing = [n for n in CASES if n not in sections]
+    if missing:
+        print(f"{tool:10s} not run: {' '.join(missing)}")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=sorted(CASES), help="cases to run (default: all)")
+    p.add_argument("--list", action="store_true", help="print the case names")
+    p.add_argument("--precompile", type=int, metavar="JOBS", help="compile the cases' kernel variants, JOBS at a time")
+    p.add_argument("--parse", metavar="LOG", help="summarise a compute-sanitizer log of a run")
+    p.add_argument("--tool", default="memcheck", help="the tool that wrote LOG (for SUPPRESSIONS)")
+    a = p.parse_args()
+    if a.list:
+        print("\n".join(CASES))
+        return 0
+    if a.parse:
+        return parse(a.parse, a.tool)
+    if a.precompile:
+        return precompile(a.precompile)
+    return run(a.only or list(CASES))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
