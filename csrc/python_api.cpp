@@ -36,6 +36,41 @@ int param(const py::dict& p, const char* key) {
   return p[key].cast<int>();
 }
 
+// The ops precompile_variant compiles, in the order deep_indexer.jit enumerates them.
+constexpr const char* kPrecompileOps[] = {
+    "clean_logits",          "mqa_logits",          "paged_mqa_logits",     "paged_mqa_logits_metadata",
+    "topk",                  "training_logits",     "training_logits_stats", "training_target",
+    "training_indexer_dk",   "training_indexer_dq", "training_per_head_rows", "training_per_head_dk"};
+
+// The compile-time values the kernels support: the one table deep_indexer.jit builds its variant list
+// from (jit.variants() combines them per op; precompile_variant below parses and validates each).
+py::dict variant_space() {
+  py::dict d;
+  py::list ops;
+  for (const char* op : kPrecompileOps) ops.append(op);
+  d["ops"] = ops;
+  d["heads"] = py::make_tuple(16, 32, 64, 128);
+  d["mqa_head_dims"] = py::make_tuple(32, 64, 128);
+  d["paged_head_dims"] = py::make_tuple(64, 128);
+  d["training_head_dims"] = py::make_tuple(64, 128);  // bf16 training kernels (deep_indexer.training)
+  // attention q.k dims precompiled for the warm-up target (any multiple of 64 up to 576 compiles on use)
+  d["training_target_head_dims"] = py::make_tuple(128, 192, 576);
+  // (attention q.k dim, indexer dim) pairs of the per_head target within the register budget
+  d["training_per_head_dims"] = py::make_tuple(py::make_tuple(64, 64), py::make_tuple(128, 64), py::make_tuple(192, 64));
+  py::list next_n;
+  for (int n = 1; n <= kMaxPagedNextN; ++n) next_n.append(n);
+  d["next_n"] = py::tuple(next_n);
+  d["block_kv"] = py::make_tuple(32, 64);
+  d["logits_elem_bytes"] = py::make_tuple(py::make_tuple("float32", 4), py::make_tuple("bfloat16", 2));
+  // Resident top-k forms the heuristic takes (heuristics_sm90.hpp): (cluster, threads, the most keys per
+  // thread within the register budget).
+  py::list forms;
+  for (const auto& [cluster, threads] : {std::pair{false, 1024}, {true, 256}, {true, 512}, {true, 1024}})
+    forms.append(py::make_tuple(cluster ? 1 : 0, threads, TopkResidentLayout::max_keys_per_thread(threads, cluster)));
+  d["topk_resident_forms"] = forms;
+  return d;
+}
+
 // Compiles one variant of `op` (no GPU needed). `params` holds the op's compile-time options.
 py::dict precompile_variant(const std::string& op, const py::dict& params, const std::string& arch) {
   jit::VariantReport r;
@@ -116,11 +151,9 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       py::gil_scoped_release release;
       r = TrainingPerHeadDkRuntime::precompile(p, arch);
     } else {
-      throw DIValueError(fmt::format(
-          "precompile: unknown op '{}' (known: clean_logits, mqa_logits, paged_mqa_logits, paged_mqa_logits_metadata, "
-          "topk, training_logits, training_logits_stats, training_target, training_indexer_dk, training_indexer_dq, "
-          "training_per_head_rows, training_per_head_dk)",
-          op));
+      std::string known;
+      for (const char* name : kPrecompileOps) known += (known.empty() ? "" : ", ") + std::string(name);
+      throw DIValueError(fmt::format("precompile: unknown op '{}' (known: {})", op, known));
     }
   }
   return usage_dict(r);
@@ -160,6 +193,7 @@ PYBIND11_MODULE(_C, m) {
     const jit::ResourceUsage u = jit::parse_ptxas_log(log);
     return py::make_tuple(u.registers, u.stack_frame, u.spill_stores, u.spill_loads, u.static_smem);
   });
+  m.def("variant_space", &variant_space);
   m.def("precompile_variant", &precompile_variant, py::arg("op"), py::arg("params"), py::arg("arch") = "sm_90a");
   m.def("driver_available", [] {
     std::string why;

@@ -20,21 +20,23 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from . import _C
 
-# Supported compile-time values per op (the C++ side validates them again).
-HEADS = (16, 32, 64, 128)
-MQA_HEAD_DIMS = (32, 64, 128)
-PAGED_HEAD_DIMS = (64, 128)
-TRAINING_HEAD_DIMS = (64, 128)  # bf16 training kernels (deep_indexer.training)
-NEXT_N = (1, 2, 3, 4, 5, 6, 7, 8)
-BLOCK_KV = (32, 64)
-LOGITS_DTYPES = ("float32", "bfloat16")
-TRAINING_TARGET_HEAD_DIMS = (128, 192, 576)  # attention q.k dims precompiled for the warm-up target (any multiple of 64 up to 576 compiles on use)
-OPS = ("clean_logits", "mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata", "topk", "training_logits",
-       "training_logits_stats", "training_target", "training_indexer_dk", "training_indexer_dq",
-       "training_per_head_rows", "training_per_head_dk")
+# Supported compile-time values per op: the C++ extension's table (_C.variant_space(), python_api.cpp),
+# which also parses and validates each variant.
+_SPACE = _C.variant_space()
+HEADS = tuple(_SPACE["heads"])
+MQA_HEAD_DIMS = tuple(_SPACE["mqa_head_dims"])
+PAGED_HEAD_DIMS = tuple(_SPACE["paged_head_dims"])
+TRAINING_HEAD_DIMS = tuple(_SPACE["training_head_dims"])  # bf16 training kernels (deep_indexer.training)
+NEXT_N = tuple(_SPACE["next_n"])
+BLOCK_KV = tuple(_SPACE["block_kv"])
+_ELEM_BYTES = dict(_SPACE["logits_elem_bytes"])
+LOGITS_DTYPES = tuple(_ELEM_BYTES)
+TRAINING_TARGET_HEAD_DIMS = tuple(_SPACE["training_target_head_dims"])  # attention q.k dims precompiled for the warm-up target
+OPS = tuple(_SPACE["ops"])
 # (attention q.k dim, indexer dim) pairs precompiled for the warm-up loss's per_head target (others compile on use)
-TRAINING_PER_HEAD_DIMS = ((64, 64), (128, 64), (192, 64))  # every pair within the register budget
-_ELEM_BYTES = {"float32": 4, "bfloat16": 2}
+TRAINING_PER_HEAD_DIMS = tuple(tuple(p) for p in _SPACE["training_per_head_dims"])
+# the resident top-k forms: (cluster, threads, most keys per thread) (TopkResidentLayout::max_keys_per_thread)
+_TOPK_RESIDENT_FORMS = tuple(tuple(f) for f in _SPACE["topk_resident_forms"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +102,8 @@ def variants(
                     add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl, wide=wide)
             # the resident form (unsorted): the forms its heuristic takes (heuristics_sm90.hpp), whole
             # 16-byte vectors per thread up to the register budget (TopkResidentLayout::max_keys_per_thread)
-            forms = ((0, 1024), (1, 256), (1, 512), (1, 1024))  # (cluster, threads)
-            for dt, (cl, threads) in itertools.product(dtypes, forms):
+            for dt, (cl, threads, most) in itertools.product(dtypes, _TOPK_RESIDENT_FORMS):
                 vec = 16 // _ELEM_BYTES[dt]
-                most = min((8 if cl else 16) * 1024 // threads, 31)
                 for kpt in range(vec, most + 1, vec):
                     add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads)
         elif op in ("training_logits", "training_logits_stats"):

@@ -29,28 +29,28 @@ inline void print_choice(F&& make_line) {
 }
 
 // Prefill math warpgroups: the layout's default (2 with double-buffered accumulators; 3 with one
-// accumulator set each for H = 128). DI_MQA_MATH_WGS (2 or 3) forces the count. Measured on H100
-// (P2 shapes, 2026-11-24): 3 is slower for H <= 64 (H=32 D=64 840 vs 743 us, H=64 D=64 1352 vs
-// 1240, H=16 D=64 714 vs 502). 4 math warpgroups cannot be compiled next to a producer warpgroup
-// without spills (MqaLogitsLayout), and with the producer folded into a math warp ran 2.2-2.3x slower.
+// accumulator set each for H = 128). DI_MQA_MATH_WGS (2 or 3) forces the count. NOTES: for H <= 64 the
+// double-buffered pair beats 3 single-buffered warpgroups (the epilogue hides under the next tile's
+// WGMMAs); 4 math warpgroups spill next to a producer warpgroup (MqaLogitsLayout), and without one
+// (the producer folded into a math warp) they are much slower.
 inline int mqa_logits_math_wgs(int num_heads, int head_dim) {
-  const int forced = env::get_int("DI_MQA_MATH_WGS");
+  const int forced = env::get_int(env::kMqaMathWgs);
   if (forced == 2 || forced == 3) return forced;
   return MqaLogitsLayout::default_math_wgs(num_heads, head_dim);
 }
 
 // Prefill epilogue form (MqaLogitsLayout::split_relu): the linear half of relu on the tensor cores
 // costs mma_n() / 128 - 1 more MMA (6% for H >= 64, 12% for H = 32, 25% for H = 16) and saves one
-// of the two CUDA-core instructions per (pair, head). Measured on H200 (tools/ab.py, S = 4096,
-// SKV = 32768 causal, 2026-11-22): H=64 D=128 1736 vs 2121 us, H=128 3475 vs 3902, H=32 D=64 927 vs
-// 1032, H=32 D=128 1151 vs 1248, but H=16 D=128 660 vs 611. DI_MQA_SPLIT_RELU=0/1 forces it.
+// of the two CUDA-core instructions per (pair, head). NOTES: the epilogue bounds the kernel for
+// H >= 32, so the trade pays there; for H = 16 the extra MMA share costs more than it saves.
+// DI_MQA_SPLIT_RELU=0/1 forces it.
 inline bool mqa_logits_split_relu(int num_heads, int /*head_dim*/) {
-  const int forced = env::get_int("DI_MQA_SPLIT_RELU", -1);
+  const int forced = env::get_int(env::kMqaSplitRelu, -1);
   return forced == 0 || forced == 1 ? forced == 1 : num_heads >= 32;
 }
 
-// Prefill: the deepest KV ring that fits, capped at 16 (one CTA per SM; 4-12 stages measured
-// within 1% of each other on H200). in_bytes = 2 (bf16 q / k, the training forward): no split relu
+// Prefill: the deepest KV ring that fits, capped at 16 (one CTA per SM; beyond a few stages the depth
+// does not matter). in_bytes = 2 (bf16 q / k, the training forward): no split relu
 // (its pieces are fp8), and 2 math warpgroups where 3 leave no room for 2 KV stages (H = 128, D = 128:
 // 3 x 2 q tiles of 32 KB).
 inline MqaLogitsLayout mqa_logits_layout(int num_heads, int head_dim, int out_bytes, int in_bytes = 1) {
@@ -84,7 +84,7 @@ inline unsigned mqa_logits_grid(const MqaLogitsLayout& l, long long seq_len, int
 // q blocks than SMs the fill would run on few SMs, and the separate, fully parallel kernel is used.
 // DI_MQA_FUSED_CLEAN=0/1 forces either path (tests, tuning).
 inline bool mqa_logits_fused_clean(const MqaLogitsLayout& l, long long seq_len, int num_sms) {
-  const int forced = env::get_int("DI_MQA_FUSED_CLEAN", -1);
+  const int forced = env::get_int(env::kMqaFusedClean, -1);
   const bool fused = forced == 0 || forced == 1 ? forced == 1 : l.num_q_blocks(seq_len) >= num_sms;
   print_choice([&] {
     return fmt::format("mqa_logits clean S={}: {}", seq_len, fused ? "fused into the kernel" : "separate kernel");
@@ -94,26 +94,23 @@ inline bool mqa_logits_fused_clean(const MqaLogitsLayout& l, long long seq_len, 
 
 // Decode math warpgroups: the layout's default by N = next_n * H, or DI_PAGED_MATH_WGS (2..4) for tuning.
 inline int paged_mqa_math_wgs() {
-  const int forced = env::get_int("DI_PAGED_MATH_WGS");
+  const int forced = env::get_int(env::kPagedMathWgs);
   return forced >= 2 && forced <= 4 ? forced : 0;
 }
 
 // Decode KV ring depth: kPagedKVStages (~100 KB of 64-token tiles in flight per SM) or
-// DI_PAGED_KV_STAGES, rounded down to the ring's granularity, never deeper than what fits. Measured
-// on H200 (tools/ab.py, 2026-11-22): 12 stages against the deepest ring (21-24) took 75.0 vs
-// 79.0 us on B=64 ctx 32K, 24.2-24.6 vs 25.4 us on D2 and 77.3 vs 78.8 on D5; D3/D4/D6/D7 within noise.
+// DI_PAGED_KV_STAGES, rounded down to the ring's granularity, never deeper than what fits. NOTES:
+// ~100 KB in flight covers the HBM latency; the deepest ring (21-24 stages) is no faster and
+// slightly slower on long contexts.
 constexpr int kPagedKVStages = 12;
 // Decode epilogue form (PagedMqaLogitsLayout::split_relu, split_relu.cuh): whether the plain layout
-// `plain` wants the linear half of relu on the tensor cores. Measured on H200 (tools/ab.py, 7 rounds,
-// 2026-11-22), against relu on the CUDA cores: D3 89.2 vs 91.7 us, B=64 next_n=1 H=128 88.8 vs 88.8,
-// B=64 next_n=2 ctx 8K 27.3 vs 27.5; with two tiles in flight (N <= 64) no faster (D2 24.1 vs 23.9,
-// D5 76.6 vs 76.1, D1 7.4 vs 6.9), nor D3 with 2 WGs x two tiles (91.6); D6 (next_n = 3, 2 WGs) 119.8
-// vs 121.5 but 36.0 vs 35.4 at ctx 8K. An earlier form with a second, N = 8-16 WGMMA per chunk was
-// slower where the pieces needed 16 columns or 2 WGs carried N >= 192 (next_n=4 H=32 108.2 vs 102.4,
-// D7 166.7 vs 160.6). Default: 3+ WGs with one tile in flight and next_n <= 2 (N = 128).
+// `plain` wants the linear half of relu on the tensor cores. NOTES: it pays only where the epilogue
+// is exposed, i.e. one tile in flight per WG; with two tiles in flight (N <= 64) the epilogue already
+// hides under the next WGMMA, and with 2 WGs carrying N >= 192 the extra columns cost more than they
+// save. Default: 3+ WGs with one tile in flight and next_n <= 2 (N = 128).
 // DI_PAGED_SPLIT_RELU=0/1 forces it (where the layout cannot take it, it stays off).
 inline bool paged_mqa_split_relu(const PagedMqaLogitsLayout& plain) {
-  const int forced = env::get_int("DI_PAGED_SPLIT_RELU", -1);
+  const int forced = env::get_int(env::kPagedSplitRelu, -1);
   if (forced == 0 || forced == 1) return forced == 1;
   return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && plain.next_n <= 2;
 }
@@ -121,7 +118,7 @@ inline bool paged_mqa_split_relu(const PagedMqaLogitsLayout& plain) {
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
                                                     int out_bytes) {
   const int wgs = paged_mqa_math_wgs();
-  const int max_stages = env::get_int("DI_PAGED_KV_STAGES", kPagedKVStages);
+  const int max_stages = env::get_int(env::kPagedKvStages, kPagedKVStages);
   PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, max_stages);
   if (paged_mqa_split_relu(l)) {
     const PagedMqaLogitsLayout split =
@@ -141,8 +138,8 @@ inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, i
   return l;
 }
 
-// Decode metadata: the compact single-chunk kernel for batches it can hold (measured: its critical
-// path is mostly instruction fetch, so less code is faster).
+// Decode metadata: the compact single-chunk kernel for batches it can hold (its critical path is
+// mostly instruction fetch, so less code is faster).
 inline bool paged_mqa_metadata_small(int64_t batch) { return batch <= kPagedMqaMetadataSmallBatch; }
 
 // Padded row stride of the logits the ops allocate: rows start 256-byte aligned (vector stores).
@@ -155,8 +152,8 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
 // SM. For rows longer than a window (kWindow keys), C grows (1, 2, 4, 8) while a CTA's share of the
 // longest row needs more than one filter step (kNumThreads x kFilterVecs vectors) and rows x C x 8 <=
 // SMs: only a few long rows are split over SMs. CTA 0 of a cluster selects and writes alone, so
-// splitting pays only where the filter's read is the row's critical path; a row of 32K keys is
-// faster on one wide CTA (H100: 14.5 us against 15.2-15.9 with clusters of 2-8). Sorted output takes
+// splitting pays only where the filter's read is the row's critical path (a single row of 32K keys
+// is faster on one wide CTA than on a cluster). Sorted output takes
 // C = 1 (its sort runs in one CTA anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
 // Blocks: kWideThreads (one CTA per SM) when every row's cluster fits at once with one CTA per SM
 // (rows x C <= SMs: the two-CTA form would leave SMs with one CTA anyway), else kNumThreads.
@@ -171,10 +168,10 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   while (cluster < TopkLayout::kMaxClusterCtas && cols > TopkLayout::kWindow &&
          (cols + cluster - 1) / cluster > step_keys && rows * cluster * 2 * 4 <= sms)
     cluster *= 2;
-  const int forced = env::get_int("DI_TOPK_CLUSTER");
+  const int forced = env::get_int(env::kTopkCluster);
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;
   if (l.sorted) cluster = 1;
-  const int forced_wide = env::get_int("DI_TOPK_WIDE", -1);
+  const int forced_wide = env::get_int(env::kTopkWide, -1);
   const bool wide = forced_wide == 0 || forced_wide == 1 ? forced_wide == 1 : rows * cluster <= sms;
   TopkLaunch t;
   t.cluster = static_cast<unsigned>(cluster);
@@ -195,28 +192,16 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
 // - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it. Also
 //   for more rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of more than
-//   4K keys where k >= 1024; H100 A/B against the buffered kernel, us: 256 x ~8K k = 2048 17.5 -> 16.3,
-//   k = 1024 15.6 -> 14.7, 200 x 8000 16.7 -> 15.9, 256 x 12000 19.1 -> 19.0, 396 x ~8K 27.7 -> 21.7, 528 x ~6K
-//   26.7 -> 23.2, 1056 x ~8K 52.0 -> 47.8, 2048 x ~8K 96.8 -> 88.1, 1056 x ~12K 57.0 -> 54.8, 4096 x ~5K 168.1
-//   -> 141.4, 1056 x ~6K (k = 1024) 40.4 -> 36.7; but k = 512 loses (256 x ~8K 14.6 -> 14.9, 528 x ~8K 23.3 ->
-//   24.6, 1056 x ~8K 41.0 -> 41.9): not taken. Rows of <= 4K keys: not measured.
+//   4K keys where k >= 1024; not for k = 512 (the buffered kernel's filter keeps few keys there and wins).
 // - Else a cluster of C <= 8 CTAs per row: the fewest threads per CTA (256, else 512, 1024), then the fewest
 //   keys per thread (the most CTAs), when the device holds a cluster for every row at once
 //   (`clusters_at_once(kpt, threads, C)`: the driver's count, which the GPCs bound below SMs / C; a smaller C
-//   is tried where a larger one does not fit).
-// Both for k >= 256 (smaller k unmeasured: the buffered kernel's filter keeps fewer keys there; the resident
-// form's cost does not depend on k). Every per-warp step (scans, searches, barriers) costs the SM issue
-// slots per warp, so fewer threads with more keys each pay where the per-key work is small against them:
-// H100 in-process A/B, 1024 / 512 / 256 threads per CTA, us (bench/results/*-h100-ab-topk-resident-threads*):
-//   clusters: 1 x 32K (C = 8) 8.8 / 8.0 / 8.0; 8 x ~40K 11.0 / 10.6 / 9.9; 1 x 64K 9.5 / 9.0 / - (256 threads
-//          would need 32 keys);
-//   one CTA: 64 x ~8K (k = 2048, 12 / 24 keys at 1024 / 512 threads) 9.8 / 10.1; 100 x ~9K (k = 1024) 9.9 /
-//          10.0; 64 x 8000 (k = 512, 8 / 16 keys) 9.1 / 8.9, then 9.2 / 9.1; 128 x 6000 (k = 256, 8 / 12 keys)
-//          8.6 / 8.8: no gain, 1024 threads kept.
-// Against the buffered kernel (H200, 1024 threads): C = 1: 64 rows of 5.7-10.6K keys, k = 2048: 12.9 -> 10.9
-//   (12 keys; H100 12.0 -> 10.8); 128 x ~6K, k = 256: 10.9 -> 9.3; clusters: 1 x 32K 14.4 -> 9.2, 4 x ~32K
-//   (C = 4) 17.4 -> 11.3, 8 x ~40K (C = 7; 15 such clusters fit at once) 17.6 -> 11.7. More rows than fit at
-//   once (not taken): 16 x ~50K (C = 8) 20.2 -> 18.0, 24 x ~45K 19.7 -> 19.0, but 33 x ~25K 15.0 -> 25.9.
+//   is tried where a larger one does not fit). More rows than fit at once are not taken: a second wave of
+//   clusters can cost far more than the resident form saves.
+// Both for k >= 256 (for smaller k the buffered kernel's filter keeps fewer keys). NOTES: every per-warp
+// step (scans, searches, barriers) costs the SM issue slots per warp, so fewer threads with more keys
+// each pay where the per-key work is small against them (clusters); for one CTA per row the thread
+// count makes no difference and 1024 threads are kept.
 // `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
 // are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
 // hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS / DI_TOPK_RESIDENT_THREADS (256, 512, 1024)
@@ -231,9 +216,9 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
                                                int num_sms,
                                                const std::function<int64_t(int, int, int64_t)>& clusters_at_once) {
   TopkResidentLaunch t;
-  const int forced = env::get_int("DI_TOPK_RESIDENT", -1);
-  const int forced_keys = env::get_int("DI_TOPK_RESIDENT_KEYS", 0);
-  const int forced_threads = env::get_int("DI_TOPK_RESIDENT_THREADS", 0);
+  const int forced = env::get_int(env::kTopkResident, -1);
+  const int forced_keys = env::get_int(env::kTopkResidentKeys, 0);
+  const int forced_threads = env::get_int(env::kTopkResidentThreads, 0);
   if (sorted || forced == 0 || rows <= 0 || (forced != 1 && k < 256)) return t;
   const int64_t sms = std::max(1, num_sms);
   const int vec = TopkLayout::kVecBytes / elem_bytes;
@@ -286,12 +271,11 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
 }
 
 // Training target (training_target.cuh): one CTA per row (cluster 1), or clusters of 2 CTAs (2 consecutive
-// rows) that share every key tile by TMA multicast (half the L2 -> SM traffic). Measured on H100
-// (2026-11-24, T = 16384 causal, Dqk = 576, tools/training_kernel_times.py): cluster 1 26.5 ms (0.95 of the
-// bf16 GEMM rate), cluster 2 35.8 ms (0.70): L2 did not bound the single CTA, the lockstep of the pair cost
-// more. DI_TRAINING_TARGET_CLUSTER=1/2 forces it.
+// rows) that share every key tile by TMA multicast (half the L2 -> SM traffic). NOTES: L2 does not bound
+// the single CTA (it runs near the bf16 GEMM rate), and the pair's lockstep costs more than the multicast
+// saves: cluster 1 by default. DI_TRAINING_TARGET_CLUSTER=1/2 forces it.
 inline int training_target_cluster() {
-  const int forced = env::get_int("DI_TRAINING_TARGET_CLUSTER");
+  const int forced = env::get_int(env::kTrainingTargetCluster);
   const int c = forced == 1 || forced == 2 ? forced : 1;
   print_choice([&] { return fmt::format("training_target cluster={}", c); });
   return c;
@@ -303,7 +287,7 @@ inline int training_target_cluster() {
 // forces the count.
 constexpr int kTrainingDkCtasPerSm = 8;
 inline int training_dk_splits(int num_kblocks, int rows, int num_sms) {
-  const int forced = env::get_int("DI_TRAINING_DK_SPLITS");
+  const int forced = env::get_int(env::kTrainingDkSplits);
   const int max_splits = std::max(1, (rows + 63) / 64);
   int splits = forced > 0 ? forced
                           : (kTrainingDkCtasPerSm * num_sms + std::max(1, num_kblocks) - 1) / std::max(1, num_kblocks);
@@ -316,7 +300,7 @@ inline int training_dk_splits(int num_kblocks, int rows, int num_sms) {
 // for about 4 CTAs per SM (causal key blocks differ in work), at most 16 (each adds an [N, D_I] fp32 partial
 // the host sums). DI_TRAINING_PER_HEAD_GROUPS forces the group count.
 inline int training_per_head_dk_heads_per_group(int num_kblocks, int heads, int num_sms) {
-  const int forced = env::get_int("DI_TRAINING_PER_HEAD_GROUPS");
+  const int forced = env::get_int(env::kTrainingPerHeadGroups);
   int groups = forced > 0 ? forced : (4 * num_sms + std::max(1, num_kblocks) - 1) / std::max(1, num_kblocks);
   groups = std::max(1, std::min({groups, heads, 16}));
   const int per_group = (heads + groups - 1) / groups;

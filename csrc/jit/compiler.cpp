@@ -245,7 +245,7 @@ std::vector<std::string> Compiler::flags(const std::string& arch) const {
                                 "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-cubin"};
   const std::string ccbin = env::get_str(env::kNvccCcbin);
   if (!ccbin.empty()) f.insert(f.end(), {"-ccbin", ccbin});
-  // Tuning experiments (e.g. -DDI_MQA_SNAKE=0); hashed into the cache key with the other flags.
+  // DI_JIT_EXTRA_FLAGS (e.g. -DDI_KERNEL_TRACE); hashed into the cache key with the other flags.
   const std::string extra = env::get_str(env::kExtraFlags);
   for (size_t i = 0; i < extra.size();) {
     const size_t j = extra.find(' ', i);

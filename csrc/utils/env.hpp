@@ -1,4 +1,4 @@
-// Environment switches (all documented in README.md, "Environment switches").
+// Environment switches read by the C++ side (names below; documented in README.md, "Environment switches").
 #pragma once
 #include <cstdlib>
 #include <string>
@@ -18,7 +18,11 @@ inline int get_int(const char* name, int fallback = 0) {
   return (end != v) ? static_cast<int>(x) : fallback;
 }
 
-// Names of the switches, in one place.
+// Every DI_* variable the C++ side reads is named here once; code reads them through these constants.
+// User-facing switches are documented for users; tuning / test switches force one heuristic choice
+// (heuristics_sm90.hpp) for A/B runs and tests, and are not meant for production settings.
+
+// ---- user-facing: JIT, compiler and cache
 constexpr const char* kCacheDir = "DI_JIT_CACHE_DIR";      // disk cache location (default ~/.cache/deep_indexer)
 constexpr const char* kDebug = "DI_JIT_DEBUG";             // 1: log compiles, cache hits, loads, heuristics
 constexpr const char* kPrintCommand = "DI_JIT_PRINT_COMPILER_COMMAND";  // 1: print each nvcc command line
@@ -27,8 +31,35 @@ constexpr const char* kDumpSass = "DI_JIT_DUMP_SASS";      // 1: write kernel.sa
 constexpr const char* kFailOnSpills = "DI_JIT_FAIL_ON_SPILLS";  // 1: a kernel with local-memory spills is an error
 constexpr const char* kNvcc = "DI_NVCC";                   // path of nvcc (else $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc, PATH)
 constexpr const char* kNvccCcbin = "DI_NVCC_CCBIN";        // host compiler nvcc should use (-ccbin)
-constexpr const char* kPdl = "DI_PDL";                     // 0: no programmatic dependent launches
-constexpr const char* kExtraFlags = "DI_JIT_EXTRA_FLAGS";  // extra nvcc flags (space-separated), part of the cache key
 constexpr const char* kCutlassInclude = "DI_CUTLASS_INCLUDE";  // override of the CUTLASS/CuTe include folder
+// extra nvcc flags (space-separated), part of the cache key; the device code knows two macros:
+// -DDI_KERNEL_TRACE (per-CTA timelines of the decode and top-k kernels, read by tools/kernel_trace.py) and
+// -DDI_TOPK_DEBUG (device checks of the top-k selection invariants, for tests)
+constexpr const char* kExtraFlags = "DI_JIT_EXTRA_FLAGS";
+
+// ---- user-facing: launches
+constexpr const char* kPdl = "DI_PDL";                     // 0: no programmatic dependent launches
+
+// ---- tuning / test: prefill logits (mqa_logits)
+constexpr const char* kMqaMathWgs = "DI_MQA_MATH_WGS";        // 2 or 3: math warpgroups
+constexpr const char* kMqaSplitRelu = "DI_MQA_SPLIT_RELU";    // 0 / 1: linear half of relu on the tensor cores off / on
+constexpr const char* kMqaFusedClean = "DI_MQA_FUSED_CLEAN";  // 0 / 1: -inf fill by a separate kernel / in the kernel
+
+// ---- tuning / test: decode logits (paged_mqa_logits)
+constexpr const char* kPagedMathWgs = "DI_PAGED_MATH_WGS";      // 2..4: math warpgroups
+constexpr const char* kPagedSplitRelu = "DI_PAGED_SPLIT_RELU";  // 0 / 1: split relu off / on (where the layout allows)
+constexpr const char* kPagedKvStages = "DI_PAGED_KV_STAGES";    // KV ring depth cap (default 12)
+
+// ---- tuning / test: top-k
+constexpr const char* kTopkCluster = "DI_TOPK_CLUSTER";    // 1, 2, 4, 8: CTAs per row of the buffered kernel (unsorted)
+constexpr const char* kTopkWide = "DI_TOPK_WIDE";          // 0 / 1: buffered kernel's narrow / wide CTAs
+constexpr const char* kTopkResident = "DI_TOPK_RESIDENT";  // 0 / 1: resident kernel never / wherever it fits
+constexpr const char* kTopkResidentKeys = "DI_TOPK_RESIDENT_KEYS";        // resident keys per thread
+constexpr const char* kTopkResidentThreads = "DI_TOPK_RESIDENT_THREADS";  // 256, 512, 1024: resident threads per CTA
+
+// ---- tuning / test: training kernels
+constexpr const char* kTrainingTargetCluster = "DI_TRAINING_TARGET_CLUSTER";    // 1 / 2: target kernel's cluster size
+constexpr const char* kTrainingDkSplits = "DI_TRAINING_DK_SPLITS";              // > 0: row ranges of the indexer dk kernel
+constexpr const char* kTrainingPerHeadGroups = "DI_TRAINING_PER_HEAD_GROUPS";  // > 0: head groups of the per_head dk kernel
 
 }  // namespace deep_indexer::env

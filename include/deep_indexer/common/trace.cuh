@@ -1,4 +1,4 @@
-// Experiment-only kernel timelines. Compiled in only with DI_JIT_EXTRA_FLAGS=-DDI_KERNEL_TRACE;
+// Kernel timelines for tools/kernel_trace.py (a maintained tool switch). Compiled in only with DI_JIT_EXTRA_FLAGS=-DDI_KERNEL_TRACE;
 // otherwise every member is an empty inline function.
 #pragma once
 #include <cstdint>

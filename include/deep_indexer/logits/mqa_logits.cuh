@@ -134,11 +134,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
   // NOTES: q blocks are dealt in snake order: wave w (gridDim.x blocks) runs forward when w is even
   // and backward when odd, so with the causal pattern (later blocks longer) every CTA's total
   // stays near the mean. Only the last, partial wave yields indices >= num_blocks.
-#ifndef DI_MQA_SNAKE
-#define DI_MQA_SNAKE 1
-#endif
   auto q_block = [&](int it) -> int {
-    const int pos = (DI_MQA_SNAKE && (it & 1)) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+    const int pos = (it & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
     return it * static_cast<int>(gridDim.x) + pos;
   };
 
@@ -368,20 +365,15 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           const int col_shift = max_seqlen_k > 0 ? rg.x : 0;
           obase[m] = logits + (static_cast<int64_t>(tg < S ? tg : 0) * logits_stride + (u_lo - col_shift) +
                                row_in_tile + (kOwnJ == 1 ? 8 * own_j(0) : 0));
-          // Opaque to the compiler, so that it keeps the pointer instead of rebuilding it from the
-          // parameters per tile. Measured on H200: 8-25% faster for the store-heavy shapes
-          // (H <= 32, D <= 64, H = 128), 13% slower for H = 64, D = 128, which is left alone
-          // (before the split relu). Experiment: -DDI_MQA_OPAQUE_OBASE=1 (every shape) or =0 (none).
-#ifndef DI_MQA_OPAQUE_OBASE
+          // NOTES: opaque to the compiler, so that it keeps the pointer instead of rebuilding it from
+          // the parameters per tile: faster for the store-heavy shapes (H <= 32, D <= 64, H = 128),
+          // slower for H = 64, D = 128, which is left alone.
           if constexpr (!(H == 64 && D == 128)) asm volatile("" : "+l"(obase[m]));
-#elif DI_MQA_OPAQUE_OBASE
-          asm volatile("" : "+l"(obase[m]));
-#endif
         }
         // Running store state, advanced by one tile per epilogue (tiles are retired in order): the
         // pointer of tile t's first row, and that row's key minus rlo, checked against the range's
-        // width by one unsigned compare (keys before rlo wrap around). NOTES: against an address and a
-        // two-sided check rebuilt from t per store, H100 P2: H = 32 / D = 64 4.6% faster, D = 128 7%.
+        // width by one unsigned compare (keys before rlo wrap around). NOTES: cheaper than rebuilding the
+        // address and a two-sided check from t per store, which the store-bound shapes feel.
         OutT* optr[kOwnTok];
         int dist[kOwnTok];
         uint32_t width[kOwnTok];
@@ -396,9 +388,8 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
         // Waits for the tile's data, takes its k scales (this thread's rows, from the stage) and issues
         // its WGMMAs into `acc`. bf16 (no k scales): 1, which the compiler folds out of the stores.
-        // NOTES: from shared memory, the scales cost two LDS per tile; loaded from global memory a tile
-        // ahead by the math warps (an L2 round trip under the store stream) H = 32 / D = 64 ran 2.7%
-        // slower, H = 16 11%.
+        // NOTES: from shared memory, the scales cost two LDS per tile; loading them from global memory
+        // a tile ahead in the math warps puts an L2 round trip under the store stream, which is slower.
         auto issue = [&](float(&acc)[kNumAccum], float(&sc)[kOwnJ]) {
           ptx::mbar_wait(kv_full(kv_issue.index), kv_issue.phase);
           const float* stage_sc = reinterpret_cast<const float*>(smem + L.offset_scales(kv_issue.index));
@@ -435,13 +426,6 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
 
         // relu, head weights, head reduction, k scale, store.
         auto epilogue = [&](const float(&acc)[kNumAccum], const float(&sc)[kOwnJ], int t) {
-#ifdef DI_MQA_MMA_ONLY  // experiment (DI_JIT_EXTRA_FLAGS): the WGMMAs and pipeline without the epilogue's work
-          float keep = 0.0f;
-#pragma unroll
-          for (int i = 0; i < kNumAccum; i += 16) keep += acc[i];
-          if (keep == 1234.5f) mqa_detail::store_out(obase[0] + t, keep * sc[0]);
-          return;
-#endif
           constexpr int V = 2 * T;
           float part[V];
 #pragma unroll

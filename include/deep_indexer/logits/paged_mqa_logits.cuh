@@ -71,13 +71,10 @@
 #include <deep_indexer/common/trace.cuh>
 #include <deep_indexer/common/varlen.cuh>
 
-// L2 policy of the KV-cache TMA loads (read once per call).
-#ifndef DI_PAGED_MQA_KV_CACHE_HINT
-#define DI_PAGED_MQA_KV_CACHE_HINT ::deep_indexer::ptx::kCacheEvictFirst
-#endif
-
 namespace deep_indexer {
 namespace paged_mqa_detail {
+
+constexpr uint64_t kKVCacheHint = ptx::kCacheEvictFirst;  // L2 policy of the KV-cache TMA loads (read once per call)
 
 template <int I, int N, class F>
 __device__ __forceinline__ void static_for(F&& f) {
@@ -315,10 +312,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // finished: every read of the inputs comes after this (a no-op otherwise).
   ptx::grid_dependency_wait();
 
-  // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes measured 1.3 us slower)
+  // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes is slower)
   // while the producers resolve their first work items (schedule rows -> context lengths -> block
   // table entries: dependent global loads) before the prologue's barrier, which they do not need for
-  // that: its latency overlaps theirs (measured neutral against resolving them after it).
+  // that: its latency overlaps theirs.
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -372,12 +369,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // NOTES: the first group's block-table entries are fetched with the schedule row alone, alongside
   // its context length (entries past the length are never used; any column < block_table_cols may be
   // read), and reloaded only if the first group is another one (an empty sequence at b0).
-  // -DDI_PAGED_NO_EARLY_BT (experiment) waits for the context length instead.
-#ifdef DI_PAGED_NO_EARLY_BT
-  constexpr bool kEarlyBlockTable = false;
-#else
   constexpr bool kEarlyBlockTable = !kVarlen;  // varlen: the row is known only after the run lookup
-#endif
   Walker walker;
   Item q_cur{0, 0, 0};                                 // Q producer: its first sequence
   Group kv_cur{0, 0, 0, 0, 0}, kv_nxt{0, 0, 0, 0, 0};  // KV producers: the first two block-table groups
@@ -503,12 +495,12 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
               float* sc_dst = scales_smem + st * 64;
               const uint32_t tx = kBlocksPerTile == 1 ? kTileTx : (two ? 2 * kBlockTx : kBlockTx);
               ptx::mbar_arrive_expect_tx(&full_bar[st], tx);
-              ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, DI_PAGED_MQA_KV_CACHE_HINT);
+              ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, kKVCacheHint);
               ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
                              BLOCK_KV * 4, &full_bar[st]);
               if (two) {
                 ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &full_bar[st], 0, 0, id1,
-                                 DI_PAGED_MQA_KV_CACHE_HINT);
+                                 kKVCacheHint);
                 ptx::bulk_load(sc_dst + BLOCK_KV,
                                kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
                                BLOCK_KV * 4, &full_bar[st]);

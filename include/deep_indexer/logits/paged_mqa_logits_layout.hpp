@@ -19,10 +19,9 @@
 //                          context_lens_2d, OutT, l.split_relu, varlen>
 //
 // Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
-// segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. (64-token segments
-// balance the CTAs' tile counts better, +-1 instead of up to 7% apart on D2, but measured slower:
-// D2 28.4 vs 26.9 us, D3 92.9 vs 88.1.) Tile k of a CTA's
-// walk goes to math warpgroup k % num_math_wgs() and KV stage k % num_kv_stages.
+// segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. (Shorter segments
+// balance the CTAs' tile counts better but make the KV producers walk more segments, which costs
+// more.) Tile k of a CTA's walk goes to math warpgroup k % num_math_wgs() and KV stage k % num_kv_stages.
 //
 // Shared memory (offsets from a 1024-byte aligned base; smem_bytes() includes 1024 bytes of slack
 // to align the dynamic shared-memory base):
@@ -40,12 +39,6 @@
 
 #include <deep_indexer/common/host_device.hpp>
 
-// Tokens per scheduled segment, a power of two >= 64. Experiment switch only (tools/ab.py): the metadata
-// kernel and the logits kernel must be built with the same value; the CPU reference assumes the default.
-#ifndef DI_PAGED_SPLIT_KV
-#define DI_PAGED_SPLIT_KV 256
-#endif
-
 namespace deep_indexer {
 
 struct PagedMqaLogitsLayout {
@@ -60,7 +53,9 @@ struct PagedMqaLogitsLayout {
   // the pieces after the q rows of the slot once per sequence; they join the WGMMA (N + linear_cols()).
   bool split_relu = false;
 
-  static constexpr int kSplitKV = DI_PAGED_SPLIT_KV;  // tokens per scheduled segment (metadata contract)
+  // Tokens per scheduled segment, a power of two >= 64 (the metadata kernel's contract; the CPU
+  // reference in the tests assumes 256).
+  static constexpr int kSplitKV = 256;
   static constexpr int kTileTokens = 64;     // WGMMA M: tokens per tile
   static constexpr int kMaxKVStages = 24;    // cap on the KV ring depth
   static constexpr int kSmemLimit = 232448;  // sm_90 max dynamic shared memory per block
@@ -76,8 +71,8 @@ struct PagedMqaLogitsLayout {
   static constexpr DI_HOST_DEVICE int num_segments(int len) { return len / kSplitKV + (len % kSplitKV != 0 ? 1 : 0); }
   constexpr DI_HOST_DEVICE int tile_tokens() const { return kTileTokens; }
   // Math warpgroups (tile k -> WG k % num_math_wgs()): 3 up to N = 128, else 2 (register budget).
-  // For N <= 64 the 3 WGs keep two tiles in flight each (pipeline_tiles()); measured on H200 against 4
-  // WGs with one tile each: D2 22.8 vs 23.4, D4 142.1 vs 143.7, D5 75.2 vs 77.3 us (read flush).
+  // For N <= 64 the 3 WGs keep two tiles in flight each (pipeline_tiles()), which beats 4 WGs with one
+  // tile each.
   constexpr DI_HOST_DEVICE int default_math_wgs() const { return n_total() <= 128 ? 3 : 2; }
   constexpr DI_HOST_DEVICE int num_math_wgs() const { return math_wgs != 0 ? math_wgs : default_math_wgs(); }
   constexpr DI_HOST_DEVICE int num_threads() const { return (num_math_wgs() + 1) * 128; }  // + 1 producer WG
@@ -142,9 +137,6 @@ struct PagedMqaLogitsLayout {
   // while the WGMMA of the WG's next tile computes. Single-chunk shapes whose two accumulator sets
   // fit next to the weights: 3 math WGs for N <= 64 (the default), 2 for N <= 128 (DI_PAGED_MATH_WGS=2).
   constexpr DI_HOST_DEVICE bool pipeline_tiles() const {
-#ifdef DI_PAGED_NO_TILE_PIPELINE  // A/B switch for the kernel (DI_JIT_EXTRA_FLAGS); the host does not depend on it
-    return false;
-#endif
     return num_chunks() == 1 && n_total() <= 128 && mma_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
   }
   // split_relu: the pieces columns (an 8-column group per 2 tokens) and the WGMMA N with them.

@@ -30,7 +30,7 @@
 #include <deep_indexer/common/trace.cuh>
 #include <deep_indexer/common/varlen.cuh>
 
-// -DDI_TOPK_DEBUG (through DI_JIT_EXTRA_FLAGS): device checks of the selection invariants (the JIT
+// -DDI_TOPK_DEBUG (through DI_JIT_EXTRA_FLAGS; a test switch): device checks of the selection invariants (the JIT
 // builds with -DNDEBUG, so these trap instead of using assert).
 #ifdef DI_TOPK_DEBUG
 #include <cstdio>
