@@ -11,6 +11,9 @@
 //   lane_arrive   the same with every consumer lane arriving (count 32): no __syncwarp hand-off.
 //   warp_arrive_bulk / lane_arrive_bulk   the producer refills the stage with cp.async.bulk (async proxy)
 //                 instead of generic stores (training_per_head_dk).
+//   warp_arrive_cp / lane_arrive_cp   each producer lane refills its word with a 4-byte cp.async whose completion
+//                 arrives on `full` (cp.async.mbarrier.arrive.noinc, count 32): the prefill kernel's k scales
+//                 (mqa_logits, whose math warps release a KV stage the same way).
 // Both forms are ordered by the PTX memory model: bar.warp.sync orders the lanes' reads before lane 0's
 // mbarrier.arrive (release at CTA scope, cumulative), the producer's try_wait (acquire) completes only after it;
 // so no write of the next item can race a read of the last.
@@ -38,13 +41,15 @@ __device__ __forceinline__ void wait(uint64_t* b, uint32_t phase) {
                  : "=r"(done) : "r"(saddr(b)), "r"(phase) : "memory");
 }
 
-template <bool kLaneArrive, bool kBulk>
+enum class Fill { kStores, kBulk, kCpAsync };
+
+template <bool kLaneArrive, Fill kFill>
 __global__ void handoff(const float* __restrict__ src, float* __restrict__ out) {
   __shared__ __align__(128) float stage[128];
   __shared__ uint64_t full, empty;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
-    init(&full, kBulk ? 1 : 32);
+    init(&full, kFill == Fill::kBulk ? 1 : 32);
     init(&empty, kLaneArrive ? 32 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -52,13 +57,19 @@ __global__ void handoff(const float* __restrict__ src, float* __restrict__ out) 
   if (warp == 0) {  // producer
     for (int n = 0; n < kItems; ++n) {
       wait(&empty, ((n & 1) ^ 1));
-      if constexpr (kBulk) {
+      if constexpr (kFill == Fill::kBulk) {
         if (lane == 0) {
           arrive_tx(&full, sizeof(stage));
           asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                        ::"r"(saddr(stage)), "l"(src + 128 * n), "r"(static_cast<uint32_t>(sizeof(stage))),
                        "r"(saddr(&full)) : "memory");
         }
+      } else if constexpr (kFill == Fill::kCpAsync) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          asm volatile("cp.async.ca.shared::cta.global [%0], [%1], 4;" ::"r"(saddr(stage + 32 * i + lane)),
+                       "l"(src + 128 * n + 32 * i + lane) : "memory");
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(saddr(&full)) : "memory");
       } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i) stage[32 * i + lane] = src[128 * n + 32 * i + lane];
@@ -97,9 +108,11 @@ int main(int argc, char** argv) {
     printf("@@done %s (%s)\n", name, cudaGetErrorString(e));
     fflush(stdout);
   };
-  go("warp_arrive", handoff<false, false>);
-  go("lane_arrive", handoff<true, false>);
-  go("warp_arrive_bulk", handoff<false, true>);
-  go("lane_arrive_bulk", handoff<true, true>);
+  go("warp_arrive", handoff<false, Fill::kStores>);
+  go("lane_arrive", handoff<true, Fill::kStores>);
+  go("warp_arrive_bulk", handoff<false, Fill::kBulk>);
+  go("lane_arrive_bulk", handoff<true, Fill::kBulk>);
+  go("warp_arrive_cp", handoff<false, Fill::kCpAsync>);
+  go("lane_arrive_cp", handoff<true, Fill::kCpAsync>);
   return 0;
 }

@@ -409,8 +409,11 @@ DI_DEVICE void mqa_logits_body(const CUtensorMap& tmap_q, const CUtensorMap& tma
           }
         };
 
-        // Retires the KV stage of the tile whose WGMMAs have completed.
+        // Retires the KV stage of the tile whose WGMMAs have completed. Every lane read the stage's k
+        // scales; the warp barrier orders those reads before lane 0's release arrival, after
+        // which the producer may overwrite the stage.
         auto release = [&]() {
+          __syncwarp();
           if (lane == 0) ptx::mbar_arrive(kv_empty(kv_release.index));
           kv_release.advance();
         };
