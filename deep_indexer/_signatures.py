@@ -205,7 +205,8 @@ def _got(value) -> str:
         return "None"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
-    return type(value).__name__
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 class _Checker:
@@ -230,7 +231,8 @@ class _Checker:
         self.bad(i, value)
 
     def bool(self, i: int, value):
-        if type(value).__name__ == "bool_" or (isinstance(value, int) and value in (0, 1)):  # numpy.bool_, 0 / 1
+        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+        if numpy_bool or (isinstance(value, int) and value in (0, 1)):
             return bool(value)
         self.bad(i, value)
 
