@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import os
 import sys
+import sysconfig
 import types
 from typing import Optional
 
@@ -262,8 +264,6 @@ HOOK_LINE = (f'import os; os.environ.get("{HOOK_ENV}", "0") == "1" and '
 
 
 def _site_dir(site_dir: Optional[str]) -> str:
-    import sysconfig
-
     return site_dir or sysconfig.get_paths()["purelib"]
 
 
@@ -272,8 +272,6 @@ def enable_env_switch(site_dir: Optional[str] = None) -> str:
     every Python process started with DI_DEEP_GEMM=1 runs install() at start, worker processes included.
     Only `python -m deep_indexer deep-gemm enable` calls this (never the package's installation).
     Returns the file's path."""
-    import os
-
     path = os.path.join(_site_dir(site_dir), HOOK_FILE)
     with open(path, "w") as f:
         f.write(HOOK_LINE)
@@ -282,8 +280,6 @@ def enable_env_switch(site_dir: Optional[str] = None) -> str:
 
 def disable_env_switch(site_dir: Optional[str] = None) -> Optional[str]:
     """Removes the startup hook; returns its path if there was one."""
-    import os
-
     path = os.path.join(_site_dir(site_dir), HOOK_FILE)
     if os.path.exists(path):
         os.remove(path)

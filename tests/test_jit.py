@@ -250,3 +250,15 @@ def test_every_variant_compiles_without_spills(isolated_cache):
     assert not spilled
     serialized = [r["params"] for r in res if any("serializ" in w for w in r["warnings"])]
     assert not serialized
+
+
+def test_cli_options_have_help():
+    """Every option and positional argument of precompile, cache and deep-gemm says what it does."""
+    import argparse
+
+    from deep_indexer.__main__ import parser
+
+    subs = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for cmd in ("precompile", "cache", "deep-gemm"):
+        for action in subs.choices[cmd]._actions:
+            assert action.help, f"{cmd} {action.option_strings or action.dest}: no help text"
