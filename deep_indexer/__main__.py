@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from . import bench, deep_gemm as dg, jit
 
 
 def _precompile(args) -> int:
-    from . import jit
-
     def progress(done: int, total: int, r: dict) -> None:
         status = "FAILED" if "error" in r else ("hit" if r.get("from_cache") else f"{r['seconds']:.1f}s")
         print(f"[{done}/{total}] {r['params']} {status}", file=sys.stderr, flush=True)
@@ -31,8 +32,6 @@ def _precompile(args) -> int:
 
 
 def _cache(args) -> int:
-    from . import jit
-
     if args.action == "info":
         info = jit.cache_info()
         print(f"path: {info['path']}\nentries: {info['entries']}\nsize: {info['bytes'] / 2**20:.1f} MiB")
@@ -42,16 +41,10 @@ def _cache(args) -> int:
 
 
 def _bench(args) -> int:
-    from . import bench
-
     return bench.main(args)
 
 
 def _deep_gemm(args) -> int:
-    import os
-
-    from . import deep_gemm as dg
-
     path = os.path.join(dg._site_dir(args.site_dir), dg.HOOK_FILE)
     if args.action == "enable":
         dg.enable_env_switch(args.site_dir)
@@ -65,39 +58,53 @@ def _deep_gemm(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deep_indexer", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     pc = sub.add_parser("precompile", help="compile kernel variants into the disk cache (no GPU needed with --arch)")
-    pc.add_argument("--arch", default=None, help="target architecture (sm_90a); default: the current GPU's")
-    pc.add_argument("--ops", nargs="+", default=None, help="clean_logits mqa_logits paged_mqa_logits paged_mqa_logits_metadata topk training_logits training_logits_stats training_target training_indexer_dk training_indexer_dq training_per_head_rows training_per_head_dk")
-    pc.add_argument("--heads", nargs="+", type=int, default=None)
-    pc.add_argument("--head-dims", nargs="+", type=int, default=None)
-    pc.add_argument("--next-n", nargs="+", type=int, default=None)
-    pc.add_argument("--block-kv", nargs="+", type=int, default=None)
-    pc.add_argument("--logits-dtypes", nargs="+", default=None, help="float32 bfloat16")
+    pc.add_argument("--arch", default=None, help="target architecture (only sm_90a); default: the current GPU's "
+                                                 "(needs one)")
+    pc.add_argument("--ops", nargs="+", default=None, metavar="OP",
+                    help=f"kernels to compile (default: all): {' '.join(jit.OPS)}")
+    pc.add_argument("--heads", nargs="+", type=int, default=None, metavar="H",
+                    help=f"indexer head counts (default: all of {' '.join(map(str, jit.HEADS))})")
+    pc.add_argument("--head-dims", nargs="+", type=int, default=None, metavar="D",
+                    help="head dims (default: every dim each op supports: prefill 32 64 128, decode 64 128, "
+                         "training 64 128)")
+    pc.add_argument("--next-n", nargs="+", type=int, default=None, metavar="N",
+                    help=f"decode query tokens per sequence (default: all of {' '.join(map(str, jit.NEXT_N))})")
+    pc.add_argument("--block-kv", nargs="+", type=int, default=None, metavar="B",
+                    help=f"paged-cache block sizes in tokens (default: both of {' '.join(map(str, jit.BLOCK_KV))})")
+    pc.add_argument("--logits-dtypes", nargs="+", default=None, metavar="DTYPE",
+                    help=f"logits dtypes (default: both of {' '.join(jit.LOGITS_DTYPES)})")
     pc.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
     pc.add_argument("--quiet", action="store_true", help="no per-variant progress lines")
     pc.set_defaults(func=_precompile)
 
-    cc = sub.add_parser("cache", help="inspect or clear the on-disk kernel cache")
-    cc.add_argument("action", choices=["info", "clear"])
+    cc = sub.add_parser("cache", help="inspect or clear the on-disk kernel cache (DI_JIT_CACHE_DIR, default "
+                                      "~/.cache/deep_indexer)")
+    cc.add_argument("action", choices=["info", "clear"],
+                    help="info: the cache's path, entry count and size; clear: remove every entry (safe while "
+                         "other processes run: they recompile)")
     cc.set_defaults(func=_cache)
 
     bp = sub.add_parser("bench", help="benchmark the standard shapes (P1-P5, D1-D8) against the device's measured ceilings")
-    from .bench import add_arguments
-
-    add_arguments(bp)
+    bench.add_arguments(bp)
     bp.set_defaults(func=_bench)
 
     dg = sub.add_parser("deep-gemm", help="the DI_DEEP_GEMM=1 switch: route `deep_gemm`'s indexer functions to "
                                           "deep_indexer in every process started with it")
-    dg.add_argument("action", choices=["enable", "disable", "status"])
+    dg.add_argument("action", choices=["enable", "disable", "status"],
+                    help="enable: write the startup hook; disable: remove it; status: whether it is written")
     dg.add_argument("--site-dir", default=None, help="where to write the hook (default: this environment's site-packages)")
     dg.set_defaults(func=_deep_gemm)
 
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     return args.func(args)
 
 

@@ -11,7 +11,9 @@ points, so code written for `deep_gemm` (positional or keyword calls) runs uncha
     fp8_mqa_logits(...), fp8_paged_mqa_logits(...)    (the older names)
     get_num_sms(), set_num_sms(new_num_sms)
 
-deep_indexer's own extras (`out=`, and `logits_dtype` on the older names) are keyword-only.
+deep_indexer's own extras (`out=`, and `logits_dtype` on the older names) are keyword-only. The
+signatures are written in deep_indexer._signatures (DEEP_GEMM); tests/test_deep_gemm.py spells
+DeepGEMM's out independently.
 Only the FP8 path exists (SM90): `q` is `(q_fp8, None)` or a plain float8_e4m3fn tensor; FP4 inputs
 (packed q, FP4 cache, per-token FP4/MX scale factors) raise a ValueError saying so. Weights may be
 float32, bfloat16 or float16 (converted to float32 on the GPU, graph-capturable).
@@ -23,13 +25,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import os
 import sys
+import sysconfig
 import types
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from . import _C, ops
+from ._signatures import DEEP_GEMM, op as _op
 
 __all__ = [
     "fp8_fp4_mqa_logits",
@@ -44,15 +49,12 @@ __all__ = [
 _FP4_DTYPES = tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2", "uint8", "int8") if hasattr(torch, n))
 _HALF_WEIGHTS = (torch.bfloat16, torch.float16)
 
-QInput = Union[torch.Tensor, tuple]
-
-
 def _fp8_only(op: str, what: str) -> ValueError:
     return ValueError(f"deep_indexer.{op}: {what}; deep_indexer supports only the FP8 path on SM90 "
                       f"(q = (q float8_e4m3fn, None), FP8 keys with float32 scales)")
 
 
-def _unpack_q(op: str, q: QInput) -> torch.Tensor:
+def _unpack_q(op: str, q) -> torch.Tensor:
     """(q_fp8, None) or q_fp8 -> q_fp8; FP4 forms raise a clear ValueError."""
     if isinstance(q, (tuple, list)):
         if len(q) != 2:
@@ -94,83 +96,43 @@ def _check_kv_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------ prefill
-def fp8_fp4_mqa_logits(
-    q: QInput,
-    kv: tuple,
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    max_seqlen_k: int = 0,
-    logits_dtype: torch.dtype = torch.float32,
-    *,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def _prefill(op, q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
+    q = _unpack_q(op, q)
+    _check_kv(op, kv)
+    w = _float_weights(weights, native=(torch.bfloat16,))  # the prefill kernel reads bf16 weights itself
+    return ops.fp8_mqa_logits(q, kv, w, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
+                              max_seqlen_k=max_seqlen_k, logits_dtype=logits_dtype, out=out)
+
+
+@_op(DEEP_GEMM["fp8_fp4_mqa_logits"])
+def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
     """Prefill indexer logits, as deep_indexer.fp8_mqa_logits (see docs/api.md).
 
     q: (q [S, H, D] float8_e4m3fn, None) or q. kv: (k [SKV, D] float8_e4m3fn, k_scale [SKV] float32).
     weights: [S, H] float32 or bfloat16 (float16 is converted). max_seqlen_k = 0: logits [S, SKV];
     max_seqlen_k > 0: compressed logits [S, max_seqlen_k] with logits[i, j] = I[i, ks[i] + j].
     """
-    op = "fp8_fp4_mqa_logits"
-    q = _unpack_q(op, q)
-    _check_kv(op, kv)
-    w = _float_weights(weights, native=(torch.bfloat16,))  # the prefill kernel reads bf16 weights itself
-    return ops.fp8_mqa_logits(q, kv, w, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
-                              max_seqlen_k=int(max_seqlen_k), logits_dtype=logits_dtype, out=out)
+    return _prefill("fp8_fp4_mqa_logits", q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
+                    max_seqlen_k, logits_dtype, out)
 
 
-def fp8_mqa_logits(
-    q: torch.Tensor,
-    kv: tuple,
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    max_seqlen_k: int = 0,
-    *,
-    logits_dtype: torch.dtype = torch.float32,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@_op(DEEP_GEMM["fp8_mqa_logits"])
+def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
     """The older name of fp8_fp4_mqa_logits (q is a plain float8_e4m3fn tensor)."""
-    return fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k,
-                              logits_dtype, out=out)
+    return _prefill("fp8_mqa_logits", q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
+                    max_seqlen_k, logits_dtype, out)
 
 
 # ------------------------------------------------------------------------------------ decode
-def get_paged_mqa_logits_metadata(
-    context_lens: torch.Tensor,
-    block_kv: int,
-    num_sms: Optional[int],
-    indices: Optional[torch.Tensor] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@_op(DEEP_GEMM["get_paged_mqa_logits_metadata"])
+def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices, out):
     """Decode work split: int32 [num_sms + 1, 2], computed on the GPU (no host sync). num_sms may be None
     (get_num_sms() of the inputs' device). indices: int32 [B] request id per row (varlen batches)."""
     return ops.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=indices, out=out)
 
 
-def fp8_fp4_paged_mqa_logits(
-    q: QInput,
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    schedule_meta: torch.Tensor,
-    max_context_len: int,
-    clean_logits: bool = False,
-    logits_dtype: torch.dtype = torch.float32,
-    indices: Optional[torch.Tensor] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Decode indexer logits over a paged FP8 cache, as deep_indexer.fp8_paged_mqa_logits (docs/api.md).
-
-    q: (q [B, next_n, H, D] float8_e4m3fn, None) or q. kv_cache: uint8 [num_blocks, block_kv, 1, D + 4].
-    weights: [B * next_n, H] float32 (bfloat16/float16 are converted). Returns [B * next_n, max_context_len].
-    """
-    op = "fp8_fp4_paged_mqa_logits"
+def _decode(op, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
+            logits_dtype, indices, out):
     q = _unpack_q(op, q)
     _check_kv_cache(op, q, kv_cache)
     return ops.fp8_paged_mqa_logits(q, kv_cache, _float_weights(weights), context_lens, block_table, schedule_meta,
@@ -178,23 +140,24 @@ def fp8_fp4_paged_mqa_logits(
                                     out=out)
 
 
-def fp8_paged_mqa_logits(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    schedule_meta: torch.Tensor,
-    max_context_len: int,
-    clean_logits: bool = False,
-    indices: Optional[torch.Tensor] = None,
-    *,
-    logits_dtype: torch.dtype = torch.float32,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@_op(DEEP_GEMM["fp8_fp4_paged_mqa_logits"])
+def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
+                             logits_dtype, indices, out):
+    """Decode indexer logits over a paged FP8 cache, as deep_indexer.fp8_paged_mqa_logits (docs/api.md).
+
+    q: (q [B, next_n, H, D] float8_e4m3fn, None) or q. kv_cache: uint8 [num_blocks, block_kv, 1, D + 4].
+    weights: [B * next_n, H] float32 (bfloat16/float16 are converted). Returns [B * next_n, max_context_len].
+    """
+    return _decode("fp8_fp4_paged_mqa_logits", q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                   max_context_len, clean_logits, logits_dtype, indices, out)
+
+
+@_op(DEEP_GEMM["fp8_paged_mqa_logits"])
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
+                         indices, logits_dtype, out):
     """The older name of fp8_fp4_paged_mqa_logits (q is a plain float8_e4m3fn tensor)."""
-    return fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                                    clean_logits, logits_dtype, indices, out=out)
+    return _decode("fp8_paged_mqa_logits", q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                   max_context_len, clean_logits, logits_dtype, indices, out)
 
 
 # ------------------------------------------------------------------------------------ SM count
@@ -301,8 +264,6 @@ HOOK_LINE = (f'import os; os.environ.get("{HOOK_ENV}", "0") == "1" and '
 
 
 def _site_dir(site_dir: Optional[str]) -> str:
-    import sysconfig
-
     return site_dir or sysconfig.get_paths()["purelib"]
 
 
@@ -311,8 +272,6 @@ def enable_env_switch(site_dir: Optional[str] = None) -> str:
     every Python process started with DI_DEEP_GEMM=1 runs install() at start, worker processes included.
     Only `python -m deep_indexer deep-gemm enable` calls this (never the package's installation).
     Returns the file's path."""
-    import os
-
     path = os.path.join(_site_dir(site_dir), HOOK_FILE)
     with open(path, "w") as f:
         f.write(HOOK_LINE)
@@ -321,8 +280,6 @@ def enable_env_switch(site_dir: Optional[str] = None) -> str:
 
 def disable_env_switch(site_dir: Optional[str] = None) -> Optional[str]:
     """Removes the startup hook; returns its path if there was one."""
-    import os
-
     path = os.path.join(_site_dir(site_dir), HOOK_FILE)
     if os.path.exists(path):
         os.remove(path)

@@ -170,8 +170,17 @@ def precompile(
     Returns one dict per variant (kernel, params, registers, spill bytes, smem bytes, seconds,
     from_cache, or `error`). Never raises for a failed variant: check each dict's "error".
     """
+    return compile_variants(variants(ops, heads, head_dims, next_n, block_kv, logits_dtypes), arch, jobs, progress)
+
+
+def compile_variants(
+    todo: Sequence[Variant],
+    arch: Optional[str] = None,
+    jobs: Optional[int] = None,
+    progress: Optional[Callable[[int, int, dict], None]] = None,
+) -> list[dict]:
+    """precompile() of the given variants (from variants()), in their order."""
     arch = resolve_arch(arch)
-    todo = variants(ops, heads, head_dims, next_n, block_kv, logits_dtypes)
     jobs = max(1, jobs or os.cpu_count() or 1)
     results: list[Optional[dict]] = [None] * len(todo)
     lock = threading.Lock()

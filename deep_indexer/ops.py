@@ -9,6 +9,11 @@ from typing import Optional
 import torch
 
 from . import _C
+from ._signatures import native
+from .torch_ops import elem_bytes, padded_row_stride  # (importing torch_ops registers torch.ops.deep_indexer.*)
+
+# @native: the signature (names, order, kinds, defaults) is deep_indexer._signatures' stub of the same
+# name; each implementation below gets every argument positionally in that order, types checked.
 
 # Under torch.compile the public functions go through torch.ops.deep_indexer.* (traceable, with
 # fake implementations); in eager mode they call the extension directly (lowest host overhead).
@@ -16,17 +21,11 @@ _compiling = torch.compiler.is_compiling
 
 
 def _ops():
-    from . import torch_ops  # noqa: F401  (registers torch.ops.deep_indexer.*)
-
     return torch.ops.deep_indexer
 
 
-def clean_logits(
-    logits: torch.Tensor,
-    cu_seq_len_k_start: Optional[torch.Tensor],
-    cu_seq_len_k_end: torch.Tensor,
-    next_n: int = 1,
-) -> torch.Tensor:
+@native
+def clean_logits(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n):
     """Writes -inf outside each row's key range, in place, and returns `logits` (docs/api.md).
 
     logits: [M, N] float32/bfloat16 (stride(1) == 1, rows may be padded). ks/ke: int32
@@ -40,23 +39,11 @@ def clean_logits(
 
 
 def _elem_bytes(logits_dtype: torch.dtype, op: str) -> int:
-    from .torch_ops import elem_bytes
-
     return elem_bytes(logits_dtype, f"deep_indexer.{op}")
 
 
-def fp8_mqa_logits(
-    q: torch.Tensor,
-    kv: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    *,
-    max_seqlen_k: int = 0,
-    logits_dtype: torch.dtype = torch.float32,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@native
+def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
     """Prefill indexer logits: I[i, j] = k_scale[j] * sum_h w[i, h] * relu(q[i, h] . k[j]).
 
     q [S, H, D] fp8 e4m3 (H in 16/32/64/128, D in 32/64/128); kv = (k [SKV, D] fp8, k_scale [SKV]
@@ -76,10 +63,6 @@ def fp8_mqa_logits(
     logits_dtype: float32 or bfloat16. Returns a view whose row stride may be padded (stride(1) == 1),
     or `out` when given (shape [S, SKV] or [S, M], logits_dtype, stride(1) == 1).
     """
-    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-        raise ValueError("deep_indexer.fp8_mqa_logits: kv must be a tuple (k [SKV, D] fp8, k_scale [SKV] float32)")
-    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
-        raise TypeError(f"deep_indexer.fp8_mqa_logits: max_seqlen_k must be an int, got {type(max_seqlen_k).__name__}")
     if _compiling():
         if out is None:
             return _ops().fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
@@ -91,14 +74,8 @@ def fp8_mqa_logits(
                              _elem_bytes(logits_dtype, "fp8_mqa_logits"), out, max_seqlen_k)
 
 
-def get_paged_mqa_logits_metadata(
-    context_lens: torch.Tensor,
-    block_kv: int,
-    num_sms: Optional[int] = None,
-    *,
-    indices: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@native
+def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices, out):
     """Decode work split (docs/api.md), computed on the GPU without a host sync: int32 [num_sms + 1, 2]
     (sequence, segment) start pairs over segments of 256 tokens; see reference.paged_mqa_logits_metadata.
     context_lens: int32 [B] or [B, next_n] (next_n 1..8). num_sms defaults to the SM count set by set_num_sms, else the device's.
@@ -112,20 +89,9 @@ def get_paged_mqa_logits_metadata(
     return _C.get_paged_mqa_logits_metadata(context_lens, int(block_kv), num_sms, out, indices)
 
 
-def fp8_paged_mqa_logits(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    schedule_meta: torch.Tensor,
-    max_context_len: int,
-    clean_logits: bool = False,
-    *,
-    logits_dtype: torch.dtype = torch.float32,
-    indices: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@native
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
+                         logits_dtype, indices, out):
     """Decode indexer logits over a paged fp8 KV cache (docs/api.md): [B * next_n, max_context_len].
 
     q [B, next_n, H, D] fp8 (next_n 1..8, H 16/32/64/128, D 64/128); kv_cache uint8
@@ -153,24 +119,9 @@ def fp8_paged_mqa_logits(
                                    _elem_bytes(logits_dtype, "fp8_paged_mqa_logits"), out, indices)
 
 
-def topk_indices(
-    logits: torch.Tensor,
-    k: int,
-    cu_seq_len_k_start: Optional[torch.Tensor] = None,
-    cu_seq_len_k_end: Optional[torch.Tensor] = None,
-    *,
-    context_lens: Optional[torch.Tensor] = None,
-    next_n: int = 1,
-    sorted: bool = False,
-    index_mode: str = "relative",
-    block_table: Optional[torch.Tensor] = None,
-    block_size: Optional[int] = None,
-    row_offset: Optional[torch.Tensor] = None,
-    return_values: bool = False,
-    out: Optional[torch.Tensor] = None,
-    out_values: Optional[torch.Tensor] = None,
-    indices: Optional[torch.Tensor] = None,
-):
+@native
+def topk_indices(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, sorted, index_mode, block_table,
+                 block_size, row_offset, return_values, out, out_values, indices):
     """Exact, deterministic top-k column indices of every row of `logits` (see docs/topk.md).
 
     logits: [M, N] float32/bfloat16, stride(1) == 1 (rows may be padded). Row ranges: either
@@ -206,8 +157,6 @@ def topk_indices(
 def _logits_workspace(like: torch.Tensor, rows: int, cols: int, dtype: torch.dtype,
                       workspace: Optional[torch.Tensor], op: str) -> torch.Tensor:
     """A [rows, cols] view of `workspace` (or of a fresh buffer with the ops' padded row stride)."""
-    from .torch_ops import padded_row_stride
-
     if workspace is None:
         return like.new_empty((rows, padded_row_stride(cols, dtype)), dtype=dtype)[:, :cols]
     if not isinstance(workspace, torch.Tensor) or workspace.dim() != 2 or workspace.dtype != dtype:
@@ -222,35 +171,17 @@ def _logits_workspace(like: torch.Tensor, rows: int, cols: int, dtype: torch.dty
     return workspace[:rows, :cols]
 
 
-def topk_workspace(rows: int, cols: int, logits_dtype: torch.dtype = torch.float32,
-                   device: Optional[torch.device] = None) -> torch.Tensor:
+@native
+def topk_workspace(rows, cols, logits_dtype, device):
     """A reusable logits buffer for fp8_paged_mqa_topk_indices (rows = B * next_n, cols >= every
     max_context_len) or fp8_mqa_topk_indices (rows = chunk_rows, cols = SKV), rows 256-byte aligned."""
-    from .torch_ops import padded_row_stride
-
     return torch.empty((rows, padded_row_stride(cols, logits_dtype)), dtype=logits_dtype, device=device)[:, :cols]
 
 
-def fp8_paged_mqa_topk_indices(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    schedule_meta: torch.Tensor,
-    max_context_len: int,
-    k: int,
-    *,
-    sorted: bool = False,
-    index_mode: str = "relative",
-    row_offset: Optional[torch.Tensor] = None,
-    return_values: bool = False,
-    logits_dtype: torch.dtype = torch.float32,
-    workspace: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
-    out_values: Optional[torch.Tensor] = None,
-    indices: Optional[torch.Tensor] = None,
-):
+@native
+def fp8_paged_mqa_topk_indices(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, k,
+                               sorted, index_mode, row_offset, return_values, logits_dtype, workspace, out, out_values,
+                               indices):
     """Decode indexer -> top-k in one call: fp8_paged_mqa_logits (clean_logits=False) into
     `workspace`, then topk_indices with the decode row grouping of `context_lens` ([B] or
     [B, next_n]). Returns int32 [B * next_n, k] (and the values with return_values=True).
@@ -273,25 +204,9 @@ def fp8_paged_mqa_topk_indices(
                         indices=indices)
 
 
-def fp8_mqa_topk_indices(
-    q: torch.Tensor,
-    kv: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    k: int,
-    *,
-    sorted: bool = False,
-    index_mode: str = "relative",
-    row_offset: Optional[torch.Tensor] = None,
-    return_values: bool = False,
-    logits_dtype: torch.dtype = torch.float32,
-    chunk_rows: Optional[int] = None,
-    workspace: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
-    out_values: Optional[torch.Tensor] = None,
-    overlap: bool = True,
-):
+@native
+def fp8_mqa_topk_indices(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, k, sorted, index_mode, row_offset,
+                         return_values, logits_dtype, chunk_rows, workspace, out, out_values, overlap):
     """Prefill indexer -> top-k: [S, k] int32 (and values) without an [S, SKV] logits buffer.
 
     Query rows are processed in chunks that share `chunk_rows` rows of logits (default: 256 MiB, or
@@ -306,8 +221,6 @@ def fp8_mqa_topk_indices(
     (index_mode "relative" or "absolute"). The result is the same either way.
     """
     op = "fp8_mqa_topk_indices"
-    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-        raise ValueError(f"deep_indexer.{op}: kv must be a tuple (k [SKV, D] fp8, k_scale [SKV] float32)")
     if index_mode == "slot":
         raise ValueError(f"deep_indexer.{op}: index_mode must be 'relative' or 'absolute' (no block table in prefill)")
     S, SKV = q.shape[0], kv[0].shape[0]

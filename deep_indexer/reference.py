@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ._signatures import REFERENCE, op as _op
 from .quant import FP8, _check, _check_int, _kv_cache_views
 from .quant import _fp4_dequant, _fp4_inputs
 
@@ -92,19 +93,9 @@ def _weighted_relu_into(
             out[r0:r1, c0:c1] = blk
 
 
-def mqa_logits(
-    q: torch.Tensor,
-    kv: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    *,
-    max_seqlen_k: int = 0,
-    logits_dtype: torch.dtype = torch.float32,
-    accum_dtype: torch.dtype = torch.float32,
-    chunk: int | None = None,
-) -> torch.Tensor:
+@_op(REFERENCE["mqa_logits"], checks=False)
+def mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, accum_dtype,
+               chunk):
     """Prefill logits: [S, SKV] in logits_dtype, or [S, max_seqlen_k] when max_seqlen_k > 0.
 
     q [S, H, D] fp8, kv = (k [SKV, D] fp8, k_scale [SKV] fp32), weights [S, H] fp32 or bf16,
@@ -146,20 +137,9 @@ def mqa_logits(
     return out
 
 
-def paged_mqa_logits(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    max_context_len: int,
-    clean_logits: bool = False,
-    *,
-    logits_dtype: torch.dtype = torch.float32,
-    accum_dtype: torch.dtype = torch.float32,
-    chunk: int | None = None,
-    indices: torch.Tensor | None = None,
-) -> torch.Tensor:
+@_op(REFERENCE["paged_mqa_logits"], checks=False)
+def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits, logits_dtype,
+                     accum_dtype, chunk, indices):
     """Decode logits over a fused paged cache (docs/api.md): [B * next_n, max_context_len].
 
     q [B, next_n, H, D] fp8; kv_cache uint8 [num_blocks, block_kv, 1, D + 4]; weights
@@ -380,12 +360,8 @@ def row_ranges(
     return lo, hi
 
 
-def clean_logits(
-    logits: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor | None,
-    cu_seq_len_k_end: torch.Tensor,
-    next_n: int = 1,
-) -> torch.Tensor:
+@_op(REFERENCE["clean_logits"], checks=False)
+def clean_logits(logits, cu_seq_len_k_start, cu_seq_len_k_end, next_n):
     """In place (docs/api.md): write -inf outside each row's valid range, leave the inside untouched.
 
     logits [M, N] (float32/bfloat16, stride(1) == 1, row stride free); ks/ke int32 [M // next_n]
@@ -407,10 +383,8 @@ def clean_logits(
     return logits
 
 
-def paged_mqa_logits_metadata(
-    context_lens: torch.Tensor, block_kv: int, num_sms: int, split_kv: int = 256,
-    indices: torch.Tensor | None = None,
-) -> torch.Tensor:
+@_op(REFERENCE["paged_mqa_logits_metadata"], checks=False)
+def paged_mqa_logits_metadata(context_lens, block_kv, num_sms, split_kv, indices):
     """Decode work split (the contract the GPU metadata kernel reproduces bit for bit).
 
     len_b = context_lens[b] (or max over next_n for [B, next_n]), clamped >= 0;
@@ -478,22 +452,9 @@ def topk_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.zeros_like(key), key)
 
 
-def topk_indices(
-    logits: torch.Tensor,
-    k: int,
-    cu_seq_len_k_start: torch.Tensor | None = None,
-    cu_seq_len_k_end: torch.Tensor | None = None,
-    *,
-    context_lens: torch.Tensor | None = None,
-    next_n: int = 1,
-    sorted: bool = False,
-    index_mode: str = "relative",
-    block_table: torch.Tensor | None = None,
-    block_size: int | None = None,
-    row_offset: torch.Tensor | None = None,
-    return_values: bool = False,
-    indices: torch.Tensor | None = None,
-):
+@_op(REFERENCE["topk_indices"], checks=False)
+def topk_indices(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, next_n, sorted, index_mode, block_table,
+                 block_size, row_offset, return_values, indices):
     """Exact top-k of every row's valid range (the rule deep_indexer.topk_indices implements).
 
     Selected: the k largest keys (see `topk_keys`; NaN ranks below -inf), ties to the smaller

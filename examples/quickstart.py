@@ -7,6 +7,9 @@ import torch
 import deep_indexer as di
 from deep_indexer import quant, reference
 
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    raise SystemExit("this example needs an SM90 (Hopper) GPU")
+
 torch.manual_seed(0)
 dev = "cuda"
 H, D = 64, 128  # indexer heads and head dim of DeepSeek-V3.2
@@ -28,9 +31,13 @@ ks = torch.zeros(S, dtype=torch.int32, device=dev)
 ke = torch.arange(SKV - S + 1, SKV + 1, dtype=torch.int32, device=dev)  # exclusive end of each row's keys
 
 logits = di.fp8_mqa_logits(q, (k, k_scale), weights, ks, ke, clean_logits=True)  # [S, SKV], -inf outside
-top_keys = logits.topk(256, dim=-1).indices  # what the sparse attention then reads
 ref = reference.mqa_logits(q, (k, k_scale), weights, ks, ke)
 print(f"prefill logits {tuple(logits.shape)}: relative difference to the reference {close(logits, ref):.1e}")
+
+# the keys the sparse attention then reads: exact top-k of each row's range, ties to the smaller column
+top = di.topk_indices(logits, 256, ks, ke)  # [S, 256] int32 (-1 past a row's valid keys)
+assert torch.equal(top.cpu(), reference.topk_indices(logits.cpu(), 256, ks.cpu(), ke.cpu()))
+print(f"top-k indices {tuple(top.shape)}: the reference's exactly")
 
 # clean_logits=False leaves entries outside each row's range unspecified; clean_logits() fills them later.
 raw = di.fp8_mqa_logits(q, (k, k_scale), weights, ks, ke, clean_logits=False)

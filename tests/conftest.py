@@ -1,3 +1,6 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -45,3 +48,23 @@ def assert_logits_match(out: torch.Tensor, ref: torch.Tensor, clean: bool, dtype
         neg = out == float("-inf")
         mism = neg != ~valid
         assert not mism.any(), f"{what}: -inf mask differs at {int(mism.sum())} entries, first {mism.nonzero()[:4].tolist()}"
+
+
+# ------------------------------------------------------------------------------------ cache guard
+# The JIT falls back to $TMPDIR/deep_indexer-$UID when its cache folder cannot be written. No test may
+# leave kernels there (a test of the fallback points TMPDIR at its own tmp_path): the run fails if one did.
+def _fallback_entries() -> set:
+    kernels = os.path.join(tempfile.gettempdir(), f"deep_indexer-{os.getuid()}", "kernels")
+    return set(os.listdir(kernels)) if os.path.isdir(kernels) else set()
+
+
+def pytest_sessionstart(session):
+    session.config._di_fallback_before = _fallback_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    new = _fallback_entries() - getattr(session.config, "_di_fallback_before", set())
+    if new:
+        print(f"\nthe tests left {len(new)} kernel(s) in the temp folder's fallback cache "
+              f"{os.path.join(tempfile.gettempdir(), f'deep_indexer-{os.getuid()}')}: {sorted(new)[:5]}")
+        session.exitstatus = 1

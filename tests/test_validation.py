@@ -147,3 +147,88 @@ def test_clean_logits_validation(args, pattern):
 def test_paged_out_validation():
     with pytest.raises(ValueError, match=r"out must have shape \[2, 128\], got \[2, 127\]"):
         call_paged(out=torch.empty(2, 127))
+
+
+# ------------------------------------------------------------------------------------ Python types
+# A non-tensor where a tensor is expected, a float where an int is, ...: every public op raises one error
+# (a TypeError, also a ValueError) naming the op, the argument, what it expects and what it got, before
+# anything reaches the extension (whose own message would be pybind's list of overloads).
+from deep_indexer import _signatures, deep_gemm  # noqa: E402
+
+_P = prefill_args()
+_D = paged_args()
+_LOGITS, _KE = torch.zeros(4, 8), torch.zeros(4, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: di.fp8_mqa_logits([1], _P["kv"], _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"]),
+     r"deep_indexer.fp8_mqa_logits: q must be a torch.Tensor, got a list of 1"),
+    (lambda: di.fp8_mqa_logits(_P["q"], None, _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"]),
+     r"kv must be a tuple \(k, k_scale\) of two tensors, got None"),
+    (lambda: di.fp8_mqa_logits(_P["q"], (_P["kv"][0], None), _P["weights"], _P["cu_seq_len_k_start"],
+                               _P["cu_seq_len_k_end"]), r"kv\[1\] \(k_scale\) must be a torch.Tensor, got None"),
+    (lambda: di.fp8_mqa_logits(_P["q"], _P["kv"], _P["weights"], None, _P["cu_seq_len_k_end"]),
+     r"cu_seq_len_k_start must be a torch.Tensor, got None"),
+    (lambda: di.fp8_mqa_logits(_P["q"], _P["kv"], _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"],
+                               "yes"), r"clean_logits must be a bool, got str"),
+    (lambda: di.fp8_mqa_logits(_P["q"], _P["kv"], _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"],
+                               logits_dtype="float32"), r"logits_dtype must be a torch.dtype, got str"),
+    (lambda: di.fp8_mqa_logits(_P["q"], _P["kv"], _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"],
+                               out=[0]), r"out must be a torch.Tensor or None, got a list of 1"),
+    (lambda: di.fp8_paged_mqa_logits(*list(_D.values())[:6], 128.0),
+     r"deep_indexer.fp8_paged_mqa_logits: max_context_len must be an int, got float"),
+    (lambda: di.fp8_paged_mqa_logits(*list(_D.values())[:6], True), r"max_context_len must be an int, got bool"),
+    (lambda: di.fp8_paged_mqa_logits(*list(_D.values())[:4], [[0]], *list(_D.values())[5:]),
+     r"block_table must be a torch.Tensor, got a list of 1"),
+    (lambda: di.get_paged_mqa_logits_metadata(_D["context_lens"], 64.0), r"block_kv must be an int, got float"),
+    (lambda: di.get_paged_mqa_logits_metadata(_D["context_lens"], 64, "132"), r"num_sms must be an int or None, got str"),
+    (lambda: di.clean_logits(_LOGITS, None, [4, 4, 4, 4]), r"cu_seq_len_k_end must be a torch.Tensor, got a list of 4"),
+    (lambda: di.clean_logits(_LOGITS, None, _KE, 1.5), r"deep_indexer.clean_logits: next_n must be an int, got float"),
+    (lambda: di.topk_indices(_LOGITS, 2.0, None, _KE), r"deep_indexer.topk_indices: k must be an int, got float"),
+    (lambda: di.topk_indices(_LOGITS, 2, None, _KE, index_mode=None), r"index_mode must be a str, got None"),
+    (lambda: di.topk_indices(_LOGITS, 2, None, _KE, block_size=1.0), r"block_size must be an int or None, got float"),
+    (lambda: di.topk_indices(None, 2, None, _KE), r"logits must be a torch.Tensor, got None"),
+    (lambda: di.fp8_mqa_topk_indices(_P["q"], _P["kv"], _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"],
+                                     None), r"deep_indexer.fp8_mqa_topk_indices: k must be an int, got None"),
+    (lambda: di.fp8_paged_mqa_topk_indices(*_D.values(), 16, workspace=1), r"workspace must be a torch.Tensor or None"),
+    (lambda: di.topk_workspace(4, 8.5), r"deep_indexer.topk_workspace: cols must be an int, got float"),
+    (lambda: deep_gemm.fp8_fp4_mqa_logits(None, _P["kv"], _P["weights"], _P["cu_seq_len_k_start"],
+                                          _P["cu_seq_len_k_end"]),
+     r"deep_indexer.deep_gemm.fp8_fp4_mqa_logits: q must be a torch.Tensor or a tuple \(q, None\), got None"),
+    (lambda: deep_gemm.fp8_paged_mqa_logits(*list(_D.values())[:6], None),
+     r"deep_indexer.deep_gemm.fp8_paged_mqa_logits: max_context_len must be an int, got None"),
+    (lambda: deep_gemm.get_paged_mqa_logits_metadata(_D["context_lens"], 64, 1.5),
+     r"num_sms must be an int or None, got float"),
+])
+def test_wrong_python_types_are_named(call, pattern):
+    with pytest.raises(_signatures.ArgumentTypeError, match=pattern) as info:
+        call()
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    assert "incompatible function arguments" not in str(info.value)
+
+
+def test_integer_likes_are_accepted():
+    """numpy integers, 0-dim integer tensors and 0 / 1 for bools pass the type check (the op then fails on
+    the CPU tensors, past the check)."""
+    np = pytest.importorskip("numpy")
+    for n in (np.int64(128), torch.tensor(128)):
+        with pytest.raises(ValueError, match="CUDA device"):
+            di.fp8_paged_mqa_logits(*list(_D.values())[:6], n, np.bool_(False))
+    with pytest.raises(ValueError, match="CUDA device"):
+        di.clean_logits(_LOGITS, None, _KE, np.int32(1))
+    with pytest.raises(ValueError, match="CUDA device"):
+        di.fp8_mqa_logits(*_P.values(), 1)
+
+
+@pytest.mark.parametrize("module,views", [(di, None), (deep_gemm, _signatures.DEEP_GEMM),
+                                          (di.reference, _signatures.REFERENCE)])
+def test_functions_have_their_views_signature(module, views):
+    """Each public function's signature is the one _signatures builds (inspect / help() show it)."""
+    import inspect
+
+    views = views or {n: _signatures.View(n) for n in ("clean_logits", "fp8_mqa_logits",
+                                                        "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits",
+                                                        "topk_indices", "fp8_paged_mqa_topk_indices",
+                                                        "fp8_mqa_topk_indices", "topk_workspace")}
+    for name, view in views.items():
+        assert inspect.signature(getattr(module, name)) == _signatures.signature(view), name
