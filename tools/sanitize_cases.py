@@ -39,7 +39,7 @@ SUPPRESSIONS: list[tuple[str, str, str]] = [
     # The prefill kernel's KV stage: every math lane reads the stage's k scales (written by the producer's 4-byte
     # cp.async, completion counted on the stage's full barrier by cp.async.mbarrier.arrive.noinc), then
     # __syncwarp() and lane 0 arrives on the stage's empty barrier: the same release (repro: warp_arrive_cp).
-    ("racecheck", r"mqa_logits_kernel<.*mqa_logits\.cuh", _STAGE_RELEASE),
+    ("racecheck", r"cp_async_4\(void \*, const void \*\)\+0x[0-9a-f]+ in ptx\.cuh:\d+.*mqa_logits_body<|mqa_logits_body<.*cp_async_4\(", _STAGE_RELEASE),
 ]
 
 CASES = {}
