@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
                          "other processes run: they recompile)")
     cc.set_defaults(func=_cache)
 
-    bp = sub.add_parser("bench", help="benchmark the standard shapes (P1-P5, D1-D8) against the device's measured ceilings")
+    bp = sub.add_parser("bench", help="benchmark the standard shapes against the device's measured ceilings (`bench --help` lists them)")
     bench.add_arguments(bp)
     bp.set_defaults(func=_bench)
 
