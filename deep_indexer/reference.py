@@ -137,6 +137,21 @@ def mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logit
     return out
 
 
+def _check_paged_args(q_shape, b_sz, next_n, heads, dev, weights, context_lens, block_table, max_context_len,
+                      indices):
+    """The decode arguments besides q and the cache, checked against q's [B, next_n, H]; returns (weights,
+    context_lens, block_table, max_context_len, block-table row of each sequence)."""
+    w = _check("weights", weights, dtypes=(torch.float32,), shape=(b_sz * next_n, heads), device=dev)
+    ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=dev)
+    if tuple(ctx.shape) not in ((b_sz,), (b_sz, next_n)):
+        raise ValueError(f"context_lens: expected shape [{b_sz}] or [{b_sz}, {next_n}], got {list(ctx.shape)}")
+    bt = _check("block_table", block_table, dtypes=(torch.int32,), shape=(b_sz, None), device=dev)
+    mcl = _check_int("max_context_len", max_context_len, min_value=0)
+    if indices is not None and next_n != 1:
+        raise ValueError(f"q: expected shape [R, 1, H, D] with indices (varlen), got {q_shape}")
+    return w, ctx, bt, mcl, _table_rows(b_sz, 1, indices, dev)
+
+
 @_op(REFERENCE["paged_mqa_logits"], checks=False)
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits, logits_dtype,
                      accum_dtype, chunk, indices):
@@ -169,15 +184,8 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     if d_kv != d or kv_cache.device != dev:
         raise ValueError(f"kv_cache: expected shape [*, *, 1, {d + 4}] on {dev}, "
                          f"got {list(kv_cache.shape)} on {kv_cache.device}")
-    w = _check("weights", weights, dtypes=(torch.float32,), shape=(b_sz * next_n, heads), device=dev)
-    ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=dev)
-    if tuple(ctx.shape) not in ((b_sz,), (b_sz, next_n)):
-        raise ValueError(f"context_lens: expected shape [{b_sz}] or [{b_sz}, {next_n}], got {list(ctx.shape)}")
-    bt = _check("block_table", block_table, dtypes=(torch.int32,), shape=(b_sz, None), device=dev)
-    mcl = _check_int("max_context_len", max_context_len, min_value=0)
-    if indices is not None and next_n != 1:
-        raise ValueError(f"q: expected shape [R, 1, H, D] with indices (varlen), got {list(q.shape)}")
-    bt_row = _table_rows(b_sz, 1, indices, dev)  # block-table row of each sequence
+    w, ctx, bt, mcl, bt_row = _check_paged_args(list(q.shape), b_sz, next_n, heads, dev, weights, context_lens,
+                                                block_table, max_context_len, indices)
 
     ctx_c = ctx.cpu().long()
     if ctx_c.dim() == 1:
@@ -265,15 +273,8 @@ def _paged_mqa_logits_fp4(q, kv_cache, weights, context_lens, block_table, max_c
     if 2 * c_kv != d or kv_cache.device != dev:
         raise ValueError(f"kv_cache: expected an FP4 cache of shape [*, *, 1, {d // 2 + 4}] (D / 2 + 4) on {dev}, "
                          f"got {list(kv_cache.shape)} on {kv_cache.device}")
-    w = _check("weights", weights, dtypes=(torch.float32,), shape=(b_sz * next_n, heads), device=dev)
-    ctx = _check("context_lens", context_lens, dtypes=(torch.int32,), ndim=(1, 2), device=dev)
-    if tuple(ctx.shape) not in ((b_sz,), (b_sz, next_n)):
-        raise ValueError(f"context_lens: expected shape [{b_sz}] or [{b_sz}, {next_n}], got {list(ctx.shape)}")
-    bt = _check("block_table", block_table, dtypes=(torch.int32,), shape=(b_sz, None), device=dev)
-    mcl = _check_int("max_context_len", max_context_len, min_value=0)
-    if indices is not None and next_n != 1:
-        raise ValueError(f"q: expected shape [R, 1, H, D] with indices (varlen), got {list(q[0].shape)}")
-    bt_row = _table_rows(b_sz, 1, indices, dev)
+    w, ctx, bt, mcl, bt_row = _check_paged_args(list(q[0].shape), b_sz, next_n, heads, dev, weights, context_lens,
+                                                block_table, max_context_len, indices)
     ctx_c = ctx.cpu().long()
     ends = ctx_c.unsqueeze(1) - next_n + 1 + torch.arange(next_n) if ctx_c.dim() == 1 else ctx_c
     ends = ends.clamp(0, mcl)
