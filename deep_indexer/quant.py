@@ -562,7 +562,7 @@ def fold_fp4_to_e4m3(codes: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tenso
     base = e_top - E4M3_FOLD_MAX_SHIFT
     shift = (exps - base.unsqueeze(-1)).clamp(E4M3_FOLD_TABLE_MIN_SHIFT, E4M3_FOLD_MAX_SHIFT)
     offset = (shift - E4M3_FOLD_TABLE_MIN_SHIFT) * 256  # int32 [..., G]
-    idx = cg.to(torch.int32) + offset.unsqueeze(-1)
+    idx = torch.add(cg, offset.unsqueeze(-1))  # uint8 + int32 -> int32 in one pass
     pairs = _fold_table(c.device).index_select(0, idx.reshape(-1))
     vals = pairs.view(torch.uint8).view(FP8).reshape(*lead, 2 * c.shape[-1])
     return vals, base

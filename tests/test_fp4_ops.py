@@ -102,6 +102,20 @@ def test_fold_traces_without_graph_breaks():
     assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
 
 
+def test_ops_fold_under_inductor_matches_eager():
+    """torch.compile (inductor, fullgraph) of the ops' FP4 handling gives the eager bytes (integer ops, the
+    table gather and the dtype views compile)."""
+    q = quant.per_token_cast_to_fp4(torch.randn(6, 4, 64))
+    k = quant.per_token_cast_to_fp4(torch.randn(50, 64))
+    w = torch.randn(6, 4)
+    want = ops._prefill_inputs("fp8_mqa_logits", q, k, w)
+    fn = torch.compile(lambda a, b, kc, ksf, w: ops._prefill_inputs("fp8_mqa_logits", (a, b), (kc, ksf), w),
+                       fullgraph=True)
+    got = fn(*q, *k, w)
+    assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(_bits(got[1][0]), _bits(want[1][0]))
+    assert torch.equal(got[1][1], want[1][1]) and torch.equal(got[2], want[2])
+
+
 # ------------------------------------------------------------------------------------ the ops' fold path (CPU)
 def _fp4_prefill(s_len=9, h=16, d=128, skv=300, seed=0):
     g = torch.Generator().manual_seed(seed)
