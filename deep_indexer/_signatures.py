@@ -25,8 +25,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-KV = tuple[Tensor, Tensor]  # (k [SKV, D] fp8, k_scale [SKV] float32)
-QInput = Union[Tensor, tuple]  # DeepGEMM's q: a tensor or (q, None)
+KV = tuple[Tensor, Tensor]  # (k [SKV, D] fp8, k_scale [SKV] float32) or FP4 (k_fp4 [SKV, D / 2], k_sf [SKV] int32)
+QInput = Union[Tensor, tuple]  # prefill / DeepGEMM's q: a tensor, (q, None) or FP4 (q_fp4, q_sf int32)
 REQUIRED = inspect.Parameter.empty
 
 
@@ -35,7 +35,7 @@ def clean_logits(logits: Tensor, cu_seq_len_k_start: Optional[Tensor], cu_seq_le
                  next_n: int = 1) -> Tensor: ...
 
 
-def fp8_mqa_logits(q: Tensor, kv: KV, weights: Tensor, cu_seq_len_k_start: Tensor, cu_seq_len_k_end: Tensor,
+def fp8_mqa_logits(q: QInput, kv: KV, weights: Tensor, cu_seq_len_k_start: Tensor, cu_seq_len_k_end: Tensor,
                    clean_logits: bool = True, *, max_seqlen_k: int = 0, logits_dtype: torch.dtype = torch.float32,
                    out: Optional[Tensor] = None) -> Tensor: ...
 
@@ -66,7 +66,7 @@ def fp8_paged_mqa_topk_indices(q: Tensor, kv_cache: Tensor, weights: Tensor, con
                                out_values: Optional[Tensor] = None, indices: Optional[Tensor] = None): ...
 
 
-def fp8_mqa_topk_indices(q: Tensor, kv: KV, weights: Tensor, cu_seq_len_k_start: Tensor, cu_seq_len_k_end: Tensor,
+def fp8_mqa_topk_indices(q: QInput, kv: KV, weights: Tensor, cu_seq_len_k_start: Tensor, cu_seq_len_k_end: Tensor,
                          k: int, *, sorted: bool = False, index_mode: str = "relative",
                          row_offset: Optional[Tensor] = None, return_values: bool = False,
                          logits_dtype: torch.dtype = torch.float32, chunk_rows: Optional[int] = None,
@@ -98,10 +98,8 @@ _PAGED = "q kv_cache weights context_lens block_table schedule_meta max_context_
 # deep_indexer.deep_gemm: DeepGEMM's indexer entry points (its argument order and defaults; our extras
 # keyword-only and last). The fp8_fp4_* names also take q as (q, None).
 DEEP_GEMM = {
-    "fp8_fp4_mqa_logits": View("fp8_mqa_logits", f"{_PREFILL} max_seqlen_k logits_dtype * out",
-                               types={"q": QInput}),
-    "fp8_mqa_logits": View("fp8_mqa_logits", f"{_PREFILL} max_seqlen_k * logits_dtype out",
-                           types={"q": QInput}),
+    "fp8_fp4_mqa_logits": View("fp8_mqa_logits", f"{_PREFILL} max_seqlen_k logits_dtype * out"),
+    "fp8_mqa_logits": View("fp8_mqa_logits", f"{_PREFILL} max_seqlen_k * logits_dtype out"),
     "get_paged_mqa_logits_metadata": View("get_paged_mqa_logits_metadata", "context_lens block_kv num_sms indices * out",
                                           required=("num_sms",)),
     "fp8_fp4_paged_mqa_logits": View("fp8_paged_mqa_logits", f"{_PAGED} logits_dtype indices * out",
@@ -117,10 +115,10 @@ _TOPK = ("logits k cu_seq_len_k_start cu_seq_len_k_end context_lens next_n sorte
          "row_offset")
 TORCH_OPS = {
     "fp8_mqa_logits": View("fp8_mqa_logits", "q k k_scale weights cu_seq_len_k_start cu_seq_len_k_end clean_logits "
-                           "logits_dtype max_seqlen_k", extra=_K),
+                           "logits_dtype max_seqlen_k", types={"q": Tensor}, extra=_K),
     "fp8_mqa_logits_out": View("fp8_mqa_logits", "q k k_scale weights cu_seq_len_k_start cu_seq_len_k_end "
                                "clean_logits out max_seqlen_k", required=("clean_logits", "out"),
-                               types={"out": Tensor}, extra=_K, returns=None),
+                               types={"q": Tensor, "out": Tensor}, extra=_K, returns=None),
     "get_paged_mqa_logits_metadata": View("get_paged_mqa_logits_metadata", "context_lens block_kv num_sms indices"),
     "get_paged_mqa_logits_metadata_out": View("get_paged_mqa_logits_metadata", "context_lens block_kv out indices",
                                               required=("out",), types={"out": Tensor}, returns=None),
@@ -196,7 +194,8 @@ _EXPECTED = {  # annotation -> (what the message says it expects, check statemen
     KV: ("a tuple (k, k_scale) of two tensors",
          "if type({a}) is not tuple or len({a}) != 2 or not isinstance({a}[0], _Tensor) or not isinstance({a}[1], _Tensor): "
          "{a} = _kv({i}, {a})"),
-    QInput: ("a torch.Tensor or a tuple (q, None)", "if not isinstance({a}, (_Tensor, tuple, list)): _bad({i}, {a})"),
+    QInput: ("a torch.Tensor, a tuple (q, None) or an FP4 tuple (q_fp4, q_sf)",
+             "if not isinstance({a}, _Tensor) and (not isinstance({a}, (tuple, list)) or len({a}) != 2): _bad({i}, {a})"),
 }
 
 

@@ -33,6 +33,9 @@ PREFILL_SHAPES = {  # id: (S, SKV, pattern)
     "P4": (4096, 16384, "cp"),
     "P5": (8192, 131072, "causal"),
 }
+# FP4 prefill inputs (q and kv in DeepGEMM's FP4 form, folded into e4m3 before the FP8 kernel): "<P id>-FP4",
+# timed in turn with the FP8 call of the same shape (target: within 5% of it).
+FP4_PREFILL_SHAPES = [f"{sid}-FP4" for sid in PREFILL_SHAPES]
 # Compressed logits (max_seqlen_k > 0): id: (prefill shape id, max_seqlen_k). P2c is P2 with a
 # [S, SKV] compressed output (the longest causal row is SKV - 1 keys): same work, compare with P2.
 COMPRESSED_SHAPES = {"P2c": ("P2", 32768)}
@@ -190,6 +193,8 @@ def shape_help() -> str:
     lines += [f"  {i:<11} prefill: S={S}, SKV={SKV}, {'causal' if pat == 'causal' else 'context-parallel'}"
               for i, (S, SKV, pat) in PREFILL_SHAPES.items()]
     lines += [f"  {i:<11} {base} with compressed logits (max_seqlen_k = {m})" for i, (base, m) in COMPRESSED_SHAPES.items()]
+    lines += ["  " + " ".join(FP4_PREFILL_SHAPES)]
+    lines += ["              the prefill shape with FP4 q and kv (DeepGEMM's FP4 form), timed against its FP8 call"]
     lines += [f"  {i:<11} clean_logits on [{M}, {N}] fp32 logits, random key ranges" for i, (M, N) in CLEAN_SHAPES.items()]
     lines += [f"  {i:<11} decode: B={B}, next_n={nn}, average context {avg}" for i, (B, nn, avg) in DECODE_SHAPES.items()]
     lines += [f"  {i:<11} varlen decode: {B} requests x {nn} rows (indices), average context {avg}"
@@ -197,7 +202,7 @@ def shape_help() -> str:
     lines += [f"  {i:<11} top-k: {rows} x ~{nk(avg)} keys ({pat} rows), k={k}" for i, (rows, avg, pat, k) in TOPK_SHAPES.items()]
     lines += ["  " + " ".join(fused_topk_ids())]
     lines += ["              logits + top-k in one call against the logits alone (KF-<shape>[:k], k = 2048 unless given)"]
-    lines += ["  groups: prefill, decode, clean, topk, fused_topk (default: prefill decode clean topk)",
+    lines += ["  groups: prefill, prefill_fp4, decode, clean, topk, fused_topk (default: prefill decode clean topk)",
               "  custom: B:next_n:avg[:H] (decode), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill)"]
     return "\n".join(lines)
 
@@ -514,7 +519,7 @@ def run(args) -> dict:
     for s in wanted:
         ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES) + list(VARLEN_SHAPES),
                 "clean": list(CLEAN_SHAPES),
-                "topk": list(TOPK_SHAPES), "fused_topk": fused_topk_ids()}.get(s, [s])
+                "prefill_fp4": FP4_PREFILL_SHAPES, "topk": list(TOPK_SHAPES), "fused_topk": fused_topk_ids()}.get(s, [s])
     print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
     ceil = {} if args.no_ceilings else measure_ceilings(timer, device)
     if ceil:
@@ -544,6 +549,24 @@ def run(args) -> dict:
             if other is not None:
                 r["compare_us"] = timer(lambda: call(other), args.iters)
             del x
+        elif sid in FP4_PREFILL_SHAPES:
+            from . import ops
+            from .quant import per_token_cast_to_fp4
+
+            S, SKV, pat = PREFILL_SHAPES[sid[:-4]]
+            x = prefill_inputs(S, SKV, pat, H, D, device)
+            q4 = per_token_cast_to_fp4(torch.randn(S, H, D, device=device, dtype=torch.bfloat16))
+            kv4 = per_token_cast_to_fp4(torch.randn(SKV, D, device=device, dtype=torch.bfloat16))
+            kw = {"logits_dtype": out_dtype}
+            fp4 = lambda x=x, q4=q4, kv4=kv4: di.fp8_mqa_logits(q4, kv4, x["weights"], x["ks"], x["ke"], True, **kw)
+            fp8 = lambda x=x: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], True, **kw)
+            us, fp8_us = timer.alternated([fp4, fp8], args.iters)  # in turn: the same clocks for both
+            fold_us = timer(lambda x=x, q4=q4, kv4=kv4: ops._prefill_inputs("bench", q4, kv4, x["weights"]), args.iters)
+            tflops = 2 * x["pairs"] * H * D / us / 1e6
+            r = {"id": sid, "kind": "prefill_fp4", "shape": f"S={S} SKV={SKV} {pat} H={H} D={D} {args.logits_dtype} FP4",
+                 "us": us, "TFLOPS": tflops, "fraction_of_ceiling": tflops / ceil["fp8_gemm_TFLOPS"] if ceil else None,
+                 "fp8_us": fp8_us, "over_fp8": us / fp8_us, "fold_us": fold_us}
+            del x, q4, kv4
         elif sid in DECODE_SHAPES or sid in VARLEN_SHAPES:
             varlen = sid in VARLEN_SHAPES
             B, nn, avg = VARLEN_SHAPES[sid] if varlen else DECODE_SHAPES[sid]
@@ -659,6 +682,8 @@ def print_table(res: dict) -> None:
         if "torch_topk_us" in r:
             fl = (f"floor {r['floor_us']:.1f} us, {r['over_floor']:.2f}x of it; " if r.get("floor_us") else "")
             extra += f"  ({fl}torch.topk {r['torch_topk_us']:.1f} us, {r['speedup_vs_torch_topk']:.1f}x faster)"
+        if "fp8_us" in r:
+            extra += f"  (FP8 {r['fp8_us']:.1f} us: FP4 {r['over_fp8']:.3f}x of it; the fold alone {r['fold_us']:.1f} us)"
         if "kernel_us" in r:
             extra += f"  (kernels alone: logits {r['kernel_us']:.1f} us, metadata {r.get('metadata_kernel_us', 0):.1f} us)"
         cmp = (f"  ({res.get('compare')}: {r['compare_us']:.1f} us; deep_indexer {r['compare_us'] / r['us']:.2f}x as fast)"
@@ -678,7 +703,7 @@ def draw(res: dict, path: str) -> None:
     rs = [r for r in res["results"] if r.get("fraction_of_ceiling") is not None]
     fig, ax = plt.subplots(figsize=(max(6, len(rs) * 0.8), 4))
     ax.bar([r["id"] for r in rs], [r["fraction_of_ceiling"] for r in rs],
-           color=["tab:blue" if r["kind"] == "prefill" else "tab:orange" for r in rs])
+           color=["tab:blue" if r["kind"].startswith("prefill") else "tab:orange" for r in rs])
     ax.set_ylabel("fraction of measured ceiling")
     ax.set_ylim(0, 1.05)
     ax.set_title(f"deep_indexer on {res['device']}" + (f" ({res['commit']})" if res.get("commit") else ""))

@@ -14,9 +14,11 @@ points, so code written for `deep_gemm` (positional or keyword calls) runs uncha
 deep_indexer's own extras (`out=`, and `logits_dtype` on the older names) are keyword-only. The
 signatures are written in deep_indexer._signatures (DEEP_GEMM); tests/test_deep_gemm.py spells
 DeepGEMM's out independently.
-Only the FP8 path exists (SM90): `q` is `(q_fp8, None)` or a plain float8_e4m3fn tensor; FP4 inputs
-(packed q, FP4 cache, per-token FP4/MX scale factors) raise a ValueError saying so. Weights may be
-float32, bfloat16 or float16 (converted to float32 on the GPU, graph-capturable).
+Prefill takes FP8 and FP4 inputs: `q` is `(q_fp8, None)`, a plain float8_e4m3fn tensor or
+`(q_fp4, q_sf)`; `kv` is `(k_fp8, k_scale)` or `(k_fp4, k_sf)` (FP4 is folded exactly into e4m3 for the
+SM90 FP8 kernel, docs/fp4.md). Decode is FP8 only: an FP4 q or FP4 paged cache raises a ValueError
+saying the SM90 FP4 decode kernel is not available yet. Weights may be float32, bfloat16 or float16
+(converted to float32 on the GPU, graph-capturable).
 
 `install()` makes `import deep_gemm` / `from deep_gemm import fp8_fp4_mqa_logits` in an engine
 resolve these names to deep_indexer (see its docstring and docs/api.md).
@@ -50,8 +52,9 @@ _FP4_DTYPES = tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2", "uint8", "in
 _HALF_WEIGHTS = (torch.bfloat16, torch.float16)
 
 def _fp8_only(op: str, what: str) -> ValueError:
-    return ValueError(f"deep_indexer.{op}: {what}; deep_indexer supports only the FP8 path on SM90 "
-                      f"(q = (q float8_e4m3fn, None), FP8 keys with float32 scales)")
+    return ValueError(f"deep_indexer.{op}: {what}; the SM90 FP4 decode kernel is not available yet: decode "
+                      f"supports only the FP8 path on SM90 (q = (q float8_e4m3fn, None), the FP8 paged cache; FP4 "
+                      f"inputs are supported by the prefill ops)")
 
 
 def _unpack_q(op: str, q) -> torch.Tensor:
@@ -76,16 +79,6 @@ def _float_weights(weights: torch.Tensor, native: tuple = ()) -> torch.Tensor:
     return weights
 
 
-def _check_kv(op: str, kv) -> None:
-    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-        return  # ops.fp8_mqa_logits raises its own error
-    k, k_scale = kv
-    if isinstance(k, torch.Tensor) and k.dtype in _FP4_DTYPES:
-        raise _fp8_only(op, f"kv[0] has dtype {k.dtype} (packed FP4 keys)")
-    if isinstance(k_scale, torch.Tensor) and k_scale.dtype == torch.int32:
-        raise _fp8_only(op, "kv[1] is int32 (packed UE8M0 scale factors of FP4 keys)")
-
-
 def _check_kv_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or q.dim() != 4:
         return  # ops.fp8_paged_mqa_logits raises its own error
@@ -97,9 +90,10 @@ def _check_kv_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------------ prefill
 def _prefill(op, q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
-    q = _unpack_q(op, q)
-    _check_kv(op, kv)
-    w = _float_weights(weights, native=(torch.bfloat16,))  # the prefill kernel reads bf16 weights itself
+    # FP8 and FP4 forms of q and kv, in any combination: FP4 is folded into e4m3 (an FP4 q gives float32
+    # weights) and (q_fp8, None) unwrapped, then the FP8 op runs.
+    q, kv, w = ops._prefill_inputs(op, q, kv, weights)  # (errors name this op)
+    w = _float_weights(w, native=(torch.bfloat16,))  # the prefill kernel reads bf16 weights itself
     return ops.fp8_mqa_logits(q, kv, w, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
                               max_seqlen_k=max_seqlen_k, logits_dtype=logits_dtype, out=out)
 
@@ -108,7 +102,9 @@ def _prefill(op, q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_log
 def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
     """Prefill indexer logits, as deep_indexer.fp8_mqa_logits (see docs/api.md).
 
-    q: (q [S, H, D] float8_e4m3fn, None) or q. kv: (k [SKV, D] float8_e4m3fn, k_scale [SKV] float32).
+    q: (q [S, H, D] float8_e4m3fn, None), q, or FP4 (q_fp4 [S, H, D / 2] int8/uint8, q_sf [S, H] int32).
+    kv: (k [SKV, D] float8_e4m3fn, k_scale [SKV] float32) or FP4 (k_fp4 [SKV, D / 2], k_sf [SKV] int32).
+    FP4 operands are folded exactly into e4m3 for the SM90 FP8 kernel (docs/fp4.md).
     weights: [S, H] float32 or bfloat16 (float16 is converted). max_seqlen_k = 0: logits [S, SKV];
     max_seqlen_k > 0: compressed logits [S, max_seqlen_k] with logits[i, j] = I[i, ks[i] + j].
     """
@@ -118,7 +114,7 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, cle
 
 @_op(DEEP_GEMM["fp8_mqa_logits"])
 def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
-    """The older name of fp8_fp4_mqa_logits (q is a plain float8_e4m3fn tensor)."""
+    """The older name of fp8_fp4_mqa_logits (same q / kv forms)."""
     return _prefill("fp8_mqa_logits", q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
                     max_seqlen_k, logits_dtype, out)
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, quant
 from ._signatures import native
 from .torch_ops import elem_bytes, padded_row_stride  # (importing torch_ops registers torch.ops.deep_indexer.*)
 
@@ -42,6 +42,75 @@ def _elem_bytes(logits_dtype: torch.dtype, op: str) -> int:
     return elem_bytes(logits_dtype, f"deep_indexer.{op}")
 
 
+# ------------------------------------------------------------------------------------ FP4 prefill inputs
+_FP4_CODE_DTYPES = tuple(getattr(torch, n) for n in ("uint8", "int8", "float4_e2m1fn_x2") if hasattr(torch, n))
+_FP4_HEAD_DIMS = (32, 64, 128)  # the FP8 prefill kernel's head dims (FP4 needs D % 32 == 0)
+_FP4_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fp4_codes(op: str, name: str, codes, sf, ndim: int, lead: str) -> torch.Tensor:
+    """Validate one FP4 operand (codes [*lead, D / 2], sf int32 [*lead]); return the codes as uint8."""
+    where = f"deep_indexer.{op}"
+    if not isinstance(codes, torch.Tensor) or not isinstance(sf, torch.Tensor):
+        bad = codes if not isinstance(codes, torch.Tensor) else sf
+        raise TypeError(f"{where}: {name} must be two tensors (codes, int32 scale words), got {type(bad).__name__}")
+    if codes.dtype not in _FP4_CODE_DTYPES:
+        raise ValueError(f"{where}: {name}[0] (FP4 codes) must be uint8 or int8, got {codes.dtype}")
+    if codes.dim() != ndim or codes.shape[-1] * 2 not in _FP4_HEAD_DIMS:
+        raise ValueError(f"{where}: {name}[0] (FP4 codes) must be [{lead}, D / 2] with D in 32/64/128 (two e2m1 codes "
+                         f"per byte), got shape {list(codes.shape)}")
+    if sf.dtype != torch.int32 or tuple(sf.shape) != tuple(codes.shape[:-1]):
+        raise ValueError(f"{where}: {name}[1] (FP4 scale words) must be int32 {list(codes.shape[:-1])} ([{lead}]: one "
+                         f"ue8m0 exponent per 32 values, packed little-endian), got {sf.dtype} {list(sf.shape)}")
+    if sf.device != codes.device:
+        raise ValueError(f"{where}: {name}[1] must be on {name}[0]'s device {codes.device}, got {sf.device}")
+    return codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)
+
+
+def _is_fp4_kv(kv) -> bool:
+    return (isinstance(kv, (tuple, list)) and len(kv) == 2 and isinstance(kv[0], torch.Tensor)
+            and isinstance(kv[1], torch.Tensor) and (kv[0].dtype in _FP4_CODE_DTYPES or kv[1].dtype == torch.int32))
+
+
+def _prefill_inputs(op: str, q, kv, weights):
+    """The prefill inputs as the FP8 kernel takes them (q fp8, (k fp8, k_scale float32), weights).
+
+    q: a tensor, (q, None) or FP4 (q_fp4 [S, H, D / 2] uint8/int8, q_sf [S, H] int32); kv: (k fp8, k_scale
+    float32) or FP4 (k_fp4 [SKV, D / 2], k_sf [SKV] int32). FP4 operands are folded into e4m3 values
+    (quant.fold_fp4_to_e4m3): k's per-key base exponent becomes k_scale = 2^(base - 127), q's per-(token, head)
+    base multiplies the weights (float32). Plain torch ops, no host sync."""
+    q_sf = None
+    if isinstance(q, (tuple, list)):
+        if len(q) != 2:
+            raise ValueError(f"deep_indexer.{op}: q must be a tensor, (q, None) or (q_fp4, q_sf), got a "
+                             f"{type(q).__name__} of {len(q)}")
+        q, q_sf = q
+        if q_sf is None and not isinstance(q, torch.Tensor):
+            raise TypeError(f"deep_indexer.{op}: q[0] must be a torch.Tensor, got {type(q).__name__}")
+    if q_sf is None and isinstance(q, torch.Tensor) and q.dtype in _FP4_CODE_DTYPES:
+        raise ValueError(f"deep_indexer.{op}: q has dtype {q.dtype} (packed FP4) but no scale words: pass "
+                         f"q = (q_fp4 [S, H, D / 2], q_sf [S, H] int32)")
+    fp4_k = _is_fp4_kv(kv)
+    if q_sf is None and not fp4_k:
+        return q, kv, weights
+    if q_sf is not None:
+        codes = _fp4_codes(op, "q", q, q_sf, 3, "S, H")
+        if not isinstance(weights, torch.Tensor) or weights.dtype not in _FP4_WEIGHT_DTYPES or \
+                tuple(weights.shape) != tuple(codes.shape[:2]):
+            got = f"{weights.dtype} {list(weights.shape)}" if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise ValueError(f"deep_indexer.{op}: weights must be float32/bfloat16/float16 {list(codes.shape[:2])} "
+                             f"([S, H] of the FP4 q), got {got}")
+        if weights.device != codes.device:
+            raise ValueError(f"deep_indexer.{op}: weights must be on q's device {codes.device}, got {weights.device}")
+        q, q_base = quant.fold_fp4_to_e4m3(codes, q_sf)
+        weights = weights.float() * quant.exp2_int(q_base)  # exact: a power of two (float32 range permitting)
+    if fp4_k:
+        k_codes = _fp4_codes(op, "kv", kv[0], kv[1], 2, "SKV")
+        k, k_base = quant.fold_fp4_to_e4m3(k_codes, kv[1])
+        kv = (k, quant.exp2_int(k_base))
+    return q, kv, weights
+
+
 @native
 def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k, logits_dtype, out):
     """Prefill indexer logits: I[i, j] = k_scale[j] * sum_h w[i, h] * relu(q[i, h] . k[j]).
@@ -62,7 +131,13 @@ def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_l
 
     logits_dtype: float32 or bfloat16. Returns a view whose row stride may be padded (stride(1) == 1),
     or `out` when given (shape [S, SKV] or [S, M], logits_dtype, stride(1) == 1).
+
+    FP4 inputs (DeepGEMM's format, docs/fp4.md): q = (q_fp4 [S, H, D / 2] uint8/int8, q_sf [S, H] int32)
+    and/or kv = (k_fp4 [SKV, D / 2] uint8/int8, k_sf [SKV] int32), D in 32/64/128, in any combination
+    with the FP8 forms. They are folded exactly into e4m3 (quant.fold_fp4_to_e4m3, a few torch ops) and
+    run through the same kernel: the logits are those of the dequantized inputs.
     """
+    q, kv, weights = _prefill_inputs("fp8_mqa_logits", q, kv, weights)
     if _compiling():
         if out is None:
             return _ops().fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits,
@@ -218,11 +293,13 @@ def fp8_mqa_topk_indices(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, k
     call returns), so that one chunk's top-k runs while the next chunk's logits start on the SMs it
     leaves idle; overlap=False runs every chunk on the current stream, one after the other.
     Memory: O(chunk_rows * SKV + S * k). Arguments as in fp8_mqa_logits and topk_indices
-    (index_mode "relative" or "absolute"). The result is the same either way.
+    (index_mode "relative" or "absolute"). The result is the same either way. q / kv may be FP4 as in
+    fp8_mqa_logits (folded once, before the chunks).
     """
     op = "fp8_mqa_topk_indices"
     if index_mode == "slot":
         raise ValueError(f"deep_indexer.{op}: index_mode must be 'relative' or 'absolute' (no block table in prefill)")
+    q, kv, weights = _prefill_inputs(op, q, kv, weights)  # FP4 forms folded once for all chunks
     S, SKV = q.shape[0], kv[0].shape[0]
     elem = 4 if logits_dtype == torch.float32 else 2
     if chunk_rows is None:

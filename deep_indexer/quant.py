@@ -35,6 +35,8 @@ __all__ = [
     "per_token_cast_to_fp4",
     "fp4_to_float",
     "fp4_to_e4m3_folded",
+    "fold_fp4_to_e4m3",
+    "exp2_int",
     "pack_paged_kv_cache_fp4",
     "write_paged_kv_cache_fp4",
     "dequantize_paged_kv_cache_fp4",
@@ -500,3 +502,67 @@ def fp4_to_e4m3_folded(codes: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Ten
     vals = want.clamp(-FP8_MAX, FP8_MAX).to(FP8)
     exact = (vals.double() == want).flatten(-2).all(dim=-1)
     return vals.flatten(-2), base, exact
+
+
+# The fast fold (what the ops run before the FP8 kernel): one table lookup per code byte. A byte holds two
+# codes of the same group, and its two e4m3 bytes depend only on (byte, group shift s = e_g - base), with s
+# clamped to [E4M3_FOLD_TABLE_MIN_SHIFT, 6]: a group with s > 6 holds only zero codes (base comes from the
+# largest nonzero group), and below -30 every code rounds to +-0 (6 x 2^-30 < 2^-10, half of e4m3's smallest
+# subnormal) exactly as at -30. The table is fp4_to_e4m3_folded's own rounding (clamp to +-448, then
+# float8_e4m3fn), computed once per device from exact float32 values (e2m1 x 2^s, |s| <= 30).
+E4M3_FOLD_TABLE_MIN_SHIFT = -30
+_FOLD_TABLES: dict = {}
+
+
+def _fold_table(device: torch.device) -> torch.Tensor:
+    """int16 [37 * 256]: entry (s + 30) * 256 + byte = the e4m3 bytes of its two codes times 2^s (low byte:
+    the low nibble's code). Built on `device` from torch ops (no host copy: safe inside CUDA-graph capture)."""
+    key = str(device)
+    table = _FOLD_TABLES.get(key)
+    if table is None:
+        n_shift = E4M3_FOLD_MAX_SHIFT - E4M3_FOLD_TABLE_MIN_SHIFT + 1
+        byte = torch.arange(256, dtype=torch.int32, device=device)
+        code = torch.stack([byte & 0x0F, byte >> 4], dim=-1)  # [256, 2]
+        m = code & 7
+        # e2m1 magnitude of index m: 0, 0.5 for m < 2 (m / 2), else (1 + (m & 1) / 2) * 2^((m >> 1) - 1)
+        mag = torch.where(m < 2, m.float() * 0.5, (1.0 + (m & 1).float() * 0.5) * torch.pow(2.0, ((m >> 1) - 1).float()))
+        val = torch.where((code & 8) != 0, -mag, mag)  # code 8: -0.0, as _code_values gives
+        shift = torch.arange(E4M3_FOLD_TABLE_MIN_SHIFT, E4M3_FOLD_MAX_SHIFT + 1, dtype=torch.float32, device=device)
+        want = val.unsqueeze(0) * torch.pow(2.0, shift).view(n_shift, 1, 1)  # exact in float32
+        e4m3 = want.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8).to(torch.int32)  # [n_shift, 256, 2]
+        table = (e4m3[..., 0] | (e4m3[..., 1] << 8)).to(torch.int16).reshape(-1)  # wraps to int16: same bits
+        _FOLD_TABLES[key] = table
+    return table
+
+
+def exp2_int(e: torch.Tensor) -> torch.Tensor:
+    """2^(e - 127) as float32, exactly, for int32 e in [-22, 254] (subnormals below e = 1), by its bit pattern."""
+    e = e.to(torch.int32)
+    normal = e.clamp(1, 254) << 23
+    sub = torch.ones_like(e) << (e.clamp(-22, 0) + 22)  # 2^(e - 127) = 2^(e + 22) x 2^-149
+    return torch.where(e >= 1, normal, sub).view(torch.float32)
+
+
+def fold_fp4_to_e4m3(codes: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp4_to_e4m3_folded's (vals, base), bit for bit, fast: plain torch ops on the inputs' device, no host
+    sync (CUDA-graph capturable, traceable by torch.compile), no float64, no exact mask.
+
+    codes uint8/int8 [..., D / 2], sf int32 [...] -> (vals float8_e4m3fn [..., D], base int32 [...]) with
+    vals x 2^(base - 127) == fp4_to_float(codes, sf) wherever the token's nonzero groups span at most 14
+    exponents (always for per_token_cast_to_fp4 of real activations); beyond that the small groups' values
+    are rounded to nearest e4m3 (see fp4_to_e4m3_folded). Passes over the codes: one any-nonzero reduction
+    per group, one index computation and one table gather (2 output bytes per code byte)."""
+    c, exps = _fp4_inputs(codes, sf)
+    ng = exps.shape[-1]
+    lead = c.shape[:-1]
+    cg = c.reshape(*lead, ng, FP4_GROUP // 2)  # [..., G, 16] bytes of each group
+    nonzero = (cg & 0x77).amax(dim=-1) != 0  # [..., G]
+    e_top = torch.where(nonzero, exps, torch.full_like(exps, -1)).amax(dim=-1)
+    e_top = torch.where(e_top < 0, exps.amax(dim=-1), e_top)
+    base = e_top - E4M3_FOLD_MAX_SHIFT
+    shift = (exps - base.unsqueeze(-1)).clamp(E4M3_FOLD_TABLE_MIN_SHIFT, E4M3_FOLD_MAX_SHIFT)
+    offset = (shift - E4M3_FOLD_TABLE_MIN_SHIFT) * 256  # int32 [..., G]
+    idx = torch.add(cg, offset.unsqueeze(-1))  # uint8 + int32 -> int32 in one pass
+    pairs = _fold_table(c.device).index_select(0, idx.reshape(-1))
+    vals = pairs.view(torch.uint8).view(FP8).reshape(*lead, 2 * c.shape[-1])
+    return vals, base

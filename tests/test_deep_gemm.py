@@ -68,23 +68,36 @@ def _fp8(*shape):
     return torch.randn(*shape).to(torch.float8_e4m3fn)
 
 
-def test_fp4_q_scales_are_a_clear_error():
+def test_fp4_prefill_inputs_are_validated():
+    # FP4 prefill inputs are accepted (folded into e4m3 for the FP8 kernel); malformed ones are clear errors
     q, kv = _fp8(4, 64, 128), (_fp8(16, 128), torch.rand(16))
     w, ks, ke = torch.rand(4, 64), torch.zeros(4, dtype=torch.int32), torch.full((4,), 16, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"q\[1\].*must be None.*only the FP8 path on SM90"):
-        deep_gemm.fp8_fp4_mqa_logits((q, torch.zeros(4, 64, dtype=torch.int32)), kv, w, ks, ke)
     packed = torch.randint(0, 255, (4, 64, 64), dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"q has dtype torch.uint8 \(packed FP4\).*FP8"):
+    sf = torch.full((4, 64), 0x7F7F7F7F, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fp8_fp4_mqa_logits: q\[0\] \(FP4 codes\) must be uint8 or int8, got "
+                                         r"torch.float8_e4m3fn"):
+        deep_gemm.fp8_fp4_mqa_logits((q, torch.zeros(4, 64, dtype=torch.int32)), kv, w, ks, ke)
+    with pytest.raises(ValueError, match=r"q has dtype torch.uint8 \(packed FP4\) but no scale words"):
         deep_gemm.fp8_fp4_mqa_logits((packed, None), kv, w, ks, ke)
-    if hasattr(torch, "float4_e2m1fn_x2"):
-        with pytest.raises(ValueError, match="packed FP4"):
-            deep_gemm.fp8_fp4_mqa_logits((packed.view(torch.float4_e2m1fn_x2), None), kv, w, ks, ke)
-    with pytest.raises(ValueError, match=r"kv\[0\].*packed FP4 keys"):
-        deep_gemm.fp8_fp4_mqa_logits((q, None), (packed[:16, 0], torch.rand(16)), w, ks, ke)
-    with pytest.raises(ValueError, match=r"kv\[1\] is int32"):
+    with pytest.raises(ValueError, match=r"q\[1\] \(FP4 scale words\) must be int32 \[4, 64\].*got torch.int32 \[4, 1\]"):
+        deep_gemm.fp8_fp4_mqa_logits((packed, sf[:, :1]), kv, w, ks, ke)
+    with pytest.raises(ValueError, match=r"q\[0\] \(FP4 codes\) must be \[S, H, D / 2\] with D in 32/64/128.*"
+                                         r"\[4, 64, 48\]"):
+        deep_gemm.fp8_fp4_mqa_logits((packed[..., :48], sf), kv, w, ks, ke)
+    with pytest.raises(ValueError, match=r"weights must be float32/bfloat16/float16 \[4, 64\].*got torch.float32 \[4, 63\]"):
+        deep_gemm.fp8_fp4_mqa_logits((packed, sf), kv, w[:, :63], ks, ke)
+    with pytest.raises(ValueError, match=r"kv\[1\] \(FP4 scale words\) must be int32 \[16\]"):
+        deep_gemm.fp8_fp4_mqa_logits((q, None), (packed[0, :16], torch.rand(16)), w, ks, ke)
+    with pytest.raises(ValueError, match=r"kv\[0\] \(FP4 codes\) must be uint8 or int8, got torch.float8_e4m3fn"):
         deep_gemm.fp8_fp4_mqa_logits((q, None), (kv[0], torch.zeros(16, dtype=torch.int32)), w, ks, ke)
     with pytest.raises(ValueError, match="a tuple of 3"):
         deep_gemm.fp8_fp4_mqa_logits((q, None, None), kv, w, ks, ke)
+    # well-formed FP4 inputs pass the fold (on CPU) and reach the kernel's own validation (needs CUDA tensors)
+    k4 = quant.per_token_cast_to_fp4(torch.randn(16, 128))
+    q4 = quant.per_token_cast_to_fp4(torch.randn(4, 64, 128))
+    for qq, kk in (((q4[0].view(torch.int8), q4[1]), (k4[0].view(torch.int8), k4[1])), (q4, kv), ((q, None), k4)):
+        with pytest.raises((ValueError, RuntimeError), match="CUDA|cuda"):
+            deep_gemm.fp8_fp4_mqa_logits(qq, kk, w, ks, ke)
 
 
 def test_fp4_paged_inputs_are_a_clear_error():

@@ -162,7 +162,8 @@ _LOGITS, _KE = torch.zeros(4, 8), torch.zeros(4, dtype=torch.int32)
 
 @pytest.mark.parametrize("call,pattern", [
     (lambda: di.fp8_mqa_logits([1], _P["kv"], _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"]),
-     r"deep_indexer.fp8_mqa_logits: q must be a torch.Tensor, got a list of 1"),
+     r"deep_indexer.fp8_mqa_logits: q must be a torch.Tensor, a tuple \(q, None\) or an FP4 tuple \(q_fp4, q_sf\), "
+     r"got a list of 1"),
     (lambda: di.fp8_mqa_logits(_P["q"], None, _P["weights"], _P["cu_seq_len_k_start"], _P["cu_seq_len_k_end"]),
      r"kv must be a tuple \(k, k_scale\) of two tensors, got None"),
     (lambda: di.fp8_mqa_logits(_P["q"], (_P["kv"][0], None), _P["weights"], _P["cu_seq_len_k_start"],
@@ -194,7 +195,8 @@ _LOGITS, _KE = torch.zeros(4, 8), torch.zeros(4, dtype=torch.int32)
     (lambda: di.topk_workspace(4, 8.5), r"deep_indexer.topk_workspace: cols must be an int, got float"),
     (lambda: deep_gemm.fp8_fp4_mqa_logits(None, _P["kv"], _P["weights"], _P["cu_seq_len_k_start"],
                                           _P["cu_seq_len_k_end"]),
-     r"deep_indexer.deep_gemm.fp8_fp4_mqa_logits: q must be a torch.Tensor or a tuple \(q, None\), got None"),
+     r"deep_indexer.deep_gemm.fp8_fp4_mqa_logits: q must be a torch.Tensor, a tuple \(q, None\) or an FP4 tuple "
+     r"\(q_fp4, q_sf\), got None"),
     (lambda: deep_gemm.fp8_paged_mqa_logits(*list(_D.values())[:6], None),
      r"deep_indexer.deep_gemm.fp8_paged_mqa_logits: max_context_len must be an int, got None"),
     (lambda: deep_gemm.get_paged_mqa_logits_metadata(_D["context_lens"], 64, 1.5),
