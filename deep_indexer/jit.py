@@ -26,6 +26,7 @@ _SPACE = _C.variant_space()
 HEADS = tuple(_SPACE["heads"])
 MQA_HEAD_DIMS = tuple(_SPACE["mqa_head_dims"])
 PAGED_HEAD_DIMS = tuple(_SPACE["paged_head_dims"])
+FP4_HEAD_DIMS = tuple(_SPACE["fp4_head_dims"])  # fp4_fold (FP4 q / kv folded into e4m3, docs/fp4.md)
 TRAINING_HEAD_DIMS = tuple(_SPACE["training_head_dims"])  # bf16 training kernels (deep_indexer.training)
 NEXT_N = tuple(_SPACE["next_n"])
 BLOCK_KV = tuple(_SPACE["block_kv"])
@@ -72,7 +73,7 @@ def variants(
     bk = _check_choice("block_kv", block_kv or BLOCK_KV, BLOCK_KV)
     if head_dims:
         _check_choice("head dim", head_dims, sorted(set(MQA_HEAD_DIMS) | set(PAGED_HEAD_DIMS) | set(TRAINING_HEAD_DIMS)
-                                                    | set(TRAINING_TARGET_HEAD_DIMS)))
+                                                    | set(TRAINING_TARGET_HEAD_DIMS) | set(FP4_HEAD_DIMS)))
     out: list[Variant] = []
 
     def add(op: str, **params):
@@ -136,6 +137,10 @@ def variants(
                         add(op, qk_dim=qk, head_dim=d, bwd=bwd)
                 else:
                     add(op, qk_dim=qk, head_dim=d)
+        elif op == "fp4_fold":
+            for d in (head_dims or FP4_HEAD_DIMS):
+                if d in FP4_HEAD_DIMS:
+                    add(op, head_dim=d)
     return out
 
 

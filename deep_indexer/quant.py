@@ -36,6 +36,7 @@ __all__ = [
     "fp4_to_float",
     "fp4_to_e4m3_folded",
     "fold_fp4_to_e4m3",
+    "fold_fp4_to_e4m3_torch",
     "exp2_int",
     "pack_paged_kv_cache_fp4",
     "write_paged_kv_cache_fp4",
@@ -424,17 +425,20 @@ def per_token_cast_to_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), sf
 
 
-def _fp4_inputs(codes: object, sf: object, codes_name: str = "codes", sf_name: str = "sf"):
-    """Validate (codes [..., D / 2] uint8/int8, sf [...] int32); return (codes as uint8, exponents int32 [..., D / 32])."""
+def _fp4_checked(codes: object, sf: object, codes_name: str = "codes", sf_name: str = "sf"):
+    """Validate (codes [..., D / 2] uint8/int8, sf [...] int32); return (codes as uint8, sf). No device work."""
     c = _check(codes_name, codes, dtypes=FP4_CODE_DTYPES)
     if c.dim() < 1:
         raise ValueError(f"{codes_name}: expected shape [..., D / 2], got {list(c.shape)}")
-    d = 2 * c.shape[-1]
-    _check_fp4_dim(codes_name + " (D = 2 * last dim)", d)
+    _check_fp4_dim(codes_name + " (D = 2 * last dim)", 2 * c.shape[-1])
     s = _check(sf_name, sf, dtypes=(torch.int32,), shape=tuple(c.shape[:-1]), device=c.device)
-    if c.dtype == torch.int8:
-        c = c.view(torch.uint8)
-    exps = _sf_bytes(s)[..., : d // FP4_GROUP].to(torch.int32)
+    return (c.view(torch.uint8) if c.dtype == torch.int8 else c), s
+
+
+def _fp4_inputs(codes: object, sf: object, codes_name: str = "codes", sf_name: str = "sf"):
+    """Validate (codes [..., D / 2] uint8/int8, sf [...] int32); return (codes as uint8, exponents int32 [..., D / 32])."""
+    c, s = _fp4_checked(codes, sf, codes_name, sf_name)
+    exps = _sf_bytes(s)[..., : 2 * c.shape[-1] // FP4_GROUP].to(torch.int32)
     return c, exps
 
 
@@ -550,8 +554,39 @@ def fold_fp4_to_e4m3(codes: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tenso
     codes uint8/int8 [..., D / 2], sf int32 [...] -> (vals float8_e4m3fn [..., D], base int32 [...]) with
     vals x 2^(base - 127) == fp4_to_float(codes, sf) wherever the token's nonzero groups span at most 14
     exponents (always for per_token_cast_to_fp4 of real activations); beyond that the small groups' values
-    are rounded to nearest e4m3 (see fp4_to_e4m3_folded). Passes over the codes: one any-nonzero reduction
-    per group, one index computation and one table gather (2 output bytes per code byte)."""
+    are rounded to nearest e4m3 (see fp4_to_e4m3_folded).
+
+    On an SM90 GPU (eager mode) this is one fused kernel (deep_indexer._C.fp4_fold, fp4_fold.cuh); on the CPU,
+    other GPUs and under torch.compile tracing it is fold_fp4_to_e4m3_torch."""
+    c, s = _fp4_checked(codes, sf)
+    if c.is_cuda and not torch.compiler.is_compiling() and _fold_kernel_ok(c.device):
+        from . import _C  # (late: quant is importable before the extension's ops are needed)
+
+        lead = c.shape[:-1]
+        c2 = c.reshape(-1, c.shape[-1])
+        if not c2.is_contiguous() or c2.data_ptr() % 16:
+            c2 = c2.clone(memory_format=torch.contiguous_format)  # the kernel's 16-byte loads need an aligned start
+        vals, base = _C.fp4_fold(c2, s.reshape(-1).contiguous())
+        return vals.reshape(*lead, 2 * c.shape[-1]), base.reshape(lead)
+    return fold_fp4_to_e4m3_torch(c, s)
+
+
+_FOLD_KERNEL_OK: dict = {}
+
+
+def _fold_kernel_ok(device: torch.device) -> bool:
+    """Whether `device` runs the fused fold kernel (SM90); cached per device."""
+    ok = _FOLD_KERNEL_OK.get(device.index)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(device) == (9, 0)
+        _FOLD_KERNEL_OK[device.index] = ok
+    return ok
+
+
+def fold_fp4_to_e4m3_torch(codes: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fold_fp4_to_e4m3 in plain torch ops on the inputs' device (any device, traceable, CUDA-graph capturable):
+    one any-nonzero reduction per group, one index computation and one table gather (2 output bytes per
+    code byte). The fused kernel's reference."""
     c, exps = _fp4_inputs(codes, sf)
     ng = exps.shape[-1]
     lead = c.shape[:-1]

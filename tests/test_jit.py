@@ -170,6 +170,8 @@ def test_variant_enumeration():
     assert len(jit.variants(ops=["paged_mqa_logits"], head_dims=[32, 64])) == 8 * 4 * 1 * 2 * 2 * 2 + 4 * 2 * 2 * 2
     assert len(jit.variants(ops=["paged_mqa_logits"], next_n=[5, 8])) == 2 * 4 * 2 * 2 * 2 * 2
     assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 8 * 2  # small and general
+    assert len(jit.variants(ops=["fp4_fold"])) == 4  # D = 32, 64, 96, 128
+    assert len(jit.variants(ops=["fp4_fold"], head_dims=[64, 128])) == 2
 
 
 def test_cli_precompile_and_cache(isolated_cache):
