@@ -82,6 +82,22 @@ def mqa_logits():
 
 
 @case
+def fp4_prefill():
+    """The FP4 fold kernel (ragged row counts, D 64 and 128) and FP4 q and kv through the prefill logits."""
+    import deep_indexer as di
+    from deep_indexer import quant
+    from deep_indexer.bench import prefill_inputs
+
+    for rows, d in ((1, 64), (333, 128), (4096, 64)):
+        codes, sf = quant.per_token_cast_to_fp4(torch.randn(rows, d, device="cuda"))
+        quant.fold_fp4_to_e4m3(codes, sf)
+    x = prefill_inputs(96, 2048, "causal", 64, 128, "cuda")
+    q = quant.per_token_cast_to_fp4(torch.randn(96, 64, 128, device="cuda"))
+    kv = quant.per_token_cast_to_fp4(torch.randn(2048, 128, device="cuda"))
+    di.fp8_mqa_logits(q, kv, x["weights"], x["ks"], x["ke"], True)
+
+
+@case
 def mqa_logits_compressed():
     import deep_indexer as di
     from deep_indexer.bench import prefill_inputs
@@ -285,7 +301,7 @@ def precompile(jobs: int) -> int:
 
     from deep_indexer import _C, jit
 
-    groups = [dict(ops=["topk", "clean_logits", "paged_mqa_logits_metadata"]),
+    groups = [dict(ops=["topk", "clean_logits", "paged_mqa_logits_metadata", "fp4_fold"]),
               dict(ops=["mqa_logits"], heads=[64], head_dims=[128]),
               dict(ops=["paged_mqa_logits"], heads=[64], head_dims=[128], next_n=[1, 2, 4], block_kv=[64]),
               dict(ops=["training_logits", "training_logits_stats"], heads=[64], head_dims=[64, 128]),
