@@ -403,7 +403,8 @@ struct PagedMqaKernel {
                      BLOCK_KV * 4, &sm.full_bar[st]);
       if (two) {
         ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &sm.full_bar[st], 0, 0, id1, kKVCacheHint);
-        ptx::bulk_load(sc_dst + BLOCK_KV, kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
+        ptx::bulk_load(sc_dst + BLOCK_KV,
+                       kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
                        BLOCK_KV * 4, &sm.full_bar[st]);
       }
     }
