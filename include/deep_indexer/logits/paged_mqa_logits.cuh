@@ -240,6 +240,483 @@ struct RangeWalker {
   }
 };
 
+// The kernel's constants and phases (one instantiation per kernel variant, every phase inlined into
+// paged_mqa_logits_kernel below, which sets up and dispatches the warps).
+// NOTES: the phases keep their helpers as lambdas: turned into functions, they are inlined at another
+// point of the optimizer's pipeline and the generated code changes (more instructions, other schedules).
+template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
+          bool kContextLens2D, typename OutT, bool kSplitRelu, bool kVarlen>
+struct PagedMqaKernel {
+  static constexpr PagedMqaLogitsLayout kL{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
+                                           static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu};
+  static_assert(kL.valid(), "unsupported paged_mqa_logits configuration");
+  static_assert(!kVarlen || kNextN == 1, "varlen: one q row per sequence");
+
+  static constexpr int kStages = kNumKVStages;
+  static constexpr int kN = kL.n_total();
+  static constexpr int kTPC = kL.tokens_per_chunk();
+  static constexpr int kNumChunks = kL.num_chunks();
+  static constexpr int kChunkCols = kL.chunk_cols();
+  static constexpr int kHG = kNumHeads / 8;  // 8-column groups per token
+  static constexpr int kMmaCols = kL.mma_cols();  // WGMMA N of a chunk (with the pieces columns for split_relu)
+  static constexpr int kSplitPieces = split_relu::kPieces;
+  static constexpr bool kWeightsInRegs = kL.weights_in_regs();
+  static constexpr int kBlocksPerTile = kL.blocks_per_tile();
+  static constexpr int kBlocksPerSeg = kL.blocks_per_segment();
+  static constexpr uint32_t kTileTx = static_cast<uint32_t>(kL.kv_tile_bytes() + kL.scales_bytes_per_stage());
+  static constexpr uint32_t kBlockTx = static_cast<uint32_t>(BLOCK_KV * kHeadDim + BLOCK_KV * 4);
+  static constexpr int kSentinel = 1;
+  static constexpr uint32_t kProducerWarp0 = 4 * kNumMathWGs;  // producer warpgroup: q loader + KV producers
+  static constexpr int kNumKVProducers = kL.num_kv_producers();
+  static constexpr int kQSlots = kL.num_q_slots();        // generation g: q slot g % kQSlots, parity (g / kQSlots) & 1
+  static constexpr int kSlotInfoInts = kL.slot_info_ints();
+  static_assert(kQSlots == 1 || kQSlots == 2, "q slots");
+  static_assert(kSlotInfoInts >= 1 + kNextN, "slot info");
+
+  using Walker = RangeWalker<kNextN, kContextLens2D>;
+  using Item = typename Walker::Item;
+  using Group = typename Walker::Group;
+  static constexpr int kP = kNumKVProducers;
+  static constexpr int kSegsPerGroup = 32 / kBlocksPerSeg;  // one warp load of the block table per group
+
+  // ---------------------------------------------------------------- set-up
+  // The shared-memory map (paged_mqa_logits_layout.hpp) from the 1024-byte aligned base.
+  struct Smem {
+    uint8_t* q_smem;
+    uint8_t* kv_smem;
+    uint32_t* amax_smem;
+    float* scales_smem;
+    float* weights_smem;
+    int4* stage_info;
+    int* slot_info;
+    uint64_t* full_bar;
+    uint64_t* empty_bar;
+    uint64_t* q_full_bar;
+    uint64_t* q_empty_bar;
+    uint64_t* pieces_full_bar;  // split_relu
+  };
+
+  // Thread 0: the barrier counts of the protocol above.
+  __device__ __forceinline__ static void init_barriers(const Smem& sm) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&sm.full_bar[s], 1);
+      ptx::mbar_init(&sm.empty_bar[s], 4);
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      ptx::mbar_init(&sm.q_full_bar[x], 1);
+      ptx::mbar_init(&sm.q_empty_bar[x], 4 * kNumMathWGs);
+      if constexpr (kSplitRelu) ptx::mbar_init(&sm.pieces_full_bar[x], 1);
+    }
+    ptx::fence_mbar_init();
+  }
+
+  // ---------------------------------------------------------------- Q producer (producer warp 0)
+  // For every sequence of the range (generation g): its row lengths and sequence id into the slot
+  // info, its q rows (TMA) and weights rows (bulk copies) into q slot g % Q.
+  __device__ __forceinline__ static void q_producer(const Smem& sm, Walker& walker, const Item& q_cur,
+                                                    const CUtensorMap& tmap_q, const float* __restrict__ weights,
+                                                    int64_t weights_stride, const int* __restrict__ context_lens,
+                                                    int max_context_len, uint32_t lane, Tracer& tr) {
+    uint8_t* q_smem = sm.q_smem;
+    float* weights_smem = sm.weights_smem;
+    int* slot_info = sm.slot_info;
+    uint64_t* q_full_bar = sm.q_full_bar;
+    uint64_t* q_empty_bar = sm.q_empty_bar;
+
+    Item cur = q_cur;
+    tr.mark<1>(cur.len);
+    if (!walker.valid(cur) && lane == 0) {  // no work: release the math WGs' wait for generation 0
+      slot_info[0] = -1;
+      ptx::mbar_arrive(&q_full_bar[0]);
+    }
+    uint32_t g = 0;
+    while (walker.valid(cur)) {
+      const int b = cur.b;
+      // Row lengths L(b, i) (lane i), clamped to max_context_len.
+      int my_len = 0;
+      if (static_cast<int>(lane) < kNextN) {
+        if constexpr (kContextLens2D)
+          my_len = __ldg(context_lens + static_cast<int64_t>(b) * kNextN + lane);
+        else
+          my_len = __ldg(context_lens + b) - kNextN + static_cast<int>(lane) + 1;
+        my_len = min(my_len, max_context_len);
+      }
+      int lens[kNextN];
+#pragma unroll
+      for (int i = 0; i < kNextN; ++i) lens[i] = __shfl_sync(0xffffffffu, my_len, i);
+      const uint32_t slot = g % kQSlots;
+      ptx::mbar_wait(&q_empty_bar[slot], ((g / kQSlots) & 1u) ^ 1u);
+      if (lane == 0) {
+        int* info = slot_info + slot * kSlotInfoInts;
+        info[0] = b;
+#pragma unroll
+        for (int i = 0; i < kNextN; ++i) info[1 + i] = lens[i];
+        ptx::mbar_arrive_expect_tx(&q_full_bar[slot], static_cast<uint32_t>(kL.q_tx_bytes()));
+        uint8_t* q_dst = q_smem + slot * kL.q_slot_bytes();
+#pragma unroll
+        for (int x = 0; x < kL.q_num_boxes(); ++x)
+          ptx::tma_load_2d(q_dst + x * kL.q_box_rows() * kHeadDim, &tmap_q, &q_full_bar[slot], 0,
+                           b * kN + x * kL.q_box_rows());
+        float* w_dst = weights_smem + slot * kN;
+#pragma unroll
+        for (int i = 0; i < kNextN; ++i)
+          ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
+                         kNumHeads * 4, &q_full_bar[slot]);
+      }
+      __syncwarp();
+      tr.mark<2>();
+#ifdef DI_KERNEL_TRACE
+      if (g == 0) {  // when generation 0's q and weights have landed
+        ptx::mbar_wait(&q_full_bar[0], 0);
+        tr.mark<3>();
+      }
+#endif
+      ++g;
+      cur = walker.next_sequence(cur);
+    }
+    if (lane == 0) tr.print("q", 0, static_cast<int>(g));
+  }
+
+  // ---------------------------------------------------------------- KV producers (producer warps 1..P)
+  // Waits until stage st (parity ph) is free; lane 0 stores the stage info and issues the tile's
+  // loads: paged block id0 (and id1 if `two`: two 32-token blocks stack into one 64-row tile) and
+  // their fp32 scales, all counted by full[st].
+  __device__ __forceinline__ static void issue_kv_tile(const Smem& sm, const CUtensorMap& tmap_kv,
+                                                       const uint8_t* __restrict__ kv_cache,
+                                                       int64_t block_stride_bytes, uint32_t st, uint32_t ph,
+                                                       const int4& info, int id0, int id1, bool two, uint32_t lane,
+                                                       Tracer& tr) {
+    tr.mark<2>(id0 + id1);
+    const uint64_t t_wait = tr.now();
+    ptx::mbar_wait(&sm.empty_bar[st], ph ^ 1u);
+    tr.add_since<6>(t_wait);
+    if (lane == 0) {
+      sm.stage_info[st] = info;
+      uint8_t* kv_dst = sm.kv_smem + st * kL.kv_tile_bytes();
+      float* sc_dst = sm.scales_smem + st * 64;
+      const uint32_t tx = kBlocksPerTile == 1 ? kTileTx : (two ? 2 * kBlockTx : kBlockTx);
+      ptx::mbar_arrive_expect_tx(&sm.full_bar[st], tx);
+      ptx::tma_load_3d(kv_dst, &tmap_kv, &sm.full_bar[st], 0, 0, id0, kKVCacheHint);
+      ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
+                     BLOCK_KV * 4, &sm.full_bar[st]);
+      if (two) {
+        ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &sm.full_bar[st], 0, 0, id1, kKVCacheHint);
+        ptx::bulk_load(sc_dst + BLOCK_KV,
+                       kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
+                       BLOCK_KV * 4, &sm.full_bar[st]);
+      }
+    }
+    __syncwarp();
+  }
+
+  // ---------------------------------------------------------------- math warpgroups
+  // Math WG wg takes tiles wg, wg + W, ... of the walk: WGMMA of the tile against the q rows of its
+  // generation, then the epilogue (relu, head weights, head sum, reduce-scatter, key scale, stores).
+  __device__ __forceinline__ static void math_warpgroups(const Smem& sm, OutT* __restrict__ logits,
+                                                         int64_t logits_stride, uint32_t warp, uint32_t lane,
+                                                         Tracer& tr) {
+    uint8_t* q_smem = sm.q_smem;
+    uint8_t* kv_smem = sm.kv_smem;
+    uint32_t* amax_smem = sm.amax_smem;
+    float* scales_smem = sm.scales_smem;
+    float* weights_smem = sm.weights_smem;
+    int4* stage_info = sm.stage_info;
+    int* slot_info = sm.slot_info;
+    uint64_t* full_bar = sm.full_bar;
+    uint64_t* empty_bar = sm.empty_bar;
+    uint64_t* q_full_bar = sm.q_full_bar;
+    uint64_t* q_empty_bar = sm.q_empty_bar;
+    [[maybe_unused]] uint64_t* pieces_full_bar = sm.pieces_full_bar;
+
+    const uint32_t wg = warp / 4;
+    const uint32_t warp_in_wg = warp % 4;
+    const uint32_t quad = lane & 3u;
+    const bool hi = (lane & 2u) != 0;   // after the first reduce step: row r0 (false) or r0 + 8 (true)
+    const bool odd = (lane & 1u) != 0;  // after the second step: which tokens of the chunk
+    const int row_in_tile = static_cast<int>(warp_in_wg * 16 + (lane >> 2) + (hi ? 8 : 0));
+
+    float2 wreg[kWeightsInRegs ? kNextN : 1][kWeightsInRegs ? kHG : 1];
+    // split_relu: coef[i] = sigma of piece `quad` of token i of the current sequence.
+    float coef[kSplitRelu ? kNextN : 1];
+    auto amax_of = [&](uint32_t slot) { return amax_smem + slot * kNextN * kSplitPieces; };
+    // Math WG 0 builds the pieces of the sequence in q slot `slot` (its q_full has been waited for) and
+    // arrives on pieces_full[slot]. The other WGs' WGMMAs of the slot's previous sequence are done:
+    // they arrived on its q_empty before the slot was reloaded.
+    [[maybe_unused]] auto build_pieces = [&](uint32_t slot) {
+      const int tid = static_cast<int>(threadIdx.x % 128);
+      uint8_t* q = q_smem + slot * kL.q_slot_bytes();
+      split_relu::build_pieces<kNumHeads, kHeadDim, kNextN>(q, q + kN * kHeadDim, weights_smem + slot * kN,
+                                                            amax_of(slot), kNextN, tid, 1 + wg);
+      if (tid == 0) ptx::mbar_arrive(&pieces_full_bar[slot]);
+    };
+    int row_len[kNextN];
+    int seq_b = 0;
+    int cur_gen = -1;  // generation whose q / weights this WG uses; every WG walks all generations in order
+
+    // Moves this WG to generation `gen` (q slot gen % 2). Returns false for the sentinel (gen = count).
+    // Generations are waited for (q_full) and handed back (q_empty) strictly in order by every WG,
+    // including those it has no tile of: waiting for gen h only after gen h - 2 keeps each parity wait
+    // within one phase of the barrier, and arriving on q_empty for h only after q_full(h) keeps the
+    // arrivals in h's phase. No WGMMA of this WG may be in flight here.
+    // Reads generation gen's slot info and weights (its q_full has been waited for).
+    auto take_generation = [&](int gen) {
+      const uint32_t slot = static_cast<uint32_t>(gen) % kQSlots;
+      const int* sinfo = slot_info + slot * kSlotInfoInts;
+      seq_b = sinfo[0];
+  #pragma unroll
+      for (int i = 0; i < kNextN; ++i) row_len[i] = sinfo[1 + i];
+      if constexpr (kWeightsInRegs) {
+        const float* wsl = weights_smem + slot * kN;
+  #pragma unroll
+        for (int i = 0; i < kNextN; ++i)
+  #pragma unroll
+          for (int hg = 0; hg < kHG; ++hg)
+            wreg[i][hg] = *reinterpret_cast<const float2*>(wsl + i * kNumHeads + hg * 8 + quad * 2);
+      }
+      if constexpr (kSplitRelu) {
+        if (wg == 0) build_pieces(slot);
+        mbar_wait_loop(&pieces_full_bar[slot], (static_cast<uint32_t>(gen) / kQSlots) & 1u);
+        const uint32_t* amax = amax_of(slot);
+  #pragma unroll
+        for (int i = 0; i < kNextN; ++i) coef[i] = split_relu::piece_scale(amax[i * kSplitPieces + quad]);
+      }
+      cur_gen = gen;
+    };
+
+    auto switch_generation = [&](const int4& info) -> bool {
+      const int gen = info.x;
+      __syncwarp();
+      mbar_arrive_if(&q_empty_bar[static_cast<uint32_t>(cur_gen) % kQSlots], cur_gen >= 0 && lane == 0);
+      for (int h = cur_gen + 1; h < gen; ++h) {
+        mbar_wait_loop(&q_full_bar[static_cast<uint32_t>(h) % kQSlots], (static_cast<uint32_t>(h) / kQSlots) & 1u);
+        // split_relu: WG 0 builds every sequence's pieces, also those it has no tile of
+        if constexpr (kSplitRelu) {
+          if (wg == 0) build_pieces(static_cast<uint32_t>(h) % kQSlots);
+        }
+        __syncwarp();
+        mbar_arrive_if(&q_empty_bar[static_cast<uint32_t>(h) % kQSlots], lane == 0);
+      }
+      if (info.w & kSentinel) return false;
+      mbar_wait_loop(&q_full_bar[static_cast<uint32_t>(gen) % kQSlots], (static_cast<uint32_t>(gen) / kQSlots) & 1u);
+      take_generation(gen);
+      return true;
+    };
+
+    // NOTES: generation 0 is taken before the first KV tile arrives (its q lands well before the KV).
+    // A CTA without work gets a q_full[0] arrival without loads and slot_info[0] = -1 instead.
+    mbar_wait_loop(&q_full_bar[0], 0);
+    if (slot_info[0] >= 0) take_generation(0);
+
+    // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited).
+    auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage) {
+      constexpr int c = decltype(chunk_c)::value;
+      constexpr int tok0 = c * kTPC;
+      constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
+      constexpr int cols = tpc * kNumHeads + kL.linear_cols();  // split_relu: one chunk, pieces after its rows
+      using Mma = ptx::WgmmaFp8<cols>;
+      const uint64_t desc_a = ptx::make_kmajor_desc<kHeadDim>(kv_smem + stage * kL.kv_tile_bytes());
+      const uint64_t desc_b = ptx::make_kmajor_desc<kHeadDim>(
+          q_smem + (static_cast<uint32_t>(cur_gen) % kQSlots) * kL.q_slot_bytes() + tok0 * kNumHeads * kHeadDim);
+      ptx::fence_accum<cols / 2>(acc);
+      ptx::wgmma_fence();
+  #pragma unroll
+      for (int kk = 0; kk < kHeadDim / 32; ++kk)
+        Mma::mma(acc, desc_a + static_cast<uint64_t>(kk * 2), desc_b + static_cast<uint64_t>(kk * 2), kk > 0);
+      ptx::wgmma_commit();
+    };
+
+    // Per element: relu(x), or with split_relu |x| (a free FFMA operand modifier) plus, per (token, row),
+    // the linear half sigma_p * (piece_p . k) from the pieces columns (token 2 g + c, piece `quad`, after
+    // the chunk's columns); the sum is then halved with the key scale.
+    auto relu_part = [](float x) { return kSplitRelu ? fabsf(x) : fmaxf(x, 0.0f); };
+
+    // Epilogue of chunk c: relu, head weights, head sum, quad reduce-scatter, key scale, stores.
+    auto epilogue_chunk = [&](auto chunk_c, const float* acc, int key, float key_scale) {
+      if constexpr (kSplitRelu) key_scale *= 0.5f;
+      constexpr int c = decltype(chunk_c)::value;
+      constexpr int tok0 = c * kTPC;
+      constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
+      [[maybe_unused]] const float* w_slot = weights_smem + (static_cast<uint32_t>(cur_gen) % kQSlots) * kN;
+      // v[j][t] = sum over my heads of w * relu(acc), rows r0 + 8j, token tok0 + t
+      float part[2][tpc][2];
+  #pragma unroll
+      for (int j = 0; j < 2; ++j)
+  #pragma unroll
+        for (int t = 0; t < tpc; ++t) part[j][t][0] = part[j][t][1] = 0.0f;
+  #pragma unroll
+      for (int t = 0; t < tpc; ++t) {
+  #pragma unroll
+        for (int hg = 0; hg < kHG; ++hg) {
+          float2 w;
+          if constexpr (kWeightsInRegs)
+            w = wreg[tok0 + t][hg];
+          else
+            w = *reinterpret_cast<const float2*>(w_slot + (tok0 + t) * kNumHeads + hg * 8 + quad * 2);
+          const int g = t * kHG + hg;
+  #pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            part[j][t][0] = fmaf(w.x, relu_part(acc[4 * g + 2 * j + 0]), part[j][t][0]);
+            part[j][t][1] = fmaf(w.y, relu_part(acc[4 * g + 2 * j + 1]), part[j][t][1]);
+          }
+        }
+        if constexpr (kSplitRelu) {
+  #pragma unroll
+          for (int j = 0; j < 2; ++j)
+            part[j][t][0] =
+                fmaf(coef[tok0 + t], acc[kChunkCols / 2 + 4 * (t / 2) + 2 * j + t % 2], part[j][t][0]);
+        }
+      }
+      // quad reduce-scatter, step 1 (lane ^ 2): keep row r0 + 8*hi, all tokens
+      float u[tpc];
+  #pragma unroll
+      for (int t = 0; t < tpc; ++t) {
+        const float v0 = part[0][t][0] + part[0][t][1];
+        const float v1 = part[1][t][0] + part[1][t][1];
+        const float send = hi ? v0 : v1;
+        const float keep = hi ? v1 : v0;
+        u[t] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+      }
+      auto store = [&](int i, float val, bool valid) {  // i: token of the sequence's window (0..next_n-1)
+        OutT* dst = logits + (static_cast<int64_t>(seq_b) * kNextN + i) * logits_stride + key;
+        st_global_if(dst, val * key_scale, valid);
+      };
+      // step 2 (lane ^ 1) and the stores
+      if constexpr (tpc % 2 == 0) {
+        constexpr int h = tpc / 2;
+  #pragma unroll
+        for (int t = 0; t < h; ++t) {
+          const float send = odd ? u[t] : u[t + h];
+          const float keep = odd ? u[t + h] : u[t];
+          const float f = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+          const int i_even = tok0 + t, i_odd = tok0 + t + h;
+          store(odd ? i_odd : i_even, f, key < (odd ? row_len[i_odd] : row_len[i_even]));
+        }
+      } else {
+  #pragma unroll
+        for (int t = 0; t < tpc; ++t) u[t] += __shfl_xor_sync(0xffffffffu, u[t], 1);
+  #pragma unroll
+        for (int t = 0; t < tpc; t += 2) {
+          if (t + 1 < tpc) {  // even lanes store token t, odd lanes token t + 1
+            const int i_even = tok0 + t, i_odd = tok0 + t + 1;
+            store(odd ? i_odd : i_even, odd ? u[t + 1] : u[t], key < (odd ? row_len[i_odd] : row_len[i_even]));
+          } else {
+            store(tok0 + t, u[t], !odd && key < row_len[tok0 + t]);
+          }
+        }
+      }
+    };
+
+    // Lane 0 of every warp hands the stage back once the warp no longer reads it.
+    auto release_stage = [&](uint32_t stage) {
+      __syncwarp();
+      mbar_arrive_if(&empty_bar[stage], lane == 0);
+    };
+
+    uint32_t st = wg, ph = 0;
+    auto advance = [&]() {
+      st += kNumMathWGs;
+      if (st >= static_cast<uint32_t>(kStages)) {
+        st -= kStages;
+        ph ^= 1u;
+      }
+    };
+
+    // The next tile of this WG: waits for its stage, returns its info (warp-uniform fields broadcast).
+    auto next_info = [&]() {
+      const uint64_t t_wait = tr.now();
+      mbar_wait_loop(&full_bar[st], ph);
+      tr.add_since<5>(t_wait);
+      const int4 raw = stage_info[st];
+      return make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
+    };
+    // What the epilogue of the tile in stage `st` needs once the stage may be handed back.
+    struct Tile {
+      uint32_t st;
+      int key;
+      float scale;
+    };
+    auto this_tile = [&](const int4& info) {
+      return Tile{st, info.z + row_in_tile, scales_smem[st * 64 + row_in_tile]};
+    };
+
+    [[maybe_unused]] int num_tiles = 0;
+    if constexpr (kL.pipeline_tiles()) {
+      // Two tiles in flight: the WGMMA of the WG's next tile is issued before the epilogue of the
+      // current one. NOTES: every program point has a fixed number of WGMMA groups in flight (one at the
+      // inner loop's head, none at the outer loop's), else ptxas serializes the WGMMAs. A generation
+      // switch (and the sentinel) first finishes the tile in flight, which uses the old q / weights / rows.
+      static_assert(kNumChunks == 1, "pipelined tiles: one chunk");
+      using Chunk0 = std::integral_constant<int, 0>;
+      float acc2[2][kMmaCols / 2];
+      auto start_tile = [&](auto slot_c, const int4& info) {
+        const Tile t = this_tile(info);
+        issue_chunk(Chunk0{}, acc2[decltype(slot_c)::value], st);
+        advance();
+  #ifdef DI_KERNEL_TRACE
+        ++num_tiles;
+  #endif
+        return t;
+      };
+      auto finish_tile = [&](auto slot_c, const Tile& t) {
+        constexpr int x = decltype(slot_c)::value;
+        ptx::fence_accum<kMmaCols / 2>(acc2[x]);
+        release_stage(t.st);
+        epilogue_chunk(Chunk0{}, acc2[x], t.key, t.scale);
+      };
+      int4 info = next_info();
+      // The tile in flight is in slot a (pa): start the next tile in slot b (pb), then finish a. At the
+      // end of the generation only finishes a and returns false (nothing in flight).
+      auto pipeline_step = [&](auto a, auto b, const Tile& pa, Tile& pb) -> bool {
+        info = next_info();
+        if (info.x != cur_gen) {
+          ptx::wgmma_wait<0>();
+          finish_tile(a, pa);
+          return false;
+        }
+        pb = start_tile(b, info);
+        ptx::wgmma_wait<1>();
+        finish_tile(a, pa);
+        return true;
+      };
+      using Slot0 = std::integral_constant<int, 0>;
+      using Slot1 = std::integral_constant<int, 1>;
+      while (info.x == cur_gen || switch_generation(info)) {
+        Tile p0 = start_tile(Slot0{}, info), p1;
+        while (pipeline_step(Slot0{}, Slot1{}, p0, p1) && pipeline_step(Slot1{}, Slot0{}, p1, p0)) {
+        }
+      }
+    } else {
+      // One tile at a time per WG (the other WGs' WGMMAs and epilogues overlap with it); multi-chunk
+      // shapes reuse one accumulator set per chunk.
+      float acc[kMmaCols / 2];
+      while (true) {
+        const int4 info = next_info();
+        tr.mark<1>();
+        if (info.x != cur_gen && !switch_generation(info)) break;
+        tr.mark<2>();
+        const Tile t = this_tile(info);
+        static_for<0, kNumChunks>([&](auto chunk_c) {
+          constexpr int c = decltype(chunk_c)::value;
+          issue_chunk(chunk_c, acc, t.st);
+          ptx::wgmma_wait<0>();
+          ptx::fence_accum<kMmaCols / 2>(acc);
+          if constexpr (c == kNumChunks - 1) release_stage(t.st);  // keys, scales and info all read
+          epilogue_chunk(chunk_c, acc, t.key, t.scale);
+        });
+        tr.mark<3>();
+        advance();
+  #ifdef DI_KERNEL_TRACE
+        ++num_tiles;
+  #endif
+      }
+    }
+    tr.mark<4>();
+    if (threadIdx.x % 128 == 0) tr.print("math", static_cast<int>(wg), num_tiles);
+  }
+};
+
 }  // namespace paged_mqa_detail
 
 template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
@@ -256,34 +733,14 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
                             int64_t block_table_stride, int block_table_cols, const int* __restrict__ schedule,
                             OutT* __restrict__ logits, int64_t logits_stride, int batch_size, int max_context_len,
                             const int* __restrict__ indices) {
-  using namespace paged_mqa_detail;
   static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
-  constexpr PagedMqaLogitsLayout kL{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
-                                    static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu};
-  static_assert(kL.valid(), "unsupported paged_mqa_logits configuration");
-  static_assert(!kVarlen || kNextN == 1, "varlen: one q row per sequence");
+  using K = paged_mqa_detail::PagedMqaKernel<kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages, kNumMathWGs,
+                                             kContextLens2D, OutT, kSplitRelu, kVarlen>;
+  constexpr PagedMqaLogitsLayout kL = K::kL;
+  constexpr int kStages = K::kStages;
+  constexpr uint32_t kProducerWarp0 = K::kProducerWarp0;
 
-  constexpr int kStages = kNumKVStages;
-  constexpr int kN = kL.n_total();
-  constexpr int kTPC = kL.tokens_per_chunk();
-  constexpr int kNumChunks = kL.num_chunks();
-  constexpr int kChunkCols = kL.chunk_cols();
-  constexpr int kHG = kNumHeads / 8;  // 8-column groups per token
-  constexpr int kMmaCols = kL.mma_cols();  // WGMMA N of a chunk (with the pieces columns for split_relu)
-  constexpr int kSplitPieces = split_relu::kPieces;
-  constexpr bool kWeightsInRegs = kL.weights_in_regs();
-  constexpr int kBlocksPerTile = kL.blocks_per_tile();
-  constexpr int kBlocksPerSeg = kL.blocks_per_segment();
-  constexpr uint32_t kTileTx = static_cast<uint32_t>(kL.kv_tile_bytes() + kL.scales_bytes_per_stage());
-  constexpr uint32_t kBlockTx = static_cast<uint32_t>(BLOCK_KV * kHeadDim + BLOCK_KV * 4);
-  constexpr int kSentinel = 1;
-  constexpr uint32_t kProducerWarp0 = 4 * kNumMathWGs;  // producer warpgroup: q loader + KV producers
-  constexpr int kNumKVProducers = kL.num_kv_producers();
-  constexpr int kQSlots = kL.num_q_slots();        // generation g: q slot g % kQSlots, parity (g / kQSlots) & 1
-  constexpr int kSlotInfoInts = kL.slot_info_ints();
-  static_assert(kQSlots == 1 || kQSlots == 2, "q slots");
-  static_assert(kSlotInfoInts >= 1 + kNextN, "slot info");
-
+  // ================================================================== set-up
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* q_smem = smem + kL.q_offset();
@@ -298,7 +755,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   uint64_t* empty_bar = bars + kStages;
   uint64_t* q_full_bar = bars + 2 * kStages;
   uint64_t* q_empty_bar = bars + 2 * kStages + 2;
-  [[maybe_unused]] uint64_t* pieces_full_bar = bars + 2 * kStages + 4;  // split_relu
+  uint64_t* pieces_full_bar = bars + 2 * kStages + 4;  // split_relu
+  const typename K::Smem sm{q_smem,    kv_smem,   amax_smem,   scales_smem, weights_smem, stage_info,
+                            slot_info, full_bar,  empty_bar,   q_full_bar,  q_empty_bar,  pieces_full_bar};
 
   // A launch with another block size would deadlock (missing warpgroups): fail loudly instead.
   if (blockDim.x != static_cast<uint32_t>(kL.num_threads())) __trap();
@@ -316,33 +775,20 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // while the producers resolve their first work items (schedule rows -> context lengths -> block
   // table entries: dependent global loads) before the prologue's barrier, which they do not need for
   // that: its latency overlaps theirs.
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&empty_bar[s], 4);
-    }
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      ptx::mbar_init(&q_full_bar[x], 1);
-      ptx::mbar_init(&q_empty_bar[x], 4 * kNumMathWGs);
-      if constexpr (kSplitRelu) ptx::mbar_init(&pieces_full_bar[x], 1);
-    }
-    ptx::fence_mbar_init();
-  }
+  if (threadIdx.x == 0) K::init_barriers(sm);
   if (warp == kProducerWarp0 && lane == 0) {
     ptx::prefetch_tensor_map(&tmap_kv);
     ptx::prefetch_tensor_map(&tmap_q);
   }
 
-  using Walker = RangeWalker<kNextN, kContextLens2D>;
-  using Item = typename Walker::Item;
-  using Group = typename Walker::Group;
-  constexpr int kP = kNumKVProducers;
-  constexpr int kSegsPerGroup = 32 / kBlocksPerSeg;  // one warp load of the block table per group
+  // ================================================================== the producers' first work items
+  using Walker = typename K::Walker;
+  using Item = typename K::Item;
+  using Group = typename K::Group;
+  constexpr int kSegsPerGroup = K::kSegsPerGroup;
   const int p = static_cast<int>(warp) - static_cast<int>(kProducerWarp0) - 1;  // KV producer index
   const bool is_q_producer = warp == kProducerWarp0;
-  const bool is_kv_producer = p >= 0 && p < kP;
+  const bool is_kv_producer = p >= 0 && p < K::kP;
   // Varlen: the block-table row of row b is the first row of its run of equal request ids
   // (varlen::run_first_row, warp-collective); the last lookup is cached (a sequence's groups share it).
   [[maybe_unused]] int cached_b = -1, cached_row = 0;
@@ -400,63 +846,13 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     // ================================================================ producer warpgroup
     ptx::reg_dealloc<static_cast<uint32_t>(kL.producer_regs())>();
     if (is_q_producer) {
-      // ---------------------------------------------------------- Q producer
-      Item cur = q_cur;
-      tr.mark<1>(cur.len);
-      if (!walker.valid(cur) && lane == 0) {  // no work: release the math WGs' wait for generation 0
-        slot_info[0] = -1;
-        ptx::mbar_arrive(&q_full_bar[0]);
-      }
-      uint32_t g = 0;
-      while (walker.valid(cur)) {
-        const int b = cur.b;
-        // Row lengths L(b, i) (lane i), clamped to max_context_len.
-        int my_len = 0;
-        if (static_cast<int>(lane) < kNextN) {
-          if constexpr (kContextLens2D)
-            my_len = __ldg(context_lens + static_cast<int64_t>(b) * kNextN + lane);
-          else
-            my_len = __ldg(context_lens + b) - kNextN + static_cast<int>(lane) + 1;
-          my_len = min(my_len, max_context_len);
-        }
-        int lens[kNextN];
-#pragma unroll
-        for (int i = 0; i < kNextN; ++i) lens[i] = __shfl_sync(0xffffffffu, my_len, i);
-        const uint32_t slot = g % kQSlots;
-        ptx::mbar_wait(&q_empty_bar[slot], ((g / kQSlots) & 1u) ^ 1u);
-        if (lane == 0) {
-          int* info = slot_info + slot * kSlotInfoInts;
-          info[0] = b;
-#pragma unroll
-          for (int i = 0; i < kNextN; ++i) info[1 + i] = lens[i];
-          ptx::mbar_arrive_expect_tx(&q_full_bar[slot], static_cast<uint32_t>(kL.q_tx_bytes()));
-          uint8_t* q_dst = q_smem + slot * kL.q_slot_bytes();
-#pragma unroll
-          for (int x = 0; x < kL.q_num_boxes(); ++x)
-            ptx::tma_load_2d(q_dst + x * kL.q_box_rows() * kHeadDim, &tmap_q, &q_full_bar[slot], 0,
-                             b * kN + x * kL.q_box_rows());
-          float* w_dst = weights_smem + slot * kN;
-#pragma unroll
-          for (int i = 0; i < kNextN; ++i)
-            ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
-                           kNumHeads * 4, &q_full_bar[slot]);
-        }
-        __syncwarp();
-        tr.mark<2>();
-#ifdef DI_KERNEL_TRACE
-        if (g == 0) {  // when generation 0's q and weights have landed
-          ptx::mbar_wait(&q_full_bar[0], 0);
-          tr.mark<3>();
-        }
-#endif
-        ++g;
-        cur = walker.next_sequence(cur);
-      }
-      if (lane == 0) tr.print("q", 0, static_cast<int>(g));
+      K::q_producer(sm, walker, q_cur, tmap_q, weights, weights_stride, context_lens, max_context_len, lane, tr);
     } else {
       // ---------------------------------------------------------- KV producers (the other 3 warps)
       // Every KV producer walks all tiles of the range (tile counter k) and issues those with
       // k % kNumKVProducers == its index: tile k -> stage k % S (parity (k / S) & 1), WG k % W.
+      // NOTES: the walk stays in the kernel body: as a function of its own, the optimizer no longer
+      // shares the first groups' bounds (computed above) with the loop and emits more instructions.
       if (!is_kv_producer) return;
       auto stage_of = [](int k, uint32_t& st, uint32_t& ph) {
         st = static_cast<uint32_t>(k % kStages);
@@ -475,38 +871,18 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
           const int tok0 = s * PagedMqaLogitsLayout::kSplitKV;
           const int ntiles = (min(PagedMqaLogitsLayout::kSplitKV, cur.len - tok0) + 63) >> 6;
           // first tile of this segment owned by this producer
-          int t = ((p - k) % kP + kP) % kP;
-          for (; t < ntiles; t += kP) {
+          int t = ((p - k) % K::kP + K::kP) % K::kP;
+          for (; t < ntiles; t += K::kP) {
             const int kt = k + t;
             const int j0 = tok0 + 64 * t;
-            const int lb = (s - seg0) * kBlocksPerSeg + t * kBlocksPerTile;  // < 32
+            const int lb = (s - seg0) * K::kBlocksPerSeg + t * K::kBlocksPerTile;  // < 32
             const int id0 = __shfl_sync(0xffffffffu, ids, lb);
             const int id1 = __shfl_sync(0xffffffffu, ids, (lb + 1) & 31);
-            const bool two = kBlocksPerTile == 2 && (j0 + BLOCK_KV < cur.len);
+            const bool two = K::kBlocksPerTile == 2 && (j0 + BLOCK_KV < cur.len);
             uint32_t st, ph;
             stage_of(kt, st, ph);
-            tr.mark<2>(id0 + id1);
-            const uint64_t t_wait = tr.now();
-            ptx::mbar_wait(&empty_bar[st], ph ^ 1u);
-            tr.add_since<6>(t_wait);
-            if (lane == 0) {
-              stage_info[st] = make_int4(gen, cur.b, j0, 0);
-              uint8_t* kv_dst = kv_smem + st * kL.kv_tile_bytes();
-              float* sc_dst = scales_smem + st * 64;
-              const uint32_t tx = kBlocksPerTile == 1 ? kTileTx : (two ? 2 * kBlockTx : kBlockTx);
-              ptx::mbar_arrive_expect_tx(&full_bar[st], tx);
-              ptx::tma_load_3d(kv_dst, &tmap_kv, &full_bar[st], 0, 0, id0, kKVCacheHint);
-              ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
-                             BLOCK_KV * 4, &full_bar[st]);
-              if (two) {
-                ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &full_bar[st], 0, 0, id1,
-                                 kKVCacheHint);
-                ptx::bulk_load(sc_dst + BLOCK_KV,
-                               kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
-                               BLOCK_KV * 4, &full_bar[st]);
-              }
-            }
-            __syncwarp();
+            K::issue_kv_tile(sm, tmap_kv, kv_cache, block_stride_bytes, st, ph, make_int4(gen, cur.b, j0, 0), id0,
+                             id1, two, lane, tr);
             tr.mark<3>();
 #ifdef DI_KERNEL_TRACE
             if (kt == p) {  // latency of a plain load from the tile just issued (same pages, L2-bypassing L1)
@@ -532,12 +908,12 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 #pragma unroll
       for (int x = 0; x < kNumMathWGs; ++x) {
         const int kt = k + x;
-        if (kt % kP == p) {
+        if (kt % K::kP == p) {
           uint32_t st, ph;
           stage_of(kt, st, ph);
           ptx::mbar_wait(&empty_bar[st], ph ^ 1u);
           if (lane == 0) {
-            stage_info[st] = make_int4(num_gens, 0, 0, kSentinel);
+            stage_info[st] = make_int4(num_gens, 0, 0, K::kSentinel);
             ptx::mbar_arrive(&full_bar[st]);
           }
           __syncwarp();
@@ -550,290 +926,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 
   // ================================================================== math warpgroups
   ptx::reg_alloc<static_cast<uint32_t>(kL.math_regs())>();
-  const uint32_t wg = warp / 4;
-  const uint32_t warp_in_wg = warp % 4;
-  const uint32_t quad = lane & 3u;
-  const bool hi = (lane & 2u) != 0;   // after the first reduce step: row r0 (false) or r0 + 8 (true)
-  const bool odd = (lane & 1u) != 0;  // after the second step: which tokens of the chunk
-  const int row_in_tile = static_cast<int>(warp_in_wg * 16 + (lane >> 2) + (hi ? 8 : 0));
-
-  float2 wreg[kWeightsInRegs ? kNextN : 1][kWeightsInRegs ? kHG : 1];
-  // split_relu: coef[i] = sigma of piece `quad` of token i of the current sequence.
-  float coef[kSplitRelu ? kNextN : 1];
-  auto amax_of = [&](uint32_t slot) { return amax_smem + slot * kNextN * kSplitPieces; };
-  // Math WG 0 builds the pieces of the sequence in q slot `slot` (its q_full has been waited for) and
-  // arrives on pieces_full[slot]. The other WGs' WGMMAs of the slot's previous sequence are done:
-  // they arrived on its q_empty before the slot was reloaded.
-  [[maybe_unused]] auto build_pieces = [&](uint32_t slot) {
-    const int tid = static_cast<int>(threadIdx.x % 128);
-    uint8_t* q = q_smem + slot * kL.q_slot_bytes();
-    split_relu::build_pieces<kNumHeads, kHeadDim, kNextN>(q, q + kN * kHeadDim, weights_smem + slot * kN,
-                                                          amax_of(slot), kNextN, tid, 1 + wg);
-    if (tid == 0) ptx::mbar_arrive(&pieces_full_bar[slot]);
-  };
-  int row_len[kNextN];
-  int seq_b = 0;
-  int cur_gen = -1;  // generation whose q / weights this WG uses; every WG walks all generations in order
-
-  // Moves this WG to generation `gen` (q slot gen % 2). Returns false for the sentinel (gen = count).
-  // Generations are waited for (q_full) and handed back (q_empty) strictly in order by every WG,
-  // including those it has no tile of: waiting for gen h only after gen h - 2 keeps each parity wait
-  // within one phase of the barrier, and arriving on q_empty for h only after q_full(h) keeps the
-  // arrivals in h's phase. No WGMMA of this WG may be in flight here.
-  // Reads generation gen's slot info and weights (its q_full has been waited for).
-  auto take_generation = [&](int gen) {
-    const uint32_t slot = static_cast<uint32_t>(gen) % kQSlots;
-    const int* sinfo = slot_info + slot * kSlotInfoInts;
-    seq_b = sinfo[0];
-#pragma unroll
-    for (int i = 0; i < kNextN; ++i) row_len[i] = sinfo[1 + i];
-    if constexpr (kWeightsInRegs) {
-      const float* wsl = weights_smem + slot * kN;
-#pragma unroll
-      for (int i = 0; i < kNextN; ++i)
-#pragma unroll
-        for (int hg = 0; hg < kHG; ++hg)
-          wreg[i][hg] = *reinterpret_cast<const float2*>(wsl + i * kNumHeads + hg * 8 + quad * 2);
-    }
-    if constexpr (kSplitRelu) {
-      if (wg == 0) build_pieces(slot);
-      mbar_wait_loop(&pieces_full_bar[slot], (static_cast<uint32_t>(gen) / kQSlots) & 1u);
-      const uint32_t* amax = amax_of(slot);
-#pragma unroll
-      for (int i = 0; i < kNextN; ++i) coef[i] = split_relu::piece_scale(amax[i * kSplitPieces + quad]);
-    }
-    cur_gen = gen;
-  };
-
-  auto switch_generation = [&](const int4& info) -> bool {
-    const int gen = info.x;
-    __syncwarp();
-    mbar_arrive_if(&q_empty_bar[static_cast<uint32_t>(cur_gen) % kQSlots], cur_gen >= 0 && lane == 0);
-    for (int h = cur_gen + 1; h < gen; ++h) {
-      mbar_wait_loop(&q_full_bar[static_cast<uint32_t>(h) % kQSlots], (static_cast<uint32_t>(h) / kQSlots) & 1u);
-      // split_relu: WG 0 builds every sequence's pieces, also those it has no tile of
-      if constexpr (kSplitRelu) {
-        if (wg == 0) build_pieces(static_cast<uint32_t>(h) % kQSlots);
-      }
-      __syncwarp();
-      mbar_arrive_if(&q_empty_bar[static_cast<uint32_t>(h) % kQSlots], lane == 0);
-    }
-    if (info.w & kSentinel) return false;
-    mbar_wait_loop(&q_full_bar[static_cast<uint32_t>(gen) % kQSlots], (static_cast<uint32_t>(gen) / kQSlots) & 1u);
-    take_generation(gen);
-    return true;
-  };
-
-  // NOTES: generation 0 is taken before the first KV tile arrives (its q lands well before the KV).
-  // A CTA without work gets a q_full[0] arrival without loads and slot_info[0] = -1 instead.
-  mbar_wait_loop(&q_full_bar[0], 0);
-  if (slot_info[0] >= 0) take_generation(0);
-
-  // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited).
-  auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage) {
-    constexpr int c = decltype(chunk_c)::value;
-    constexpr int tok0 = c * kTPC;
-    constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
-    constexpr int cols = tpc * kNumHeads + kL.linear_cols();  // split_relu: one chunk, pieces after its rows
-    using Mma = ptx::WgmmaFp8<cols>;
-    const uint64_t desc_a = ptx::make_kmajor_desc<kHeadDim>(kv_smem + stage * kL.kv_tile_bytes());
-    const uint64_t desc_b = ptx::make_kmajor_desc<kHeadDim>(
-        q_smem + (static_cast<uint32_t>(cur_gen) % kQSlots) * kL.q_slot_bytes() + tok0 * kNumHeads * kHeadDim);
-    ptx::fence_accum<cols / 2>(acc);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 32; ++kk)
-      Mma::mma(acc, desc_a + static_cast<uint64_t>(kk * 2), desc_b + static_cast<uint64_t>(kk * 2), kk > 0);
-    ptx::wgmma_commit();
-  };
-
-  // Per element: relu(x), or with split_relu |x| (a free FFMA operand modifier) plus, per (token, row),
-  // the linear half sigma_p * (piece_p . k) from the pieces columns (token 2 g + c, piece `quad`, after
-  // the chunk's columns); the sum is then halved with the key scale.
-  auto relu_part = [](float x) { return kSplitRelu ? fabsf(x) : fmaxf(x, 0.0f); };
-
-  // Epilogue of chunk c: relu, head weights, head sum, quad reduce-scatter, key scale, stores.
-  auto epilogue_chunk = [&](auto chunk_c, const float* acc, int key, float key_scale) {
-    if constexpr (kSplitRelu) key_scale *= 0.5f;
-    constexpr int c = decltype(chunk_c)::value;
-    constexpr int tok0 = c * kTPC;
-    constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
-    [[maybe_unused]] const float* w_slot = weights_smem + (static_cast<uint32_t>(cur_gen) % kQSlots) * kN;
-    // v[j][t] = sum over my heads of w * relu(acc), rows r0 + 8j, token tok0 + t
-    float part[2][tpc][2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int t = 0; t < tpc; ++t) part[j][t][0] = part[j][t][1] = 0.0f;
-#pragma unroll
-    for (int t = 0; t < tpc; ++t) {
-#pragma unroll
-      for (int hg = 0; hg < kHG; ++hg) {
-        float2 w;
-        if constexpr (kWeightsInRegs)
-          w = wreg[tok0 + t][hg];
-        else
-          w = *reinterpret_cast<const float2*>(w_slot + (tok0 + t) * kNumHeads + hg * 8 + quad * 2);
-        const int g = t * kHG + hg;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          part[j][t][0] = fmaf(w.x, relu_part(acc[4 * g + 2 * j + 0]), part[j][t][0]);
-          part[j][t][1] = fmaf(w.y, relu_part(acc[4 * g + 2 * j + 1]), part[j][t][1]);
-        }
-      }
-      if constexpr (kSplitRelu) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-          part[j][t][0] =
-              fmaf(coef[tok0 + t], acc[kChunkCols / 2 + 4 * (t / 2) + 2 * j + t % 2], part[j][t][0]);
-      }
-    }
-    // quad reduce-scatter, step 1 (lane ^ 2): keep row r0 + 8*hi, all tokens
-    float u[tpc];
-#pragma unroll
-    for (int t = 0; t < tpc; ++t) {
-      const float v0 = part[0][t][0] + part[0][t][1];
-      const float v1 = part[1][t][0] + part[1][t][1];
-      const float send = hi ? v0 : v1;
-      const float keep = hi ? v1 : v0;
-      u[t] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-    }
-    auto store = [&](int i, float val, bool valid) {  // i: token of the sequence's window (0..next_n-1)
-      OutT* dst = logits + (static_cast<int64_t>(seq_b) * kNextN + i) * logits_stride + key;
-      st_global_if(dst, val * key_scale, valid);
-    };
-    // step 2 (lane ^ 1) and the stores
-    if constexpr (tpc % 2 == 0) {
-      constexpr int h = tpc / 2;
-#pragma unroll
-      for (int t = 0; t < h; ++t) {
-        const float send = odd ? u[t] : u[t + h];
-        const float keep = odd ? u[t + h] : u[t];
-        const float f = keep + __shfl_xor_sync(0xffffffffu, send, 1);
-        const int i_even = tok0 + t, i_odd = tok0 + t + h;
-        store(odd ? i_odd : i_even, f, key < (odd ? row_len[i_odd] : row_len[i_even]));
-      }
-    } else {
-#pragma unroll
-      for (int t = 0; t < tpc; ++t) u[t] += __shfl_xor_sync(0xffffffffu, u[t], 1);
-#pragma unroll
-      for (int t = 0; t < tpc; t += 2) {
-        if (t + 1 < tpc) {  // even lanes store token t, odd lanes token t + 1
-          const int i_even = tok0 + t, i_odd = tok0 + t + 1;
-          store(odd ? i_odd : i_even, odd ? u[t + 1] : u[t], key < (odd ? row_len[i_odd] : row_len[i_even]));
-        } else {
-          store(tok0 + t, u[t], !odd && key < row_len[tok0 + t]);
-        }
-      }
-    }
-  };
-
-  // Lane 0 of every warp hands the stage back once the warp no longer reads it.
-  auto release_stage = [&](uint32_t stage) {
-    __syncwarp();
-    mbar_arrive_if(&empty_bar[stage], lane == 0);
-  };
-
-  uint32_t st = wg, ph = 0;
-  auto advance = [&]() {
-    st += kNumMathWGs;
-    if (st >= static_cast<uint32_t>(kStages)) {
-      st -= kStages;
-      ph ^= 1u;
-    }
-  };
-
-  // The next tile of this WG: waits for its stage, returns its info (warp-uniform fields broadcast).
-  auto next_info = [&]() {
-    const uint64_t t_wait = tr.now();
-    mbar_wait_loop(&full_bar[st], ph);
-    tr.add_since<5>(t_wait);
-    const int4 raw = stage_info[st];
-    return make_int4(warp_broadcast(raw.x), raw.y, warp_broadcast(raw.z), warp_broadcast(raw.w));
-  };
-  // What the epilogue of the tile in stage `st` needs once the stage may be handed back.
-  struct Tile {
-    uint32_t st;
-    int key;
-    float scale;
-  };
-  auto this_tile = [&](const int4& info) {
-    return Tile{st, info.z + row_in_tile, scales_smem[st * 64 + row_in_tile]};
-  };
-
-  [[maybe_unused]] int num_tiles = 0;
-  if constexpr (kL.pipeline_tiles()) {
-    // Two tiles in flight: the WGMMA of the WG's next tile is issued before the epilogue of the
-    // current one. NOTES: every program point has a fixed number of WGMMA groups in flight (one at the
-    // inner loop's head, none at the outer loop's), else ptxas serializes the WGMMAs. A generation
-    // switch (and the sentinel) first finishes the tile in flight, which uses the old q / weights / rows.
-    static_assert(kNumChunks == 1, "pipelined tiles: one chunk");
-    using Chunk0 = std::integral_constant<int, 0>;
-    float acc2[2][kMmaCols / 2];
-    auto start_tile = [&](auto slot_c, const int4& info) {
-      const Tile t = this_tile(info);
-      issue_chunk(Chunk0{}, acc2[decltype(slot_c)::value], st);
-      advance();
-#ifdef DI_KERNEL_TRACE
-      ++num_tiles;
-#endif
-      return t;
-    };
-    auto finish_tile = [&](auto slot_c, const Tile& t) {
-      constexpr int x = decltype(slot_c)::value;
-      ptx::fence_accum<kMmaCols / 2>(acc2[x]);
-      release_stage(t.st);
-      epilogue_chunk(Chunk0{}, acc2[x], t.key, t.scale);
-    };
-    int4 info = next_info();
-    // The tile in flight is in slot a (pa): start the next tile in slot b (pb), then finish a. At the
-    // end of the generation only finishes a and returns false (nothing in flight).
-    auto pipeline_step = [&](auto a, auto b, const Tile& pa, Tile& pb) -> bool {
-      info = next_info();
-      if (info.x != cur_gen) {
-        ptx::wgmma_wait<0>();
-        finish_tile(a, pa);
-        return false;
-      }
-      pb = start_tile(b, info);
-      ptx::wgmma_wait<1>();
-      finish_tile(a, pa);
-      return true;
-    };
-    using Slot0 = std::integral_constant<int, 0>;
-    using Slot1 = std::integral_constant<int, 1>;
-    while (info.x == cur_gen || switch_generation(info)) {
-      Tile p0 = start_tile(Slot0{}, info), p1;
-      while (pipeline_step(Slot0{}, Slot1{}, p0, p1) && pipeline_step(Slot1{}, Slot0{}, p1, p0)) {
-      }
-    }
-  } else {
-    // One tile at a time per WG (the other WGs' WGMMAs and epilogues overlap with it); multi-chunk
-    // shapes reuse one accumulator set per chunk.
-    float acc[kMmaCols / 2];
-    while (true) {
-      const int4 info = next_info();
-      tr.mark<1>();
-      if (info.x != cur_gen && !switch_generation(info)) break;
-      tr.mark<2>();
-      const Tile t = this_tile(info);
-      static_for<0, kNumChunks>([&](auto chunk_c) {
-        constexpr int c = decltype(chunk_c)::value;
-        issue_chunk(chunk_c, acc, t.st);
-        ptx::wgmma_wait<0>();
-        ptx::fence_accum<kMmaCols / 2>(acc);
-        if constexpr (c == kNumChunks - 1) release_stage(t.st);  // keys, scales and info all read
-        epilogue_chunk(chunk_c, acc, t.key, t.scale);
-      });
-      tr.mark<3>();
-      advance();
-#ifdef DI_KERNEL_TRACE
-      ++num_tiles;
-#endif
-    }
-  }
-  tr.mark<4>();
-  if (threadIdx.x % 128 == 0) tr.print("math", static_cast<int>(wg), num_tiles);
+  K::math_warpgroups(sm, logits, logits_stride, warp, lane, tr);
 }
 
 }  // namespace deep_indexer

@@ -83,6 +83,318 @@ __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
   }
 }
 
+
+// The buffered kernel's constants and phases (one instantiation per kernel variant, every phase
+// inlined into topk_kernel below, which walks the rows and keeps the shared helpers).
+// NOTES: the helpers the phases share (radix_pass, the filter, clear_words, store) stay lambdas of the
+// kernel, passed by reference: turned into functions, they are inlined at another point of the
+// optimizer's pipeline and the generated code changes.
+template <int kElemBytes, bool kSorted, bool kCluster, int kThreads>
+struct TopkKernel {
+  static constexpr TopkLayout L{kElemBytes, kSorted};
+  static_assert(kThreads == TopkLayout::kNumThreads || kThreads == TopkLayout::kWideThreads, "block size");
+  static constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps <= TopkLayout::kMaxWarps, "warp sums fit the scratch");
+  // the threshold sample is drawn by the first kNumThreads threads (the same sample for any block size)
+  static constexpr int kSampleThreads = TopkLayout::kNumThreads;
+  static constexpr int kWordsPerThread = TopkLayout::kWindowWords / kThreads;
+  static_assert(TopkLayout::kWindowWords % kThreads == 0, "whole plane words per thread");
+  static constexpr int kVec = L.vec();
+  static constexpr int kPasses = L.num_passes();
+  static constexpr int kCap = TopkLayout::kCandCap;
+  static constexpr int kBins = TopkLayout::kHistBins;
+  // 16-byte vectors per thread per filter step; their pass bits fit one 32-bit word
+  static constexpr int kUnroll = TopkLayout::kFilterVecs;
+  static constexpr int kSampleVecs = L.max_sample_vecs();
+  static_assert(kUnroll * kVec <= 32, "pass bits of one step in a word");
+  static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
+  static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
+  static_assert(L.digit_shift(0) + L.digit_bits(0) == 8 * kElemBytes, "digit 0 is the key's top bits");
+  static constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
+
+  // A radix select's state: the resolved bits `mask` of the k-th key (`prefix`), the keys above it
+  // so far and the rank still wanted among the keys that match the prefix.
+  struct RadixState {
+    uint32_t prefix = 0, mask = 0, greater = 0, k_rem = 0;
+  };
+
+  // The selection's threshold: prefix over the resolved bits `mask`, the keys above it (`greater`),
+  // how many keys equal to it to take (`take_eq`); `whole`: every equal key is taken; `eq_from_row`:
+  // the equal keys are not in the buffer (more than it holds); ns: the keys in the buffer.
+  struct Selection {
+    uint32_t ns, prefix, mask, greater, take_eq;
+    bool whole, eq_from_row;
+  };
+
+  // ---- 1. threshold (n > kSampleMinKeys): a strided sample of the row and a radix select of its
+  // j-th largest key (TopkLayout::sample_rank) over one or two digits: kmin. Every CTA of the cluster
+  // computes the same kmin (the same sample).
+  template <class RadixPass>
+  __device__ __forceinline__ static uint32_t sample_threshold(const RowSpan<kElemBytes>& row, const int& n,
+                                                              const int& num_vecs, const uint4* row_vec,
+                                                              const int& tid, const int& k, RadixPass& radix_pass,
+                                                              Tracer& tr) {
+    constexpr TopkLayout L{kElemBytes, kSorted};  // NOTES: a local (sample_vecs_per_thread runs at run time)
+    // sample vector t of thread tid < kSampleThreads: (tid + t * kSampleThreads) * stride, stride =
+    // num_vecs / m_v >= 1; the other threads hold none
+    const int sample_vecs = L.sample_vecs_per_thread(n);
+    const int s_v = kThreads == kSampleThreads || tid < kSampleThreads ? sample_vecs : 0;
+    const int m_v = sample_vecs * kSampleThreads;  // <= num_vecs: n > kSampleMinKeys
+    const int stride = num_vecs / m_v;
+    uint4 sample[kSampleVecs];
+    uint32_t sample_valid = 0;  // bit t * kVec + c
+#pragma unroll
+    for (int t = 0; t < kSampleVecs; ++t) {
+      const int v = (tid + t * kSampleThreads) * stride;
+      sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+      sample_valid |= (t < s_v ? row.valid_bits(v) : 0u) << (t * kVec);
+    }
+    tr.mark<0>(static_cast<int>(sample[0].x));
+    const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
+    RadixState st;
+    st.k_rem = j;
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+      const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+#pragma unroll
+        for (int t = 0; t < kSampleVecs; ++t) {
+          if (t >= s_v) break;
+#pragma unroll
+          for (int c = 0; c < kVec; ++c)
+            add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)), (sample_valid >> (t * kVec + c)) & 1u);
+        }
+      });
+      // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
+      // that is at most half the buffer (decode-sized rows), else refine by a second digit.
+      if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
+        break;
+    }
+    tr.mark<1>();
+    return st.prefix;
+  }
+
+  // ---- 3. CTA 0: the selection's threshold over the ns survivors in the buffer. If fewer than k or
+  // more than the buffer survived, a radix select over the whole row first finds a threshold whose
+  // survivors fit, and the filter runs again.
+  template <class RadixPass, class Prefetch, class Filter>
+  __device__ __forceinline__ static Selection select_threshold(
+      const RowSpan<kElemBytes>& row, const int& n, const int& num_vecs, const uint4* row_vec, const int& k,
+      uint32_t* count, uint32_t* cand_key, uint32_t* cand_col, const int& tid, const int& lane, const int& warp,
+      RadixPass& radix_pass, Prefetch& prefetch, Filter& filter, int& first_ns, Tracer& tr) {
+    uint32_t ns = *count;
+    uint32_t prefix = 0, mask = 0, greater = 0, take_eq = ns;
+    bool whole = true, eq_from_row = false;
+    if (first_ns < 0) first_ns = static_cast<int>(ns);
+    const uint64_t fallback_t0 = tr.now();
+    if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
+      // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
+      RadixState st;
+      st.k_rem = static_cast<uint32_t>(k);
+      uint32_t count_ge = 0;
+#pragma unroll 1
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+          for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
+            const int v = vb + lane;
+            const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+            const uint32_t valid = v < num_vecs ? row.valid_bits(v) : 0u;
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)), (valid >> c) & 1u);
+          }
+        });
+        count_ge = st.greater + kb.count;
+        if (count_ge <= static_cast<uint32_t>(kCap)) break;
+      }
+      // NOTES: count_ge > kCap only after the last digit: more keys equal the threshold key than
+      // the buffer holds. The buffer then takes the keys above it; the equal ones come from the row.
+      eq_from_row = count_ge > static_cast<uint32_t>(kCap);
+      if (tid == 0) *count = 0;
+      __syncthreads();
+      prefetch(0, num_vecs);
+      filter(0, num_vecs, eq_from_row ? st.prefix + 1u : st.prefix, count, cand_key, cand_col);
+      __syncthreads();
+      ns = *count;
+      DI_TOPK_ASSERT(ns == (eq_from_row ? st.greater : count_ge));
+      if (eq_from_row) {
+        DI_TOPK_ASSERT(st.mask == kFullKeyMask);
+        prefix = st.prefix;
+        mask = st.mask;
+        greater = st.greater;
+        take_eq = st.k_rem;
+        whole = false;
+      } else {
+        take_eq = ns;
+      }
+      tr.add_since<7>(fallback_t0);
+    }
+    if (!eq_from_row && ns > static_cast<uint32_t>(k)) {
+      // Radix select of the k-th key over the buffer (its first pass turns the raw bits into keys,
+      // in place); stops once the k-th key's bin is taken whole.
+      RadixState st;
+      st.k_rem = static_cast<uint32_t>(k);
+      whole = false;
+#pragma unroll 1
+      for (int pass = 0; pass < kPasses && !whole; ++pass) {
+        const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
+#pragma unroll 2
+          for (uint32_t i = tid; i < ns; i += kThreads) {
+            uint32_t key = cand_key[i];
+            if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
+            add(key, true);
+          }
+        });
+        whole = st.k_rem == kb.count;
+      }
+      prefix = st.prefix;
+      mask = st.mask;
+      greater = st.greater;
+      take_eq = st.k_rem;
+    } else {
+      for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
+      __syncthreads();
+    }
+    tr.mark<4>();
+    return Selection{ns, prefix, mask, greater, take_eq, whole, eq_from_row};
+  }
+
+  // ---- 4. CTA 0: emission in column order, window by window. An entry's output position is the count
+  // of selected columns before it: the prefix counts of the plane words before its word (a block scan,
+  // kept in `word_prefix`, in the histogram that is not clean) plus its word's lower bits. The planes
+  // are clean when a row starts (cleared after the previous row's emission). Returns the count of
+  // keys above the threshold (all of them when `whole`).
+  // NOTES: unsorted output is staged by position in `hist` (zero and idle here: the last radix
+  // pass counted into the other half; kMaxK words fit), then stored in coalesced runs and the
+  // histogram cleared again (every radix pass starts from a zero `hist`).
+  template <class ClearWords>
+  __device__ __forceinline__ static uint32_t emit_windows(
+      const Selection& sel, const uint32_t& total, const int& n, const int& mis, const uint4* row_vec,
+      const uint32_t* cand_key, const uint32_t* cand_col, uint32_t* plane_gt, uint32_t* plane_eq,
+      uint32_t* warp_sums, uint32_t* hist, uint32_t* hist_next, unsigned long long* sort_buf, const int& tid,
+      const int& lane, const int& warp, ClearWords& clear_words) {
+    const uint32_t ns = sel.ns, prefix = sel.prefix, mask = sel.mask, take_eq = sel.take_eq;
+    const bool whole = sel.whole, eq_from_row = sel.eq_from_row;
+    static_assert(TopkLayout::kMaxK <= kBins, "the staged output fits the histogram");
+    uint32_t* stage = hist;
+    auto emit = [&](uint32_t pos, int j, uint32_t key) {
+      DI_TOPK_ASSERT(pos < total);
+      if (pos >= total) return;  // unreachable; never writes out of bounds
+      if constexpr (kSorted)
+        sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+      else
+        stage[pos] = static_cast<uint32_t>(j);
+    };
+    uint32_t* word_prefix = hist_next;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
+    static_assert(TopkLayout::kWindowWords <= kBins, "word prefixes fit the histogram");
+    uint32_t gt_base = 0, eq_base = 0;
+#pragma unroll 1
+    for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
+      const uint32_t wn = static_cast<uint32_t>(min(TopkLayout::kWindow, n - w0));
+      if (w0 > 0) {
+        clear_words(plane_gt, 2 * TopkLayout::kWindowWords);
+        __syncthreads();
+      }
+      for (uint32_t i = tid; i < ns; i += kThreads) {
+        const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+        if (j < wn) {
+          const uint32_t mk = cand_key[i] & mask;
+          if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
+          else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
+        }
+      }
+      if (eq_from_row) {
+        const int vw0 = (w0 + mis) / kVec, vw1 = (w0 + static_cast<int>(wn) - 1 + mis) / kVec + 1;
+        for (int v = vw0 + tid; v < vw1; v += kThreads) {
+          const uint4 raw = __ldg(row_vec + v);
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) {
+            const uint32_t j = static_cast<uint32_t>(v * kVec + c - mis - w0);
+            if (j < wn && radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)) == prefix)
+              atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
+          }
+        }
+      }
+      __syncthreads();
+      // Block scan of the words' (above, equal) counts, packed in 16-bit halves (< 65536 columns).
+      uint32_t gw[kWordsPerThread], ew[kWordsPerThread], cnt[kWordsPerThread];
+      uint32_t mine = 0;
+#pragma unroll
+      for (int q = 0; q < kWordsPerThread; ++q) {
+        gw[q] = plane_gt[tid * kWordsPerThread + q];
+        ew[q] = plane_eq[tid * kWordsPerThread + q];
+        cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
+        mine += cnt[q];
+      }
+      const uint32_t incl = radix::warp_prefix_sum(mine);
+      if (lane == 31) warp_sums[warp] = incl;
+      __syncthreads();
+      uint32_t all;
+      uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
+#pragma unroll
+      for (int q = 0; q < kWordsPerThread; ++q) {
+        word_prefix[tid * kWordsPerThread + q] = before;
+        if (eq_from_row) {
+          // the equal keys are not in the buffer: walk this word's bits in column order
+          uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
+          uint32_t bits = gw[q] | ew[q];
+          while (bits != 0u) {
+            const int b = __ffs(bits) - 1;
+            bits &= bits - 1u;
+            const bool is_gt = (gw[q] >> b) & 1u;
+            if (!is_gt && e_before < take_eq)
+              emit(g_before + e_before, w0 + (tid * kWordsPerThread + q) * 32 + b, prefix);
+            g_before += is_gt;
+            e_before += !is_gt;
+          }
+        }
+        before += cnt[q];
+      }
+      __syncthreads();
+      for (uint32_t i = tid; i < ns; i += kThreads) {
+        const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+        if (j < wn) {
+          const uint32_t key = cand_key[i], mk = key & mask;
+          const bool is_gt = mk > prefix || (mk == prefix && whole);
+          if (is_gt || mk == prefix) {
+            const uint32_t word = j >> 5, lower = (1u << (j & 31)) - 1u, wp = word_prefix[word];
+            const uint32_t g_before = gt_base + (wp & 0xFFFFu) + __popc(plane_gt[word] & lower);
+            const uint32_t e_before = eq_base + (wp >> 16) + __popc(plane_eq[word] & lower);
+            if (is_gt || e_before < take_eq) emit(g_before + min(e_before, take_eq), static_cast<int>(j) + w0, key);
+          }
+        }
+      }
+      gt_base += all & 0xFFFFu;
+      eq_base += all >> 16;
+      __syncthreads();  // planes, word prefixes and warp sums are reused
+    }
+    return gt_base;
+  }
+
+  // ---- 5. sorted output: bitonic sort (descending) of the composite keys of the `total` entries
+  // (key, then smaller column first), then the stores.
+  template <class Store>
+  __device__ __forceinline__ static void sort_and_store(unsigned long long* sort_buf, const uint32_t& total,
+                                                        const int& tid, Store& store) {
+    int size = 1;
+    while (size < static_cast<int>(total)) size <<= 1;
+    for (int p = static_cast<int>(total) + tid; p < size; p += kThreads) sort_buf[p] = 0ull;  // below every entry
+    __syncthreads();
+    for (int span = 2; span <= size; span <<= 1) {
+      for (int stride = span >> 1; stride > 0; stride >>= 1) {
+        for (int t = tid; t < size / 2; t += kThreads) {
+          const int lo_i = 2 * t - (t & (stride - 1));
+          const int hi_i = lo_i + stride;
+          const bool desc = (lo_i & span) == 0;
+          const unsigned long long x = sort_buf[lo_i], y = sort_buf[hi_i];
+          if ((x < y) == desc) sort_buf[lo_i] = y, sort_buf[hi_i] = x;
+        }
+        __syncthreads();
+      }
+    }
+    for (int p = tid; p < static_cast<int>(total); p += kThreads)
+      store(p, static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(sort_buf[p] & 0xFFFFFFFFull)));
+  }
+};
+
 }  // namespace topk_detail
 
 // kCluster: launched with clusters of 2-8 CTAs per row (else one CTA per row, no DSMEM code);
@@ -93,26 +405,14 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   static_assert(!(kSorted && kCluster), "sorted output runs one CTA per row");
   namespace cg = cooperative_groups;
   using namespace topk_detail;
-  constexpr TopkLayout L{kElemBytes, kSorted};
-  static_assert(kThreads == TopkLayout::kNumThreads || kThreads == TopkLayout::kWideThreads, "block size");
-  constexpr int kWarps = kThreads / 32;
-  static_assert(kWarps <= TopkLayout::kMaxWarps, "warp sums fit the scratch");
-  // the threshold sample is drawn by the first kNumThreads threads (the same sample for any block size)
-  constexpr int kSampleThreads = TopkLayout::kNumThreads;
-  constexpr int kWordsPerThread = TopkLayout::kWindowWords / kThreads;
-  static_assert(TopkLayout::kWindowWords % kThreads == 0, "whole plane words per thread");
-  constexpr int kVec = L.vec();
-  constexpr int kPasses = L.num_passes();
-  constexpr int kCap = TopkLayout::kCandCap;
-  constexpr int kBins = TopkLayout::kHistBins;
-  // 16-byte vectors per thread per filter step; their pass bits fit one 32-bit word
-  constexpr int kUnroll = TopkLayout::kFilterVecs;
-  constexpr int kSampleVecs = L.max_sample_vecs();
-  static_assert(kUnroll * kVec <= 32, "pass bits of one step in a word");
-  static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
-  static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
-  static_assert(L.digit_shift(0) + L.digit_bits(0) == 8 * kElemBytes, "digit 0 is the key's top bits");
-  constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
+  using K = TopkKernel<kElemBytes, kSorted, kCluster, kThreads>;
+  constexpr TopkLayout L = K::L;
+  constexpr int kWarps = K::kWarps;
+  constexpr int kVec = K::kVec;
+  constexpr int kCap = K::kCap;
+  constexpr int kBins = K::kBins;
+  constexpr int kUnroll = K::kUnroll;
+  using RadixState = typename K::RadixState;
 
   extern __shared__ __align__(16) uint8_t smem[];
   // NOTES: `hist` is all zero whenever a radix pass starts: each pass clears `hist_next` (last read
@@ -138,11 +438,6 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   uint32_t* plane_gt = reinterpret_cast<uint32_t*>(smem + L.plane_offset());
   uint32_t* plane_eq = plane_gt + TopkLayout::kWindowWords;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
-  // A radix select's state: the resolved bits `mask` of the k-th key (`prefix`), the keys above it
-  // so far and the rank still wanted among the keys that match the prefix.
-  struct RadixState {
-    uint32_t prefix = 0, mask = 0, greater = 0, k_rem = 0;
-  };
   // Zeroes `words` 32-bit words of shared memory (16-byte aligned, a multiple of 4), 16 bytes per store.
   auto clear_words = [&](uint32_t* p, int words) {
     for (int i = threadIdx.x; i < words / 4; i += kThreads) reinterpret_cast<uint4*>(p)[i] = make_uint4(0u, 0u, 0u, 0u);
@@ -304,47 +599,10 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       }
     };
 
-    // ---- 1. threshold (every CTA of the cluster computes the same kmin)
+    // ---- 1. threshold (every CTA of the cluster computes the same kmin; kmin = 0: every key)
     prefetch(v_begin, v_end);
     uint32_t kmin = 0;
-    if (n > TopkLayout::kSampleMinKeys) {
-      // sample vector t of thread tid < kSampleThreads: (tid + t * kSampleThreads) * stride, stride =
-      // num_vecs / m_v >= 1; the other threads hold none
-      const int sample_vecs = L.sample_vecs_per_thread(n);
-      const int s_v = kThreads == kSampleThreads || tid < kSampleThreads ? sample_vecs : 0;
-      const int m_v = sample_vecs * kSampleThreads;  // <= num_vecs: n > kSampleMinKeys
-      const int stride = num_vecs / m_v;
-      uint4 sample[kSampleVecs];
-      uint32_t sample_valid = 0;  // bit t * kVec + c
-#pragma unroll
-      for (int t = 0; t < kSampleVecs; ++t) {
-        const int v = (tid + t * kSampleThreads) * stride;
-        sample[t] = t < s_v ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-        sample_valid |= (t < s_v ? row.valid_bits(v) : 0u) << (t * kVec);
-      }
-      tr.mark<0>(static_cast<int>(sample[0].x));
-      const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
-      RadixState st;
-      st.k_rem = j;
-#pragma unroll 1
-      for (int pass = 0; pass < 2; ++pass) {
-        const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-#pragma unroll
-          for (int t = 0; t < kSampleVecs; ++t) {
-            if (t >= s_v) break;
-#pragma unroll
-            for (int c = 0; c < kVec; ++c)
-              add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)), (sample_valid >> (t * kVec + c)) & 1u);
-          }
-        });
-        // The first digit's bin edge alone keeps about n * (above + count) / m keys: stop when
-        // that is at most half the buffer (decode-sized rows), else refine by a second digit.
-        if (pass == 0 && TopkLayout::coarse_sample_enough(kb.above + kb.count, n, static_cast<uint32_t>(m_v * kVec)))
-          break;
-      }
-      kmin = st.prefix;
-      tr.mark<1>();
-    }
+    if (n > TopkLayout::kSampleMinKeys) kmin = K::sample_threshold(row, n, num_vecs, row_vec, tid, k, radix_pass, tr);
 
     // ---- 2. filter this CTA's share into the buffer and counter of CTA 0 of the cluster
     if constexpr (kCluster)
@@ -357,81 +615,12 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     tr.mark<3>();
 
     if (rank() == 0) {
-      uint32_t ns = *count;
-      // ---- 3. the selection's threshold: prefix over the resolved bits `mask`, the keys above it
-      // (`greater`), how many keys equal to it to take (`take_eq`); `whole`: every equal key is taken.
-      uint32_t prefix = 0, mask = 0, greater = 0, take_eq = ns;
-      bool whole = true, eq_from_row = false;
-      if (first_ns < 0) first_ns = static_cast<int>(ns);
-      const uint64_t fallback_t0 = tr.now();
-      if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
-        // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
-        RadixState st;
-        st.k_rem = static_cast<uint32_t>(k);
-        uint32_t count_ge = 0;
-#pragma unroll 1
-        for (int pass = 0; pass < kPasses; ++pass) {
-          const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-            for (int vb = warp * 32; vb < num_vecs; vb += kThreads) {
-              const int v = vb + lane;
-              const uint4 raw = v < num_vecs ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
-              const uint32_t valid = v < num_vecs ? row.valid_bits(v) : 0u;
-#pragma unroll
-              for (int c = 0; c < kVec; ++c) add(radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)), (valid >> c) & 1u);
-            }
-          });
-          count_ge = st.greater + kb.count;
-          if (count_ge <= static_cast<uint32_t>(kCap)) break;
-        }
-        // NOTES: count_ge > kCap only after the last digit: more keys equal the threshold key than
-        // the buffer holds. The buffer then takes the keys above it; the equal ones come from the row.
-        eq_from_row = count_ge > static_cast<uint32_t>(kCap);
-        if (tid == 0) *count = 0;
-        __syncthreads();
-        prefetch(0, num_vecs);
-        filter(0, num_vecs, eq_from_row ? st.prefix + 1u : st.prefix, count, cand_key, cand_col);
-        __syncthreads();
-        ns = *count;
-        DI_TOPK_ASSERT(ns == (eq_from_row ? st.greater : count_ge));
-        if (eq_from_row) {
-          DI_TOPK_ASSERT(st.mask == kFullKeyMask);
-          prefix = st.prefix;
-          mask = st.mask;
-          greater = st.greater;
-          take_eq = st.k_rem;
-          whole = false;
-        } else {
-          take_eq = ns;
-        }
-        tr.add_since<7>(fallback_t0);
-      }
-      if (!eq_from_row && ns > static_cast<uint32_t>(k)) {
-        // Radix select of the k-th key over the buffer (its first pass turns the raw bits into keys,
-        // in place); stops once the k-th key's bin is taken whole.
-        RadixState st;
-        st.k_rem = static_cast<uint32_t>(k);
-        whole = false;
-#pragma unroll 1
-        for (int pass = 0; pass < kPasses && !whole; ++pass) {
-          const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
-#pragma unroll 2
-            for (uint32_t i = tid; i < ns; i += kThreads) {
-              uint32_t key = cand_key[i];
-              if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
-              add(key, true);
-            }
-          });
-          whole = st.k_rem == kb.count;
-        }
-        prefix = st.prefix;
-        mask = st.mask;
-        greater = st.greater;
-        take_eq = st.k_rem;
-      } else {
-        for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
-        __syncthreads();
-      }
-      tr.mark<4>();
+      // ---- 3. the selection's threshold
+      const typename K::Selection sel = K::select_threshold(row, n, num_vecs, row_vec, k, count, cand_key,
+                                                            cand_col, tid, lane, warp, radix_pass, prefetch, filter,
+                                                            first_ns, tr);
+      const uint32_t greater = sel.greater, take_eq = sel.take_eq;
+      [[maybe_unused]] const bool whole = sel.whole;
       const uint32_t total = greater + take_eq;
       DI_TOPK_ASSERT(total == static_cast<uint32_t>(min(k, n)));
 
@@ -447,106 +636,11 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
       auto store = [&](int pos, int j) { store_index<kElemBytes>(a, out_row, r, lo, seq, offset, pos, j); };
 
-      // ---- 4. emission in column order, window by window. An entry's output position is the count
-      // of selected columns before it: the prefix counts of the plane words before its word (a
-      // block scan, kept in `word_prefix`, in the histogram that is not clean) plus its word's lower
-      // bits. The planes are clean when a row starts (cleared after the previous row's emission).
-      // NOTES: unsorted output is staged by position in `hist` (zero and idle here: the last radix
-      // pass counted into the other half; kMaxK words fit), then stored in coalesced runs and the
-      // histogram cleared again (every radix pass starts from a zero `hist`).
-      static_assert(TopkLayout::kMaxK <= kBins, "the staged output fits the histogram");
+      // ---- 4. emission in column order (staged in `hist` for unsorted output)
       uint32_t* stage = hist;
-      auto emit = [&](uint32_t pos, int j, uint32_t key) {
-        DI_TOPK_ASSERT(pos < total);
-        if (pos >= total) return;  // unreachable; never writes out of bounds
-        if constexpr (kSorted)
-          sort_buf[pos] = (static_cast<unsigned long long>(key) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
-        else
-          stage[pos] = static_cast<uint32_t>(j);
-      };
-      uint32_t* word_prefix = hist_next;  // [kWindowWords]: (above, equal) counts before the word, 16 bits each
-      static_assert(TopkLayout::kWindowWords <= kBins, "word prefixes fit the histogram");
-      uint32_t gt_base = 0, eq_base = 0;
-#pragma unroll 1
-      for (int w0 = 0; w0 < n && gt_base + min(eq_base, take_eq) < total; w0 += TopkLayout::kWindow) {
-        const uint32_t wn = static_cast<uint32_t>(min(TopkLayout::kWindow, n - w0));
-        if (w0 > 0) {
-          clear_words(plane_gt, 2 * TopkLayout::kWindowWords);
-          __syncthreads();
-        }
-        for (uint32_t i = tid; i < ns; i += kThreads) {
-          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
-          if (j < wn) {
-            const uint32_t mk = cand_key[i] & mask;
-            if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
-            else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
-          }
-        }
-        if (eq_from_row) {
-          const int vw0 = (w0 + mis) / kVec, vw1 = (w0 + static_cast<int>(wn) - 1 + mis) / kVec + 1;
-          for (int v = vw0 + tid; v < vw1; v += kThreads) {
-            const uint4 raw = __ldg(row_vec + v);
-#pragma unroll
-            for (int c = 0; c < kVec; ++c) {
-              const uint32_t j = static_cast<uint32_t>(v * kVec + c - mis - w0);
-              if (j < wn && radix::to_key<kElemBytes>(raw_at<kElemBytes>(raw, c)) == prefix)
-                atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
-            }
-          }
-        }
-        __syncthreads();
-        // Block scan of the words' (above, equal) counts, packed in 16-bit halves (< 65536 columns).
-        uint32_t gw[kWordsPerThread], ew[kWordsPerThread], cnt[kWordsPerThread];
-        uint32_t mine = 0;
-#pragma unroll
-        for (int q = 0; q < kWordsPerThread; ++q) {
-          gw[q] = plane_gt[tid * kWordsPerThread + q];
-          ew[q] = plane_eq[tid * kWordsPerThread + q];
-          cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
-          mine += cnt[q];
-        }
-        const uint32_t incl = radix::warp_prefix_sum(mine);
-        if (lane == 31) warp_sums[warp] = incl;
-        __syncthreads();
-        uint32_t all;
-        uint32_t before = incl - mine + radix::sum_of_warps_below<kWarps>(warp_sums, all);
-#pragma unroll
-        for (int q = 0; q < kWordsPerThread; ++q) {
-          word_prefix[tid * kWordsPerThread + q] = before;
-          if (eq_from_row) {
-            // the equal keys are not in the buffer: walk this word's bits in column order
-            uint32_t g_before = gt_base + (before & 0xFFFFu), e_before = eq_base + (before >> 16);
-            uint32_t bits = gw[q] | ew[q];
-            while (bits != 0u) {
-              const int b = __ffs(bits) - 1;
-              bits &= bits - 1u;
-              const bool is_gt = (gw[q] >> b) & 1u;
-              if (!is_gt && e_before < take_eq)
-                emit(g_before + e_before, w0 + (tid * kWordsPerThread + q) * 32 + b, prefix);
-              g_before += is_gt;
-              e_before += !is_gt;
-            }
-          }
-          before += cnt[q];
-        }
-        __syncthreads();
-        for (uint32_t i = tid; i < ns; i += kThreads) {
-          const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
-          if (j < wn) {
-            const uint32_t key = cand_key[i], mk = key & mask;
-            const bool is_gt = mk > prefix || (mk == prefix && whole);
-            if (is_gt || mk == prefix) {
-              const uint32_t word = j >> 5, lower = (1u << (j & 31)) - 1u, wp = word_prefix[word];
-              const uint32_t g_before = gt_base + (wp & 0xFFFFu) + __popc(plane_gt[word] & lower);
-              const uint32_t e_before = eq_base + (wp >> 16) + __popc(plane_eq[word] & lower);
-              if (is_gt || e_before < take_eq) emit(g_before + min(e_before, take_eq), static_cast<int>(j) + w0, key);
-            }
-          }
-        }
-        gt_base += all & 0xFFFFu;
-        eq_base += all >> 16;
-        __syncthreads();  // planes, word prefixes and warp sums are reused
-      }
+      [[maybe_unused]] const uint32_t gt_base =
+          K::emit_windows(sel, total, n, mis, row_vec, cand_key, cand_col, plane_gt, plane_eq, warp_sums, hist,
+                          hist_next, sort_buf, tid, lane, warp, clear_words);
       if (slot_mode)
         seq = a.indices != nullptr ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : r / a.table_next_n;
       if constexpr (!kSorted) {
@@ -561,25 +655,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       tr.mark<5>();
 
       if constexpr (kSorted) {
-        // Bitonic sort (descending) of the composite keys: key, then smaller column first.
-        int size = 1;
-        while (size < static_cast<int>(total)) size <<= 1;
-        for (int p = static_cast<int>(total) + tid; p < size; p += kThreads) sort_buf[p] = 0ull;  // below every entry
-        __syncthreads();
-        for (int span = 2; span <= size; span <<= 1) {
-          for (int stride = span >> 1; stride > 0; stride >>= 1) {
-            for (int t = tid; t < size / 2; t += kThreads) {
-              const int lo_i = 2 * t - (t & (stride - 1));
-              const int hi_i = lo_i + stride;
-              const bool desc = (lo_i & span) == 0;
-              const unsigned long long x = sort_buf[lo_i], y = sort_buf[hi_i];
-              if ((x < y) == desc) sort_buf[lo_i] = y, sort_buf[hi_i] = x;
-            }
-            __syncthreads();
-          }
-        }
-        for (int p = tid; p < static_cast<int>(total); p += kThreads)
-          store(p, static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(sort_buf[p] & 0xFFFFFFFFull)));
+        K::sort_and_store(sort_buf, total, tid, store);  // ---- 5. sorted output
       }
 
       // ---- padding
