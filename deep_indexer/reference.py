@@ -137,6 +137,27 @@ def mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logit
     return out
 
 
+def _paged_sequences(ctx, bt, bt_row, b_sz, next_n, mcl, bkv, nb, dev):
+    """The decode references' walk: per sequence with keys, (b, keys, blocks, physical block ids on dev,
+    ends [next_n]: each q row's key count), after checking its block-table entries."""
+    ctx_c = ctx.cpu().long()
+    ends = ctx_c.unsqueeze(1) - next_n + 1 + torch.arange(next_n) if ctx_c.dim() == 1 else ctx_c
+    ends = ends.clamp(0, mcl)  # [B, next_n]
+    bt_c = bt.cpu()
+    for b in range(b_sz):
+        n_tok = int(ends[b].max())
+        if n_tok == 0:
+            continue
+        n_blk = math.ceil(n_tok / bkv)
+        if n_blk > bt.shape[1]:
+            raise ValueError(f"block_table: sequence {b} needs {n_blk} blocks, got only {bt.shape[1]} columns")
+        ids = bt_c[bt_row[b], :n_blk]
+        if bool(((ids < 0) | (ids >= nb)).any()):
+            raise ValueError(f"block_table: row {bt_row[b]} expected entries in [0, {nb}) for its first "
+                             f"{n_blk} blocks, got {ids.tolist()}")
+        yield b, n_tok, n_blk, ids.long().to(dev), ends[b]
+
+
 def _check_paged_args(q_shape, b_sz, next_n, heads, dev, weights, context_lens, block_table, max_context_len,
                       indices):
     """The decode arguments besides q and the cache, checked against q's [B, next_n, H]; returns (weights,
@@ -186,34 +207,13 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
                          f"got {list(kv_cache.shape)} on {kv_cache.device}")
     w, ctx, bt, mcl, bt_row = _check_paged_args(list(q.shape), b_sz, next_n, heads, dev, weights, context_lens,
                                                 block_table, max_context_len, indices)
-
-    ctx_c = ctx.cpu().long()
-    if ctx_c.dim() == 1:
-        ends = ctx_c.unsqueeze(1) - next_n + 1 + torch.arange(next_n)
-    else:
-        ends = ctx_c
-    ends = ends.clamp(0, mcl)  # [B, next_n]
-    bt_c = bt.cpu()
     out = torch.full((b_sz * next_n, mcl), _NEG_INF, dtype=logits_dtype, device=dev)
     zero = torch.zeros(next_n, dtype=torch.long)
-    for b in range(b_sz):
-        n_tok = int(ends[b].max())
-        if n_tok == 0:
-            continue
-        n_blk = math.ceil(n_tok / bkv)
-        if n_blk > bt.shape[1]:
-            raise ValueError(f"block_table: sequence {b} needs {n_blk} blocks, "
-                             f"got only {bt.shape[1]} columns")
-        ids = bt_c[bt_row[b], :n_blk]
-        if bool(((ids < 0) | (ids >= nb)).any()):
-            raise ValueError(f"block_table: row {bt_row[b]} expected entries in [0, {nb}) for its first "
-                             f"{n_blk} blocks, got {ids.tolist()}")
-        ids = ids.long().to(dev)
+    for b, n_tok, n_blk, ids, ends_b in _paged_sequences(ctx, bt, bt_row, b_sz, next_n, mcl, bkv, nb, dev):
         k = k_bytes.index_select(0, ids).view(n_blk * bkv, d)[:n_tok].view(FP8)
         scale = s_bytes.index_select(0, ids).view(n_blk * bkv, 4)[:n_tok].contiguous().view(torch.float32)
         rows = slice(b * next_n, (b + 1) * next_n)
-        _weighted_relu_into(out[rows], q[b], k, scale.view(-1), w[rows], zero, ends[b],
-                            accum_dtype, chunk)
+        _weighted_relu_into(out[rows], q[b], k, scale.view(-1), w[rows], zero, ends_b, accum_dtype, chunk)
     return out
 
 
@@ -275,30 +275,15 @@ def _paged_mqa_logits_fp4(q, kv_cache, weights, context_lens, block_table, max_c
                          f"got {list(kv_cache.shape)} on {kv_cache.device}")
     w, ctx, bt, mcl, bt_row = _check_paged_args(list(q[0].shape), b_sz, next_n, heads, dev, weights, context_lens,
                                                 block_table, max_context_len, indices)
-    ctx_c = ctx.cpu().long()
-    ends = ctx_c.unsqueeze(1) - next_n + 1 + torch.arange(next_n) if ctx_c.dim() == 1 else ctx_c
-    ends = ends.clamp(0, mcl)
-    bt_c = bt.cpu()
     out = torch.full((b_sz * next_n, mcl), _NEG_INF, dtype=logits_dtype, device=dev)
     zero = torch.zeros(next_n, dtype=torch.long)
-    for b in range(b_sz):
-        n_tok = int(ends[b].max())
-        if n_tok == 0:
-            continue
-        n_blk = math.ceil(n_tok / bkv)
-        if n_blk > bt.shape[1]:
-            raise ValueError(f"block_table: sequence {b} needs {n_blk} blocks, got only {bt.shape[1]} columns")
-        ids = bt_c[bt_row[b], :n_blk]
-        if bool(((ids < 0) | (ids >= nb)).any()):
-            raise ValueError(f"block_table: row {bt_row[b]} expected entries in [0, {nb}) for its first "
-                             f"{n_blk} blocks, got {ids.tolist()}")
-        ids = ids.long().to(dev)
+    for b, n_tok, n_blk, ids, ends_b in _paged_sequences(ctx, bt, bt_row, b_sz, next_n, mcl, bkv, nb, dev):
         codes = k_bytes.index_select(0, ids).reshape(n_blk * bkv, c_kv)[:n_tok]
         words = s_bytes.index_select(0, ids).reshape(n_blk * bkv, 4)[:n_tok].contiguous().view(torch.int32)
         k = _fp4_dequant(*_fp4_inputs(codes, words.view(-1)), accum_dtype)
         ones = torch.ones(n_tok, dtype=accum_dtype, device=dev)
         rows = slice(b * next_n, (b + 1) * next_n)
-        _weighted_relu_into(out[rows], qd[b], k, ones, w[rows], zero, ends[b], accum_dtype, chunk)
+        _weighted_relu_into(out[rows], qd[b], k, ones, w[rows], zero, ends_b, accum_dtype, chunk)
     return out
 
 
