@@ -8,7 +8,7 @@ compiled on first use by a C++ JIT (nvcc, sm_90a) and cached on disk; see `pytho
 """
 import torch  # noqa: F401  (loads libtorch/libc10 before the extension)
 
-from . import _C
+import deep_indexer._C as _C
 from ._paths import cutlass_include_dir as _cutlass_include_dir, include_dir as _include_dir
 
 _C.configure_jit(str(_include_dir()), _cutlass_include_dir())

@@ -26,6 +26,11 @@ from typing import Callable, Optional
 
 import torch
 
+import deep_indexer as di
+
+from . import ops
+from .quant import per_token_cast_to_fp4, per_token_cast_to_fp8
+
 PREFILL_SHAPES = {  # id: (S, SKV, pattern)
     "P1": (2048, 8192, "causal"),
     "P2": (4096, 32768, "causal"),
@@ -111,7 +116,6 @@ def topk_case(sid: str, device, seed: int) -> dict:
 
 def topk_run(x: dict, out=None, lib=None):
     """A call of `lib`.topk_indices (default deep_indexer) on a topk_case's logits."""
-    import deep_indexer as di
 
     lib = di if lib is None else lib
     return lambda: lib.topk_indices(x["logits"], x["k"], x["ks"], x["ke"], **({} if out is None else {"out": out}))
@@ -356,7 +360,6 @@ def measure_ceilings(timer: Timer, device: torch.device) -> dict:
 
 
 def prefill_inputs(S: int, SKV: int, pattern: str, H: int, D: int, device) -> dict:
-    from .quant import per_token_cast_to_fp8
 
     q = torch.randn(S, H, D, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
     k, k_scale = per_token_cast_to_fp8(torch.randn(SKV, D, device=device, dtype=torch.bfloat16))
@@ -444,7 +447,6 @@ def is_prefill_shape(spec: str) -> bool:
 
 def prefill_case(spec: str, device) -> tuple:
     """Inputs of a prefill shape (see prefill_shape) and a call of fp8_mqa_logits (fp32, clean) on them."""
-    import deep_indexer as di
 
     S, SKV, pattern, H, D = prefill_shape(spec)
     m = prefill_max_seqlen_k(spec)
@@ -463,7 +465,6 @@ def decode_case(spec: str, device) -> tuple:
 def decode_call(x: dict):
     """A call of the logits op (fp32, no clean) on decode_inputs `x`, with a schedule computed now
     (under the current environment: experiment builds of the metadata kernel differ)."""
-    import deep_indexer as di
 
     meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
     return lambda: di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
@@ -473,7 +474,6 @@ def decode_call(x: dict):
 def fused_decode_call(x: dict, k: int):
     """The fused decode op (metadata + logits + top-k) on decode_inputs `x` as the bench times it: the
     schedule computed in every call, a workspace and output reused. Returns (call, workspace)."""
-    import deep_indexer as di
 
     dev = x["q"].device
     rows = x["q"].shape[0] * x["q"].shape[1]
@@ -502,7 +502,6 @@ def fused_decode_case(spec: str, device) -> tuple:
 
 
 def run(args) -> dict:
-    import deep_indexer as di
 
     if not torch.cuda.is_available():
         raise SystemExit("bench: no CUDA GPU is visible; the benchmark needs an SM90 (Hopper) GPU")
@@ -550,8 +549,6 @@ def run(args) -> dict:
                 r["compare_us"] = timer(lambda: call(other), args.iters)
             del x
         elif sid in FP4_PREFILL_SHAPES:
-            from . import ops
-            from .quant import per_token_cast_to_fp4
 
             S, SKV, pat = PREFILL_SHAPES[sid[:-4]]
             x = prefill_inputs(S, SKV, pat, H, D, device)

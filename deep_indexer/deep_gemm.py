@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from . import _C, ops
+import deep_indexer._C as _C
+from . import ops
 from ._signatures import DEEP_GEMM, op as _op
 
 __all__ = [

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Iterable, Optional, Sequence
 
-from . import _C
+import deep_indexer._C as _C
 
 # Supported compile-time values per op: the C++ extension's table (_C.variant_space(), python_api.cpp),
 # which also parses and validates each variant.

@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-from . import _C, quant
+import deep_indexer._C as _C
+from . import quant
 from ._signatures import native
 from .torch_ops import elem_bytes, padded_row_stride  # (importing torch_ops registers torch.ops.deep_indexer.*)
 

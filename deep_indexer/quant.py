@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+import deep_indexer._C as _C
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_EPS = 1e-10
@@ -560,8 +562,6 @@ def fold_fp4_to_e4m3(codes: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tenso
     other GPUs and under torch.compile tracing it is fold_fp4_to_e4m3_torch."""
     c, s = _fp4_checked(codes, sf)
     if c.is_cuda and not torch.compiler.is_compiling() and _fold_kernel_ok(c.device):
-        from . import _C  # (late: quant is importable before the extension's ops are needed)
-
         lead = c.shape[:-1]
         c2 = c.reshape(-1, c.shape[-1])
         if not c2.is_contiguous() or c2.data_ptr() % 16:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _C
+import deep_indexer._C as _C
 from ._signatures import TORCH_OPS, op
 
 _LIB = "deep_indexer"

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from ..bench import source_commit
 from .ops import indexer_kl_loss, indexer_logits
 
 
@@ -188,7 +189,6 @@ def main(argv=None):
     if args.smoke:
         args.tokens, args.seqs, seq_len, args.iters = [256], [2], 128, 1
     rate = gemm_rate(dev, timer, 1024 if args.smoke else 8192)
-    from ..bench import source_commit
 
     commit = source_commit()
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"

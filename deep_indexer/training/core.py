@@ -8,7 +8,7 @@ import collections
 
 import torch
 
-from .. import _C
+import deep_indexer._C as _C
 from . import reference as ref
 from . import sm90
 

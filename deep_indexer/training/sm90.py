@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+import deep_indexer._C as _C
 from ..reference import row_chunks
 
 _CHUNK_BYTES = 1 << 30  # one [rows, N] fp32 chunk buffer (the backward holds two)
