@@ -5,6 +5,8 @@ import importlib.util
 import os
 import pathlib
 
+from . import _env
+
 _PKG = pathlib.Path(__file__).resolve().parent
 
 
@@ -19,7 +21,7 @@ def include_dir() -> pathlib.Path:
 def cutlass_include_dir() -> str:
     """CUTLASS/CuTe headers of the nvidia-cutlass wheel, found without importing it (its import pulls
     cuda-python, scipy and more). DI_CUTLASS_INCLUDE overrides. Empty string when absent."""
-    override = os.environ.get("DI_CUTLASS_INCLUDE")
+    override = os.environ.get(_env.CUTLASS_INCLUDE)
     if override:
         return override
     try:

@@ -28,7 +28,7 @@ import torch
 
 import deep_indexer as di
 
-from . import ops
+from . import _env, ops
 from .quant import per_token_cast_to_fp4, per_token_cast_to_fp8
 
 PREFILL_SHAPES = {  # id: (S, SKV, pattern)
@@ -161,8 +161,8 @@ def source_commit() -> str:
     `pip install -e .`), that checkout's HEAD, with "+changes" when tracked files differ from it.
     An installed copy (site-packages) has no commit to report: "".
     """
-    if os.environ.get("DI_BENCH_COMMIT"):
-        return os.environ["DI_BENCH_COMMIT"]
+    if os.environ.get(_env.BENCH_COMMIT):
+        return os.environ[_env.BENCH_COMMIT]
     pkg = os.path.dirname(os.path.abspath(__file__))
 
     def git(*a):

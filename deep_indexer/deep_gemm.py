@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 import deep_indexer._C as _C
+from . import _env
 from . import ops
 from ._signatures import DEEP_GEMM, op as _op
 
@@ -252,7 +253,7 @@ def uninstall(module_name: str = "deep_gemm") -> None:
 
 
 # ------------------------------------------------------------------------------------ env switch
-HOOK_ENV = "DI_DEEP_GEMM"
+HOOK_ENV = _env.DEEP_GEMM
 HOOK_FILE = "deep_indexer_deep_gemm.pth"
 # Run by Python's `site` at every start of this environment's interpreter: only reads the environment
 # variable unless it is "1", so processes without it are untouched (torch is not even imported).

@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-from deep_indexer import quant, reference
+from deep_indexer import _env, quant, reference
 
 FP8 = torch.float8_e4m3fn
 NEG_INF = float("-inf")
@@ -26,7 +26,7 @@ THRESH = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
 @pytest.fixture(autouse=True)
 def _seed():
-    seed = int(os.environ.get("DEEP_INDEXER_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    seed = int(os.environ.get(_env.TEST_SEED, random.SystemRandom().randrange(2**31)))
     print(f"seed={seed}")
     torch.manual_seed(seed)
     random.seed(seed)

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 import deep_indexer as di
-from deep_indexer import _C, jit
+from deep_indexer import _C, _env, jit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CLEAN_F32 = {"elem_bytes": 4}
@@ -231,7 +231,7 @@ def test_variant_sample_covers_every_op_and_value():
     assert len(sample) < len(every) // 3
 
 
-_ALL_VARIANTS = os.environ.get("DI_TEST_ALL_VARIANTS", "")
+_ALL_VARIANTS = os.environ.get(_env.TEST_ALL_VARIANTS, "")
 
 
 @pytest.mark.skipif(_ALL_VARIANTS == "0", reason="DI_TEST_ALL_VARIANTS=0")

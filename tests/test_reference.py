@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import calc_diff
-from deep_indexer import quant, reference
+from deep_indexer import _env, quant, reference
 
 FP8 = torch.float8_e4m3fn
 NEG_INF = float("-inf")
@@ -18,7 +18,7 @@ NEG_INF = float("-inf")
 @pytest.fixture(autouse=True)
 def _seed():
     """Fresh random inputs per test; the seed is printed (shown on failure) and can be pinned."""
-    seed = int(os.environ.get("DEEP_INDEXER_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    seed = int(os.environ.get(_env.TEST_SEED, random.SystemRandom().randrange(2**31)))
     print(f"seed={seed}")
     torch.manual_seed(seed)
     random.seed(seed)

@@ -1,4 +1,5 @@
-// Environment switches read by the C++ side (names below; documented in README.md, "Environment switches").
+// Environment switches read by the C++ side, named once (those read in Python: deep_indexer/_env.py);
+// documented in docs/api.md (user-facing, or "Tuning and test switches").
 #pragma once
 #include <cstdlib>
 #include <string>
@@ -31,7 +32,6 @@ constexpr const char* kDumpSass = "DI_JIT_DUMP_SASS";      // 1: write kernel.sa
 constexpr const char* kFailOnSpills = "DI_JIT_FAIL_ON_SPILLS";  // 1: a kernel with local-memory spills is an error
 constexpr const char* kNvcc = "DI_NVCC";                   // path of nvcc (else $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc, PATH)
 constexpr const char* kNvccCcbin = "DI_NVCC_CCBIN";        // host compiler nvcc should use (-ccbin)
-constexpr const char* kCutlassInclude = "DI_CUTLASS_INCLUDE";  // override of the CUTLASS/CuTe include folder
 // extra nvcc flags (space-separated), part of the cache key; the device code knows two macros:
 // -DDI_KERNEL_TRACE (per-CTA timelines of the decode and top-k kernels, read by tools/kernel_trace.py) and
 // -DDI_TOPK_DEBUG (device checks of the top-k selection invariants, for tests)
