@@ -35,6 +35,17 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 
 
+def naive_logits(qd: torch.Tensor, kd: torch.Tensor, w: torch.Tensor, ranges, ncols: int) -> torch.Tensor:
+    """fp64 logits of dequantized rows qd [R, H, D] against keys kd [N, D] with weights w [R, H]: row r holds
+    sum_h w relu(q . k) on its key range ranges[r] = (start, end) and -inf elsewhere, [R, ncols]."""
+    full = torch.einsum("rhd,nd->rhn", qd, kd).clamp_min(0).mul(w.double()[:, :, None]).sum(1)
+    out = torch.full((qd.shape[0], ncols), float("-inf"), dtype=torch.float64)
+    for r, (s, e) in enumerate(ranges):
+        if s < e:
+            out[r, s:e] = full[r, s:e]
+    return out
+
+
 def assert_logits_match(out: torch.Tensor, ref: torch.Tensor, clean: bool, dtype: torch.dtype, what: str = ""):
     """Valid entries (finite in the reference) within TOL; with clean, -inf exactly where the reference has it."""
     assert out.shape == ref.shape and out.dtype == dtype, (out.shape, ref.shape, out.dtype)

@@ -16,6 +16,7 @@ import struct
 import pytest
 import torch
 
+from conftest import naive_logits
 from deep_indexer import _env, quant, reference
 
 FP8 = torch.float8_e4m3fn
@@ -431,15 +432,6 @@ def test_validation_messages():
 # reference logits on FP4 inputs
 
 
-def naive(qd, kd, w, ranges, ncols):
-    full = torch.einsum("rhd,nd->rhn", qd, kd).clamp_min(0).mul(w.double()[:, :, None]).sum(1)
-    out = torch.full((qd.shape[0], ncols), NEG_INF, dtype=torch.float64)
-    for r, (s, e) in enumerate(ranges):
-        if s < e:
-            out[r, s:e] = full[r, s:e]
-    return out
-
-
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("accum", [torch.float64, torch.float32])
 def test_reference_prefill_fp4(d, accum):
@@ -451,7 +443,7 @@ def test_reference_prefill_fp4(d, accum):
     ke = (ks + torch.randint(-2, 50, (s_len,), dtype=torch.int32)).to(torch.int32)
     out = reference.mqa_logits((q[0].view(torch.int8), q[1]), k, w, ks, ke, accum_dtype=accum, chunk=4)
     ranges = [(max(int(a), 0), min(max(int(b), 0), skv)) for a, b in zip(ks, ke)]
-    exp = naive(quant.fp4_to_float(*q, torch.float64), quant.fp4_to_float(*k, torch.float64), w, ranges, skv)
+    exp = naive_logits(quant.fp4_to_float(*q, torch.float64), quant.fp4_to_float(*k, torch.float64), w, ranges, skv)
     assert out.shape == (s_len, skv) and out.dtype == torch.float32
     assert torch.equal(torch.isinf(out), torch.isinf(exp))
     fin = torch.isfinite(exp)
@@ -483,7 +475,7 @@ def test_reference_paged_fp4(ctx2d):
         kd = quant.fp4_to_float(*quant.per_token_cast_to_fp4(keys[b]), torch.float64)
         for i in range(next_n):
             end = int(context[b, i]) if ctx2d else int(ctx[b]) - next_n + 1 + i
-            exp = naive(qd[b, i:i + 1], kd, w[b * next_n + i: b * next_n + i + 1], [(0, max(end, 0))], mcl)
+            exp = naive_logits(qd[b, i:i + 1], kd, w[b * next_n + i: b * next_n + i + 1], [(0, max(end, 0))], mcl)
             r = b * next_n + i
             fin = torch.isfinite(exp[0])
             assert torch.equal(torch.isinf(out[r]), ~fin)

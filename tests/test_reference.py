@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import calc_diff
+from conftest import naive_logits
 from deep_indexer import _env, quant, reference
 
 FP8 = torch.float8_e4m3fn
@@ -35,16 +36,6 @@ def naive_rows(qd: torch.Tensor, kd: torch.Tensor, w: torch.Tensor, ranges, ncol
         for j in range(s, e):
             dots = (qd[r] * kd[j]).sum(-1)  # [H]
             out[r, j] = (w[r].double() * dots.clamp_min(0)).sum()
-    return out
-
-
-def naive_rows_fast(qd, kd, w, ranges, ncols):
-    """Same formula, einsum over all pairs then masked (for larger cases)."""
-    full = torch.einsum("rhd,nd->rhn", qd, kd).clamp_min(0).mul(w.double()[:, :, None]).sum(1)
-    out = torch.full((qd.shape[0], ncols), NEG_INF, dtype=torch.float64)
-    for r, (s, e) in enumerate(ranges):
-        if s < e:
-            out[r, s:e] = full[r, s:e]
     return out
 
 
@@ -77,7 +68,7 @@ def prefill_expected(q, k, k_scale, w, ks, ke):
     skv = k.shape[0]
     kd = k.double() * k_scale.double()[:, None]
     ranges = [(max(a, 0), max(min(b, skv), 0)) for a, b in zip(ks.tolist(), ke.tolist())]
-    return naive_rows_fast(q.double(), kd, w, ranges, skv)
+    return naive_logits(q.double(), kd, w, ranges, skv)
 
 
 @pytest.mark.parametrize("heads,dim", [(16, 32), (32, 64), (64, 128), (128, 64)])
@@ -189,7 +180,7 @@ def paged_expected(q, w, kd, ends, mcl):
     for b in range(b_sz):
         ranges = [(0, max(0, min(e, mcl))) for e in ends[b]]
         need = max(r[1] for r in ranges)
-        out.append(naive_rows_fast(q[b].double(), kd[b][:need], w[b * next_n:(b + 1) * next_n], ranges, mcl))
+        out.append(naive_logits(q[b].double(), kd[b][:need], w[b * next_n:(b + 1) * next_n], ranges, mcl))
     return torch.cat(out)
 
 
@@ -606,7 +597,7 @@ def test_paged_varlen_reads_the_run_start_row():
     mcl = max(req_lens) + 3
     for c in (ctx_t, ctx_t[:, None].contiguous()):
         out = reference.paged_mqa_logits(q, kv_cache, w, c, bt, mcl, indices=idx, accum_dtype=torch.float64)
-        want = torch.cat([naive_rows_fast(q[i].double(), kd[expect_keys[i]][: ctx[i]], w[i:i + 1], [(0, ctx[i])], mcl)
+        want = torch.cat([naive_logits(q[i].double(), kd[expect_keys[i]][: ctx[i]], w[i:i + 1], [(0, ctx[i])], mcl)
                           for i in range(R)])
         check_close(out, want, torch.float64)
 
