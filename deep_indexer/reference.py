@@ -124,10 +124,17 @@ def mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logit
     k = _check("kv[0] (k)", kv[0], dtypes=(FP8,), shape=(None, d), device=dev)
     skv = k.shape[0]
     k_scale = _check("kv[1] (k_scale)", kv[1], dtypes=(torch.float32,), shape=(skv,), device=dev)
-    w = _check("weights", weights, dtypes=(torch.float32, torch.bfloat16), shape=(s_len, heads), device=dev)
-    ks = _check("cu_seq_len_k_start", cu_seq_len_k_start, dtypes=(torch.int32,), shape=(s_len,), device=dev)
-    ke = _check("cu_seq_len_k_end", cu_seq_len_k_end, dtypes=(torch.int32,), shape=(s_len,), device=dev)
+    return _prefill_logits(q, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k, logits_dtype,
+                           accum_dtype, chunk)
 
+
+def _prefill_logits(q, k, k_scale, weights, ks_in, ke_in, max_seqlen_k, logits_dtype, accum_dtype, chunk):
+    """The prefill references' common part: q [S, H, D] and keys k [SKV, D] (fp8 or dequantized) with their
+    per-key scale; checks weights and the key ranges, then the chunked computation."""
+    (s_len, heads, _), skv, dev = q.shape, k.shape[0], q.device
+    w = _check("weights", weights, dtypes=(torch.float32, torch.bfloat16), shape=(s_len, heads), device=dev)
+    ks = _check("cu_seq_len_k_start", ks_in, dtypes=(torch.int32,), shape=(s_len,), device=dev)
+    ke = _check("cu_seq_len_k_end", ke_in, dtypes=(torch.int32,), shape=(s_len,), device=dev)
     out = torch.full((s_len, max_seqlen_k or skv), _NEG_INF, dtype=logits_dtype, device=dev)
     start = ks.cpu().long().clamp_min(0)
     end = ke.cpu().long().clamp(0, skv)
@@ -245,18 +252,8 @@ def _mqa_logits_fp4(q, kv, weights, ks_in, ke_in, clean_logits, max_seqlen_k, lo
     kd = _fp4_operand("kv", kv, 2, accum_dtype, dev)
     if kd.shape[1] != d:
         raise ValueError(f"kv[0] (codes): expected shape [*, {d // 2}] (D = {d} from q), got {list(kv[0].shape)}")
-    skv = kd.shape[0]
-    w = _check("weights", weights, dtypes=(torch.float32, torch.bfloat16), shape=(s_len, heads), device=dev)
-    ks = _check("cu_seq_len_k_start", ks_in, dtypes=(torch.int32,), shape=(s_len,), device=dev)
-    ke = _check("cu_seq_len_k_end", ke_in, dtypes=(torch.int32,), shape=(s_len,), device=dev)
-    out = torch.full((s_len, max_seqlen_k or skv), _NEG_INF, dtype=logits_dtype, device=dev)
-    start = ks.cpu().long().clamp_min(0)
-    end = ke.cpu().long().clamp(0, skv)
-    if max_seqlen_k:
-        end = torch.minimum(end, start + max_seqlen_k)
-    ones = torch.ones(skv, dtype=accum_dtype, device=dev)
-    _weighted_relu_into(out, qd, kd, ones, w, start, end, accum_dtype, chunk, compressed=max_seqlen_k > 0)
-    return out
+    ones = torch.ones(kd.shape[0], dtype=accum_dtype, device=dev)
+    return _prefill_logits(qd, kd, ones, weights, ks_in, ke_in, max_seqlen_k, logits_dtype, accum_dtype, chunk)
 
 
 def _paged_mqa_logits_fp4(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits,

@@ -1,8 +1,11 @@
 import os
+import random
 import tempfile
 
 import pytest
 import torch
+
+from deep_indexer import _env
 
 
 def _sm90_available() -> bool:
@@ -33,6 +36,15 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
+
+
+@pytest.fixture
+def fresh_seed():
+    """Fresh random inputs per test; the seed is printed (shown on failure) and can be pinned."""
+    seed = int(os.environ.get(_env.TEST_SEED, random.SystemRandom().randrange(2**31)))
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    random.seed(seed)
 
 
 def naive_logits(qd: torch.Tensor, kd: torch.Tensor, w: torch.Tensor, ranges, ncols: int) -> torch.Tensor:

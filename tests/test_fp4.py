@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import random
 import struct
 
 import pytest
 import torch
 
 from conftest import naive_logits
-from deep_indexer import _env, quant, reference
+from deep_indexer import quant, reference
 
 FP8 = torch.float8_e4m3fn
 NEG_INF = float("-inf")
@@ -25,12 +23,7 @@ VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 THRESH = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    seed = int(os.environ.get(_env.TEST_SEED, random.SystemRandom().randrange(2**31)))
-    print(f"seed={seed}")
-    torch.manual_seed(seed)
-    random.seed(seed)
+pytestmark = pytest.mark.usefixtures("fresh_seed")
 
 
 # ---------------------------------------------------------------------------------------------

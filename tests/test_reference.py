@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import pytest
@@ -10,19 +9,13 @@ import torch
 
 from conftest import calc_diff
 from conftest import naive_logits
-from deep_indexer import _env, quant, reference
+from deep_indexer import quant, reference
 
 FP8 = torch.float8_e4m3fn
 NEG_INF = float("-inf")
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    """Fresh random inputs per test; the seed is printed (shown on failure) and can be pinned."""
-    seed = int(os.environ.get(_env.TEST_SEED, random.SystemRandom().randrange(2**31)))
-    print(f"seed={seed}")
-    torch.manual_seed(seed)
-    random.seed(seed)
+pytestmark = pytest.mark.usefixtures("fresh_seed")
 
 
 # ---------------------------------------------------------------------------------------------
