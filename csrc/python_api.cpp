@@ -92,7 +92,9 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       PagedMqaLogitsRuntime::Params p{param(params, "next_n"),   param(params, "num_heads"),
                                       param(params, "head_dim"), param(params, "block_kv"),
                                       param(params, "elem_bytes"), param(params, "context_lens_2d") != 0,
-                                      params.contains("varlen") && params["varlen"].cast<int>() != 0};
+                                      params.contains("varlen") && params["varlen"].cast<int>() != 0,
+                                      params.contains("q_fp4") && params["q_fp4"].cast<int>() != 0,
+                                      params.contains("kv_fp4") && params["kv_fp4"].cast<int>() != 0};
       DI_CHECK_ARG(!p.varlen || p.next_n == 1, "precompile: paged_mqa_logits varlen needs next_n = 1");
       p.layout();  // validates
       py::gil_scoped_release release;
@@ -233,7 +235,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_sms"), py::arg("out"), py::arg("indices") = py::none());
   m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, py::arg("q"), py::arg("kv_cache"), py::arg("weights"),
         py::arg("context_lens"), py::arg("block_table"), py::arg("schedule_meta"), py::arg("max_context_len"),
-        py::arg("clean_logits"), py::arg("elem_bytes"), py::arg("out"), py::arg("indices") = py::none());
+        py::arg("clean_logits"), py::arg("elem_bytes"), py::arg("out"), py::arg("indices") = py::none(),
+        py::arg("q_sf") = py::none());
   m.def("topk_indices", &topk_indices, py::arg("logits"), py::arg("k"), py::arg("cu_seq_len_k_start"),
         py::arg("cu_seq_len_k_end"), py::arg("context_lens"), py::arg("next_n"), py::arg("sorted"),
         py::arg("index_mode"), py::arg("block_table"), py::arg("block_size"), py::arg("row_offset"),

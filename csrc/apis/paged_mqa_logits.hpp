@@ -74,10 +74,18 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
                                        const at::Tensor& context_lens, const at::Tensor& block_table,
                                        const at::Tensor& schedule, int64_t max_context_len, bool clean_logits,
                                        int64_t elem_bytes, const std::optional<at::Tensor>& out,
-                                       const std::optional<at::Tensor>& indices = std::nullopt) {
+                                       const std::optional<at::Tensor>& indices = std::nullopt,
+                                       const std::optional<at::Tensor>& q_sf = std::nullopt) {
   constexpr const char* op = "deep_indexer.fp8_paged_mqa_logits";
-  TensorCheck(op, q, "q").dtype(at::kFloat8_e4m3fn).ndim(4).contiguous();
-  const int64_t B = q.size(0), next_n = q.size(1), H = q.size(2), D = q.size(3);
+  // q: e4m3 [B, next_n, H, D], or FP4 codes uint8 [B, next_n, H, D / 2] with q_sf int32 [B, next_n, H].
+  const bool q_fp4 = q_sf.has_value();
+  if (q_fp4) {
+    TensorCheck(op, q, "q (FP4 codes, with q_sf)").dtype(at::kByte).ndim(4).contiguous();
+    TensorCheck(op, *q_sf, "q_sf").dtype(at::kInt).shape({q.size(0), q.size(1), q.size(2)}).contiguous();
+  } else {
+    TensorCheck(op, q, "q").dtype(at::kFloat8_e4m3fn).ndim(4).contiguous();
+  }
+  const int64_t B = q.size(0), next_n = q.size(1), H = q.size(2), D = q.size(3) * (q_fp4 ? 2 : 1);
   DI_CHECK_ARG(next_n >= 1 && next_n <= kMaxPagedNextN,
                "{}: q must be [B, next_n, H, D] with 1 <= next_n <= {}, got next_n = {}", op, kMaxPagedNextN, next_n);
   DI_CHECK_ARG(!indices.has_value() || next_n == 1,
@@ -87,14 +95,21 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
                "{}: q has {} heads of dim {}; supported: heads 16/32/64/128, dims 64/128", op, H, D);
   DI_CHECK_ARG(B * next_n * H < INT_MAX, "{}: q has {} rows (B * next_n * H); at most 2^31 - 1 are supported", op,
                B * next_n * H);
-  TensorCheck(op, kv_cache, "kv_cache").dtype(at::kByte).shape({TensorCheck::kAny, TensorCheck::kAny, 1, D + 4});
+  // The cache's row bytes tell its format: D + 4 (e4m3 keys, fp32 scales) or D / 2 + 4 (FP4 codes, scale words).
+  TensorCheck(op, kv_cache, "kv_cache").dtype(at::kByte).ndim(4);
+  const int64_t row_bytes = kv_cache.size(3);
+  DI_CHECK_ARG(kv_cache.size(2) == 1 && (row_bytes == D + 4 || row_bytes == D / 2 + 4),
+               "{}: kv_cache must be [num_blocks, block_kv, 1, {}] (FP8) or [num_blocks, block_kv, 1, {}] (FP4) for "
+               "head_dim {}, got shape {}",
+               op, D + 4, D / 2 + 4, D, shape_str(kv_cache.sizes()));
+  const bool kv_fp4 = row_bytes == D / 2 + 4;
   const int64_t num_blocks = kv_cache.size(0), block_kv = kv_cache.size(1);
   DI_CHECK_ARG(block_kv == 32 || block_kv == 64, "{}: kv_cache blocks must hold 32 or 64 tokens, got {}", op, block_kv);
-  DI_CHECK_ARG(kv_cache.stride(3) == 1 && kv_cache.stride(1) == D + 4 && kv_cache.stride(0) >= block_kv * (D + 4) &&
-                   kv_cache.stride(0) % 16 == 0,
+  DI_CHECK_ARG(kv_cache.stride(3) == 1 && kv_cache.stride(1) == row_bytes &&
+                   kv_cache.stride(0) >= block_kv * row_bytes && kv_cache.stride(0) % 16 == 0,
                "{}: kv_cache must be contiguous inside each block with a block stride >= {} bytes and a multiple of "
                "16, got strides {}",
-               op, block_kv * (D + 4), shape_str(kv_cache.strides()));
+               op, block_kv * row_bytes, shape_str(kv_cache.strides()));
   TensorCheck(op, weights, "weights").dtype(at::kFloat).shape({B * next_n, H}).row_major_2d();
   // The kernel bulk-copies each weights row into shared memory: rows must start 16-byte aligned.
   DI_CHECK_ARG(weights.size(0) <= 1 || weights.stride(0) % 4 == 0,
@@ -119,18 +134,20 @@ inline at::Tensor fp8_paged_mqa_logits(const at::Tensor& q, const at::Tensor& kv
                          {&block_table, "block_table"}, {&schedule, "schedule_meta"}})
     TensorCheck(op, *t, name).on(q.device());
   if (indices.has_value()) TensorCheck(op, *indices, "indices").on(q.device());
+  if (q_fp4) TensorCheck(op, *q_sf, "q_sf").on(q.device());
   at::Tensor logits = logits_output(op, out, B * next_n, max_context_len, static_cast<int>(elem_bytes), q);
   if (B == 0 || max_context_len == 0) return logits;
   TensorCheck(op, q, "q").aligned(16);
   TensorCheck(op, kv_cache, "kv_cache").aligned(16);
   TensorCheck(op, weights, "weights").aligned(16);
+  if (q_fp4) TensorCheck(op, *q_sf, "q_sf").aligned(16);
 
   const OpDevice dev = op_device(q);
   const PagedMqaLogitsRuntime::Params params{static_cast<int>(next_n), static_cast<int>(H), static_cast<int>(D),
                                              static_cast<int>(block_kv), static_cast<int>(elem_bytes),
-                                             context_lens.dim() == 2, indices.has_value()};
+                                             context_lens.dim() == 2, indices.has_value(), q_fp4, kv_fp4};
   PagedMqaLogitsRuntime::launch(
-      {params, q.data_ptr(), kv_cache.data_ptr<uint8_t>(), num_blocks, kv_cache.stride(0), weights.data_ptr<float>(),
+      {params, q.data_ptr(), q_fp4 ? q_sf->data_ptr<int>() : nullptr, kv_cache.data_ptr<uint8_t>(), num_blocks, kv_cache.stride(0), weights.data_ptr<float>(),
        weights.stride(0), context_lens.data_ptr<int>(), block_table.data_ptr<int>(), block_table.stride(0),
        static_cast<int>(std::min<int64_t>(block_table.size(1), INT_MAX)), schedule.data_ptr<int>(),
        static_cast<int>(schedule.size(0) - 1), logits.data_ptr(), logits.stride(0), static_cast<int>(B),

@@ -101,39 +101,43 @@ inline int paged_mqa_math_wgs() {
 // Decode KV ring depth: kPagedKVStages (~100 KB of 64-token tiles in flight per SM) or
 // DI_PAGED_KV_STAGES, rounded down to the ring's granularity, never deeper than what fits. NOTES:
 // ~100 KB in flight covers the HBM latency; the deepest ring (21-24 stages) is no faster and
-// slightly slower on long contexts.
+// slightly slower on long contexts. An FP4 cache's tiles are half as large: twice the stages keep
+// the same bytes in flight.
 constexpr int kPagedKVStages = 12;
 // Decode epilogue form (PagedMqaLogitsLayout::split_relu, split_relu.cuh): whether the plain layout
 // `plain` wants the linear half of relu on the tensor cores. NOTES: it pays only where the epilogue
 // is exposed, i.e. one tile in flight per WG; with two tiles in flight (N <= 64) the epilogue already
 // hides under the next WGMMA, and with 2 WGs carrying N >= 192 the extra columns cost more than they
 // save. Default: 3+ WGs with one tile in flight and next_n <= 2 (N = 128).
+// An FP4 cache takes it only when forced: its tiles' fold, not the epilogue, is the integer work that
+// counts, and building the pieces delays the first tile of every sequence.
 // DI_PAGED_SPLIT_RELU=0/1 forces it (where the layout cannot take it, it stays off).
 inline bool paged_mqa_split_relu(const PagedMqaLogitsLayout& plain) {
   const int forced = env::get_int(env::kPagedSplitRelu, -1);
   if (forced == 0 || forced == 1) return forced == 1;
-  return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && plain.next_n <= 2;
+  return !plain.kv_fp4 && !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && plain.next_n <= 2;
 }
 
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
-                                                    int out_bytes) {
+                                                    int out_bytes, bool q_fp4 = false, bool kv_fp4 = false) {
   const int wgs = paged_mqa_math_wgs();
-  const int max_stages = env::get_int(env::kPagedKvStages, kPagedKVStages);
-  PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, max_stages);
+  const int max_stages = env::get_int(env::kPagedKvStages, kv_fp4 ? 2 * kPagedKVStages : kPagedKVStages);
+  PagedMqaLogitsLayout l = make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, max_stages,
+                                                 false, q_fp4, kv_fp4);
   if (paged_mqa_split_relu(l)) {
     const PagedMqaLogitsLayout split =
-        make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, max_stages, true);
+        make_paged_mqa_layout(next_n, num_heads, head_dim, block_kv, out_bytes, wgs, max_stages, true, q_fp4, kv_fp4);
     if (split.valid()) l = split;
   }
   DI_CHECK_ARG(l.valid(), "fp8_paged_mqa_logits: unsupported configuration next_n={} H={} D={} block_kv={} ({} math WGs)",
                next_n, num_heads, head_dim, block_kv, l.num_math_wgs());
   print_choice([&] {
     return fmt::format(
-        "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B: math_wgs={} kv_stages={} threads={} "
+        "paged_mqa_logits next_n={} H={} D={} block_kv={} out={}B{}{}: math_wgs={} kv_stages={} threads={} "
         "smem={}{}{}{}",
-        next_n, num_heads, head_dim, block_kv, out_bytes, l.num_math_wgs(), l.num_kv_stages, l.num_threads(),
-        l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "", l.pipeline_tiles() ? " pipeline_tiles" : "",
-        l.split_relu ? " split_relu" : "");
+        next_n, num_heads, head_dim, block_kv, out_bytes, q_fp4 ? " q_fp4" : "", kv_fp4 ? " kv_fp4" : "",
+        l.num_math_wgs(), l.num_kv_stages, l.num_threads(), l.smem_bytes(), l.weights_in_regs() ? " weights_in_regs" : "",
+        l.pipeline_tiles() ? " pipeline_tiles" : "", l.split_relu ? " split_relu" : "");
   });
   return l;
 }

@@ -251,6 +251,13 @@ DI_DEVICE void fence_accum(float* acc) {
   for (int i = 0; i < kNum; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+// The same for register A fragments: their producers stay before the fence, their reuse after the wait.
+template <int kNum>
+DI_DEVICE void fence_regs(uint32_t* r) {
+#pragma unroll
+  for (int i = 0; i < kNum; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
 // Swizzle mode of a K-major tile whose rows are `kRowBytes` long (32, 64 or 128 bytes).
 template <int kRowBytes>
 struct SwizzleMode {

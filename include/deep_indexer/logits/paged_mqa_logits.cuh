@@ -1,4 +1,4 @@
-// Decode kernel of the lightning indexer over a paged fp8 KV cache (fp8_paged_mqa_logits).
+// Decode kernel of the lightning indexer over a paged fp8 or FP4 KV cache (fp8_paged_mqa_logits).
 //
 //   logits[(b*next_n + i) * logits_stride + j] = scale_j * sum_h w[b*next_n+i, h] * relu(q[b,i,h,:] . k_j)
 //   for every valid key j < L(b, i) (and j < max_context_len); nothing else is written.
@@ -11,7 +11,7 @@
 //     weights live in q slot g % Q (Q = layout.num_q_slots(): 2, or 1 where two slots do not fit).
 //   * Varlen (kVarlen, `indices`): every q row is a sequence of its own (next_n = 1) whose block-table
 //     row is the first row of its run of equal consecutive ids (a warp looks back 32 ids at a time).
-//   * W = layout.num_math_wgs() math warpgroups (3 for N = next_n*H <= 128, else 2; DI_PAGED_MATH_WGS)
+//   * W = layout.num_math_wgs() math warpgroups (default_math_wgs(); DI_PAGED_MATH_WGS)
 //     followed by one producer warpgroup (setmaxnreg: layout.math_regs() / producer_regs()):
 //       producer warp 0 ("Q producer"): for every generation g, waits q_empty[g % Q], stores the
 //               sequence id and row lengths L(b, i) into the slot info, TMA-loads the next_n*H q rows
@@ -31,6 +31,14 @@
 //     With layout.split_relu (split_relu.cuh; single-chunk shapes) the epilogue takes |x| instead of
 //     relu(x) and adds the linear half from fp8 pieces of sum_h w q, which math WG 0 builds once per
 //     sequence after the q rows of the slot (pieces_full[slot]); their columns join the WGMMA.
+//   * FP4 (paged_fp4.cuh). kKVFp4: the KV producers bulk-copy each block's codes and scale words
+//     (no tensor map); the math WG folds the tile into e4m3 A fragments in registers (per key: the
+//     codes times 2^(e_group - base), the key scale 2^(base - 127)), hands the stage back at once and
+//     issues register-A WGMMAs. q's head_dim is then stored permuted to match the fragments.
+//     kQFp4 or kKVFp4: the Q producer bulk-copies q rows (codes + scale words, or e4m3) into a staging
+//     buffer (q_stage, its own barrier) and every lane writes its rows into the slot (folded,
+//     permuted), scales the weights rows by 2^(base - 127) (kQFp4), fences for the async proxy and
+//     arrives on q_full without a transaction count.
 //
 // Barrier protocol (every parity wait is provably at most one phase away from the barrier):
 //   full[s]   : count 1 (KV producer arrive.expect_tx) + TMA bytes; WG s % W waits parity (k / S) & 1.
@@ -38,7 +46,8 @@
 //               i.e. after the epilogue of the previous tile when two tiles are in flight);
 //               KV producer s % P waits parity ((k / S) & 1) ^ 1 before reusing it (S % lcm(W, P) == 0
 //               makes one producer and one WG own each stage).
-//   q_full[x] : count 1 (Q producer) + TMA bytes; generation g is waited with parity (g / Q) & 1.
+//   q_full[x] : count 1 (Q producer) + TMA bytes (none when staged); generation g is waited with parity
+//               (g / Q) & 1.
 //               Math WGs wait for generation 0 before their first tile; in a CTA without work the
 //               Q producer arrives on q_full[0] without loads, with slot_info[0] = -1.
 //   q_empty[x]: count 4W (lane 0 of every math warp, once per generation); the Q producer waits
@@ -54,7 +63,9 @@
 //               so a phase completes before the slot can be reloaded, and WG 0 never waits on another
 //               WG (stage s feeds only WG s % W), hence no cycle.
 //
-// Host assumptions (details in the report): q, kv_cache and weights 16-byte aligned; kv_cache
+//   q_stage   : count 1 (Q producer) + the pass's bytes; only the Q producer waits, pass by pass.
+//
+// Host assumptions (details in the report): q, q_sf, kv_cache and weights 16-byte aligned; kv_cache
 // stride(0) (block_stride_bytes) a multiple of 16; weights_stride a multiple of 4 floats;
 // gridDim.x == schedule rows - 1; blockDim.x == layout.num_threads() (checked: traps otherwise);
 // dynamic smem == layout.smem_bytes(); schedule from paged_mqa_metadata_kernel on the same
@@ -67,7 +78,9 @@
 
 #include <deep_indexer/logits/paged_mqa_logits_layout.hpp>
 #include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/logits/paged_fp4.cuh>
 #include <deep_indexer/logits/split_relu.cuh>
+#include <deep_indexer/common/wgmma_fp8_rs.cuh>
 #include <deep_indexer/common/trace.cuh>
 #include <deep_indexer/common/varlen.cuh>
 
@@ -245,10 +258,10 @@ struct RangeWalker {
 // NOTES: the phases keep their helpers as lambdas: turned into functions, they are inlined at another
 // point of the optimizer's pipeline and the generated code changes (more instructions, other schedules).
 template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
-          bool kContextLens2D, typename OutT, bool kSplitRelu, bool kVarlen>
+          bool kContextLens2D, typename OutT, bool kSplitRelu, bool kVarlen, bool kQFp4, bool kKVFp4>
 struct PagedMqaKernel {
-  static constexpr PagedMqaLogitsLayout kL{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
-                                           static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu};
+  static constexpr PagedMqaLogitsLayout kL{kNextN,     kNumHeads,  kHeadDim, BLOCK_KV, kNumKVStages,
+                                           static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu, kQFp4, kKVFp4};
   static_assert(kL.valid(), "unsupported paged_mqa_logits configuration");
   static_assert(!kVarlen || kNextN == 1, "varlen: one q row per sequence");
 
@@ -264,7 +277,11 @@ struct PagedMqaKernel {
   static constexpr int kBlocksPerTile = kL.blocks_per_tile();
   static constexpr int kBlocksPerSeg = kL.blocks_per_segment();
   static constexpr uint32_t kTileTx = static_cast<uint32_t>(kL.kv_tile_bytes() + kL.scales_bytes_per_stage());
-  static constexpr uint32_t kBlockTx = static_cast<uint32_t>(BLOCK_KV * kHeadDim + BLOCK_KV * 4);
+  static constexpr uint32_t kBlockTx = static_cast<uint32_t>(BLOCK_KV * kL.kv_row_bytes() + BLOCK_KV * 4);
+  static constexpr bool kQStaged = kL.q_staged();
+  static constexpr int kQStageRows = kL.q_stage_rows();
+  static constexpr int kQSrcRowBytes = kL.q_src_row_bytes();
+  static constexpr int kKSteps = kHeadDim / 32;
   static constexpr int kSentinel = 1;
   static constexpr uint32_t kProducerWarp0 = 4 * kNumMathWGs;  // producer warpgroup: q loader + KV producers
   static constexpr int kNumKVProducers = kL.num_kv_producers();
@@ -294,6 +311,8 @@ struct PagedMqaKernel {
     uint64_t* q_full_bar;
     uint64_t* q_empty_bar;
     uint64_t* pieces_full_bar;  // split_relu
+    uint8_t* q_stage;           // FP4: staged q rows, then (q_fp4) their scale words
+    uint64_t* q_stage_bar;      // FP4: the staging buffer's loads landed
   };
 
   // Thread 0: the barrier counts of the protocol above.
@@ -309,14 +328,19 @@ struct PagedMqaKernel {
       ptx::mbar_init(&sm.q_empty_bar[x], 4 * kNumMathWGs);
       if constexpr (kSplitRelu) ptx::mbar_init(&sm.pieces_full_bar[x], 1);
     }
+    if constexpr (kQStaged) ptx::mbar_init(sm.q_stage_bar, 1);
     ptx::fence_mbar_init();
   }
 
   // ---------------------------------------------------------------- Q producer (producer warp 0)
   // For every sequence of the range (generation g): its row lengths and sequence id into the slot
-  // info, its q rows (TMA) and weights rows (bulk copies) into q slot g % Q.
+  // info, its q rows (TMA) and weights rows (bulk copies) into q slot g % Q. FP4 (kQStaged): the q rows
+  // come through the staging buffer instead, kQStageRows at a time, and every lane writes its rows
+  // into the slot (stage_q_row: folded, permuted for an FP4 cache) and scales their weights by the
+  // rows' 2^(base - 127).
   __device__ __forceinline__ static void q_producer(const Smem& sm, Walker& walker, const Item& q_cur,
-                                                    const CUtensorMap& tmap_q, const float* __restrict__ weights,
+                                                    const CUtensorMap& tmap_q, const uint8_t* __restrict__ q_raw,
+                                                    const int* __restrict__ q_sf, const float* __restrict__ weights,
                                                     int64_t weights_stride, const int* __restrict__ context_lens,
                                                     int max_context_len, uint32_t lane, Tracer& tr) {
     uint8_t* q_smem = sm.q_smem;
@@ -332,6 +356,7 @@ struct PagedMqaKernel {
       ptx::mbar_arrive(&q_full_bar[0]);
     }
     uint32_t g = 0;
+    [[maybe_unused]] uint32_t stage_phase = 0;
     while (walker.valid(cur)) {
       const int b = cur.b;
       // Row lengths L(b, i) (lane i), clamped to max_context_len.
@@ -348,7 +373,18 @@ struct PagedMqaKernel {
       for (int i = 0; i < kNextN; ++i) lens[i] = __shfl_sync(0xffffffffu, my_len, i);
       const uint32_t slot = g % kQSlots;
       ptx::mbar_wait(&q_empty_bar[slot], ((g / kQSlots) & 1u) ^ 1u);
-      if (lane == 0) {
+      if constexpr (kQStaged) {
+        if (lane == 0) {
+          int* info = slot_info + slot * kSlotInfoInts;
+          info[0] = b;
+#pragma unroll
+          for (int i = 0; i < kNextN; ++i) info[1 + i] = lens[i];
+        }
+        stage_q_rows(sm, slot, b, q_raw, q_sf, weights, weights_stride, stage_phase, lane);
+        ptx::fence_proxy_async();  // the slot's rows, written by every lane, seen by the WGMMAs
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(&q_full_bar[slot]);
+      } else if (lane == 0) {
         int* info = slot_info + slot * kSlotInfoInts;
         info[0] = b;
 #pragma unroll
@@ -379,6 +415,49 @@ struct PagedMqaKernel {
     if (lane == 0) tr.print("q", 0, static_cast<int>(g));
   }
 
+  // FP4: sequence b's q rows into q slot `slot` through the staging buffer (kQStageRows rows per pass;
+  // the first pass also brings the weights rows into the slot). The q producer warp, every lane.
+  __device__ __forceinline__ static void stage_q_rows(const Smem& sm, uint32_t slot, int b,
+                                                      const uint8_t* __restrict__ q_raw, const int* __restrict__ q_sf,
+                                                      const float* __restrict__ weights, int64_t weights_stride,
+                                                      uint32_t& stage_phase, uint32_t lane) {
+    uint8_t* q_dst = sm.q_smem + slot * kL.q_slot_bytes();
+    float* w_dst = sm.weights_smem + slot * kN;
+    const uint32_t* stage_sf = reinterpret_cast<const uint32_t*>(sm.q_stage + kQStageRows * kQSrcRowBytes);
+#pragma unroll 1
+    for (int r0 = 0; r0 < kN; r0 += kQStageRows) {
+      const int rows = min(kQStageRows, kN - r0);
+      if (lane == 0) {
+        // NOTES: the lanes' generic reads of the previous pass (ordered by __syncwarp) come before
+        // these async-proxy writes to the same buffer.
+        ptx::fence_proxy_async();
+        const uint32_t bytes = static_cast<uint32_t>(rows * kQSrcRowBytes + (kQFp4 ? rows * 4 : 0) +
+                                                     (r0 == 0 ? kN * 4 : 0));
+        ptx::mbar_arrive_expect_tx(sm.q_stage_bar, bytes);
+        const int64_t row0 = static_cast<int64_t>(b) * kN + r0;
+        ptx::bulk_load(sm.q_stage, q_raw + row0 * kQSrcRowBytes, static_cast<uint32_t>(rows * kQSrcRowBytes),
+                       sm.q_stage_bar);
+        if constexpr (kQFp4)
+          ptx::bulk_load(sm.q_stage + kQStageRows * kQSrcRowBytes, q_sf + row0, static_cast<uint32_t>(rows * 4),
+                         sm.q_stage_bar);
+        if (r0 == 0) {
+#pragma unroll
+          for (int i = 0; i < kNextN; ++i)
+            ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
+                           kNumHeads * 4, sm.q_stage_bar);
+        }
+      }
+      ptx::mbar_wait(sm.q_stage_bar, stage_phase);
+      stage_phase ^= 1u;
+      for (int r = static_cast<int>(lane); r < rows; r += 32) {
+        const int base = paged_fp4::stage_q_row<kHeadDim, kQFp4, kKVFp4>(
+            sm.q_stage + r * kQSrcRowBytes, kQFp4 ? stage_sf[r] : 0u, q_dst, r0 + r);
+        if constexpr (kQFp4) w_dst[r0 + r] *= paged_fp4::pow2_biased(base);
+      }
+      __syncwarp();
+    }
+  }
+
   // ---------------------------------------------------------------- KV producers (producer warps 1..P)
   // Waits until stage st (parity ph) is free; lane 0 stores the stage info and issues the tile's
   // loads: paged block id0 (and id1 if `two`: two 32-token blocks stack into one 64-row tile) and
@@ -398,14 +477,25 @@ struct PagedMqaKernel {
       float* sc_dst = sm.scales_smem + st * 64;
       const uint32_t tx = kBlocksPerTile == 1 ? kTileTx : (two ? 2 * kBlockTx : kBlockTx);
       ptx::mbar_arrive_expect_tx(&sm.full_bar[st], tx);
-      ptx::tma_load_3d(kv_dst, &tmap_kv, &sm.full_bar[st], 0, 0, id0, kKVCacheHint);
-      ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
-                     BLOCK_KV * 4, &sm.full_bar[st]);
-      if (two) {
-        ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &sm.full_bar[st], 0, 0, id1, kKVCacheHint);
-        ptx::bulk_load(sc_dst + BLOCK_KV,
-                       kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
+      if constexpr (kKVFp4) {  // codes then scale words of each block, unswizzled
+        constexpr uint32_t kCodeBytes = BLOCK_KV * kHeadDim / 2;
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          if (x == 1 && !two) break;
+          const uint8_t* blk = kv_cache + static_cast<int64_t>(x == 0 ? id0 : id1) * block_stride_bytes;
+          ptx::bulk_load(kv_dst + x * kCodeBytes, blk, kCodeBytes, &sm.full_bar[st]);
+          ptx::bulk_load(sc_dst + x * BLOCK_KV, blk + kCodeBytes, BLOCK_KV * 4, &sm.full_bar[st]);
+        }
+      } else {
+        ptx::tma_load_3d(kv_dst, &tmap_kv, &sm.full_bar[st], 0, 0, id0, kKVCacheHint);
+        ptx::bulk_load(sc_dst, kv_cache + static_cast<int64_t>(id0) * block_stride_bytes + BLOCK_KV * kHeadDim,
                        BLOCK_KV * 4, &sm.full_bar[st]);
+        if (two) {
+          ptx::tma_load_3d(kv_dst + BLOCK_KV * kHeadDim, &tmap_kv, &sm.full_bar[st], 0, 0, id1, kKVCacheHint);
+          ptx::bulk_load(sc_dst + BLOCK_KV,
+                         kv_cache + static_cast<int64_t>(id1) * block_stride_bytes + BLOCK_KV * kHeadDim,
+                         BLOCK_KV * 4, &sm.full_bar[st]);
+        }
       }
     }
     __syncwarp();
@@ -509,21 +599,29 @@ struct PagedMqaKernel {
     mbar_wait_loop(&q_full_bar[0], 0);
     if (slot_info[0] >= 0) take_generation(0);
 
-    // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited).
-    auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage) {
+    // WGMMA of chunk c of the tile in stage `stage` into acc (committed, not waited); kKVFp4: A from
+    // the tile's fragments `afrag` instead of the stage.
+    auto issue_chunk = [&](auto chunk_c, float* acc, uint32_t stage, const uint32_t (&afrag)[kKSteps][4]) {
       constexpr int c = decltype(chunk_c)::value;
       constexpr int tok0 = c * kTPC;
       constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
       constexpr int cols = tpc * kNumHeads + kL.linear_cols();  // split_relu: one chunk, pieces after its rows
-      using Mma = ptx::WgmmaFp8<cols>;
-      const uint64_t desc_a = ptx::make_kmajor_desc<kHeadDim>(kv_smem + stage * kL.kv_tile_bytes());
       const uint64_t desc_b = ptx::make_kmajor_desc<kHeadDim>(
           q_smem + (static_cast<uint32_t>(cur_gen) % kQSlots) * kL.q_slot_bytes() + tok0 * kNumHeads * kHeadDim);
       ptx::fence_accum<cols / 2>(acc);
+      if constexpr (kKVFp4) ptx::fence_regs<kKSteps * 4>(const_cast<uint32_t*>(&afrag[0][0]));
       ptx::wgmma_fence();
+      if constexpr (kKVFp4) {
   #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 32; ++kk)
-        Mma::mma(acc, desc_a + static_cast<uint64_t>(kk * 2), desc_b + static_cast<uint64_t>(kk * 2), kk > 0);
+        for (int kk = 0; kk < kKSteps; ++kk)
+          ptx::WgmmaFp8RS<cols>::mma(acc, afrag[kk], desc_b + static_cast<uint64_t>(kk * 2), kk > 0);
+      } else {
+        const uint64_t desc_a = ptx::make_kmajor_desc<kHeadDim>(kv_smem + stage * kL.kv_tile_bytes());
+  #pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk)
+          ptx::WgmmaFp8<cols>::mma(acc, desc_a + static_cast<uint64_t>(kk * 2), desc_b + static_cast<uint64_t>(kk * 2),
+                                   kk > 0);
+      }
       ptx::wgmma_commit();
     };
 
@@ -637,8 +735,20 @@ struct PagedMqaKernel {
       int key;
       float scale;
     };
-    auto this_tile = [&](const int4& info) {
-      return Tile{st, info.z + row_in_tile, scales_smem[st * 64 + row_in_tile]};
+    // The tile in stage st. kKVFp4: folds its codes into `afrag` (this thread's A fragments) and hands
+    // the stage back at once (the WGMMAs read the registers); the key scale comes from the row's base.
+    auto take_tile = [&](const int4& info, uint32_t (&afrag)[kKSteps][4]) -> Tile {
+      if constexpr (kKVFp4) {
+        int base[2];
+        paged_fp4::tile_fragments<kHeadDim>(kv_smem + st * kL.kv_tile_bytes(),
+                                            reinterpret_cast<const uint32_t*>(scales_smem) + st * 64,
+                                            static_cast<int>(warp_in_wg * 16 + (lane >> 2)), quad, afrag, base);
+        const Tile t{st, info.z + row_in_tile, paged_fp4::pow2_biased(hi ? base[1] : base[0])};
+        release_stage(st);
+        return t;
+      } else {
+        return Tile{st, info.z + row_in_tile, scales_smem[st * 64 + row_in_tile]};
+      }
     };
 
     [[maybe_unused]] int num_tiles = 0;
@@ -650,9 +760,10 @@ struct PagedMqaKernel {
       static_assert(kNumChunks == 1, "pipelined tiles: one chunk");
       using Chunk0 = std::integral_constant<int, 0>;
       float acc2[2][kMmaCols / 2];
+      uint32_t afrag2[2][kKSteps][4];  // kKVFp4: the A fragments of the two tiles in flight
       auto start_tile = [&](auto slot_c, const int4& info) {
-        const Tile t = this_tile(info);
-        issue_chunk(Chunk0{}, acc2[decltype(slot_c)::value], st);
+        const Tile t = take_tile(info, afrag2[decltype(slot_c)::value]);
+        issue_chunk(Chunk0{}, acc2[decltype(slot_c)::value], st, afrag2[decltype(slot_c)::value]);
         advance();
   #ifdef DI_KERNEL_TRACE
         ++num_tiles;
@@ -662,7 +773,7 @@ struct PagedMqaKernel {
       auto finish_tile = [&](auto slot_c, const Tile& t) {
         constexpr int x = decltype(slot_c)::value;
         ptx::fence_accum<kMmaCols / 2>(acc2[x]);
-        release_stage(t.st);
+        if constexpr (!kKVFp4) release_stage(t.st);
         epilogue_chunk(Chunk0{}, acc2[x], t.key, t.scale);
       };
       int4 info = next_info();
@@ -691,18 +802,19 @@ struct PagedMqaKernel {
       // One tile at a time per WG (the other WGs' WGMMAs and epilogues overlap with it); multi-chunk
       // shapes reuse one accumulator set per chunk.
       float acc[kMmaCols / 2];
+      uint32_t afrag[kKSteps][4];  // kKVFp4
       while (true) {
         const int4 info = next_info();
         tr.mark<1>();
         if (info.x != cur_gen && !switch_generation(info)) break;
         tr.mark<2>();
-        const Tile t = this_tile(info);
+        const Tile t = take_tile(info, afrag);
         static_for<0, kNumChunks>([&](auto chunk_c) {
           constexpr int c = decltype(chunk_c)::value;
-          issue_chunk(chunk_c, acc, t.st);
+          issue_chunk(chunk_c, acc, t.st, afrag);
           ptx::wgmma_wait<0>();
           ptx::fence_accum<kMmaCols / 2>(acc);
-          if constexpr (c == kNumChunks - 1) release_stage(t.st);  // keys, scales and info all read
+          if constexpr (c == kNumChunks - 1 && !kKVFp4) release_stage(t.st);  // keys, scales and info all read
           epilogue_chunk(chunk_c, acc, t.key, t.scale);
         });
         tr.mark<3>();
@@ -721,9 +833,12 @@ struct PagedMqaKernel {
 
 template <int kNextN, int kNumHeads, int kHeadDim, int BLOCK_KV, int kNumKVStages, int kNumMathWGs,
           bool kContextLens2D, typename OutT /* float or __nv_bfloat16 */, bool kSplitRelu = false,
-          bool kVarlen = false /* indices: kNextN == 1, block-table row = first row of the run */>
+          bool kVarlen = false /* indices: kNextN == 1, block-table row = first row of the run */,
+          bool kQFp4 = false /* q: FP4 codes (q_raw) + scale words (q_sf) */,
+          bool kKVFp4 = false /* the paged cache: FP4 codes + scale words */>
 __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages,
-                                                       static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu}
+                                                       static_cast<int>(sizeof(OutT)), kNumMathWGs, kSplitRelu,
+                                                       kQFp4, kKVFp4}
                                       .num_threads(),
                                   1)
     paged_mqa_logits_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_kv,
@@ -732,10 +847,11 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
                             const int* __restrict__ context_lens, const int* __restrict__ block_table,
                             int64_t block_table_stride, int block_table_cols, const int* __restrict__ schedule,
                             OutT* __restrict__ logits, int64_t logits_stride, int batch_size, int max_context_len,
-                            const int* __restrict__ indices) {
+                            const int* __restrict__ indices, const uint8_t* __restrict__ q_raw,
+                            const int* __restrict__ q_sf) {
   static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
   using K = paged_mqa_detail::PagedMqaKernel<kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages, kNumMathWGs,
-                                             kContextLens2D, OutT, kSplitRelu, kVarlen>;
+                                             kContextLens2D, OutT, kSplitRelu, kVarlen, kQFp4, kKVFp4>;
   constexpr PagedMqaLogitsLayout kL = K::kL;
   constexpr int kStages = K::kStages;
   constexpr uint32_t kProducerWarp0 = K::kProducerWarp0;
@@ -756,8 +872,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   uint64_t* q_full_bar = bars + 2 * kStages;
   uint64_t* q_empty_bar = bars + 2 * kStages + 2;
   uint64_t* pieces_full_bar = bars + 2 * kStages + 4;  // split_relu
-  const typename K::Smem sm{q_smem,    kv_smem,   amax_smem,   scales_smem, weights_smem, stage_info,
-                            slot_info, full_bar,  empty_bar,   q_full_bar,  q_empty_bar,  pieces_full_bar};
+  uint64_t* q_stage_bar = bars + 2 * kStages + 4 + (kSplitRelu ? 2 : 0);  // FP4
+  const typename K::Smem sm{q_smem,      kv_smem,   amax_smem, scales_smem, weights_smem,
+                            stage_info,  slot_info, full_bar,  empty_bar,   q_full_bar,
+                            q_empty_bar, pieces_full_bar, smem + kL.q_stage_offset(), q_stage_bar};
 
   // A launch with another block size would deadlock (missing warpgroups): fail loudly instead.
   if (blockDim.x != static_cast<uint32_t>(kL.num_threads())) __trap();
@@ -776,9 +894,9 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // table entries: dependent global loads) before the prologue's barrier, which they do not need for
   // that: its latency overlaps theirs.
   if (threadIdx.x == 0) K::init_barriers(sm);
-  if (warp == kProducerWarp0 && lane == 0) {
-    ptx::prefetch_tensor_map(&tmap_kv);
-    ptx::prefetch_tensor_map(&tmap_q);
+  if (warp == kProducerWarp0 && lane == 0) {  // FP4 operands are bulk-copied: their maps are unused
+    if constexpr (!kKVFp4) ptx::prefetch_tensor_map(&tmap_kv);
+    if constexpr (!K::kQStaged) ptx::prefetch_tensor_map(&tmap_q);
   }
 
   // ================================================================== the producers' first work items
@@ -846,7 +964,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
     // ================================================================ producer warpgroup
     ptx::reg_dealloc<static_cast<uint32_t>(kL.producer_regs())>();
     if (is_q_producer) {
-      K::q_producer(sm, walker, q_cur, tmap_q, weights, weights_stride, context_lens, max_context_len, lane, tr);
+      K::q_producer(sm, walker, q_cur, tmap_q, q_raw, q_sf, weights, weights_stride, context_lens, max_context_len,
+                    lane, tr);
     } else {
       // ---------------------------------------------------------- KV producers (the other 3 warps)
       // Every KV producer walks all tiles of the range (tile counter k) and issues those with

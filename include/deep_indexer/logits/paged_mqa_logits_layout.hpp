@@ -16,7 +16,13 @@
 //   tmap_kv: 3-D {head_dim, block_kv, num_blocks} uint8/fp8, strides {head_dim, kv_cache.stride(0)} bytes,
 //            box {head_dim, block_kv, 1}, swizzle = head_dim bytes
 //   kernel template args: <next_n, num_heads, head_dim, block_kv, l.num_kv_stages, l.num_math_wgs(),
-//                          context_lens_2d, OutT, l.split_relu, varlen>
+//                          context_lens_2d, OutT, l.split_relu, varlen, q_fp4, kv_fp4>
+//
+// FP4 (q_fp4: q rows are e2m1 codes + a scale word; kv_fp4: the paged cache holds D / 2 code bytes per
+// key then an int32 scale word per key): the KV tile is bulk-copied unswizzled (64 x D / 2 bytes and the
+// 64 scale words) and folded into e4m3 WGMMA A fragments in registers by the math warpgroups; q rows
+// are bulk-copied into a staging buffer and written into the q slot (folded and/or permuted along D
+// to match the register fragments, see paged_mqa_logits.cuh) by the q producer warp.
 //
 // Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
 // segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. (Shorter segments
@@ -31,10 +37,11 @@
 //                  (split_relu: each slot's q rows are followed by linear_cols() pieces rows)
 //   [scales]       S x 64 fp32
 //   [weights]      Q x next_n*H fp32
+//   [q staging]    (FP4) q_stage_rows() source rows of q (D / 2 or D bytes each) + their scale words
 //   [stage info]   S x int4 {generation, sequence, first token, flags}
 //   [slot info]    Q x slot_info_ints() int {sequence, row lengths L_0..L_{next_n-1}}
 //   [amax]         (split_relu) Q x next_n x 4 uint32: per q slot, the pieces' max |value|
-//   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (+ pieces_full[2]) (uint64 mbarriers)
+//   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (+ pieces_full[2]) (+ q_stage) (uint64 mbarriers)
 #pragma once
 
 #include <deep_indexer/common/host_device.hpp>
@@ -52,6 +59,8 @@ struct PagedMqaLogitsLayout {
   // Linear half of relu on the tensor cores (split_relu.cuh), single-chunk shapes: math WG 0 builds
   // the pieces after the q rows of the slot once per sequence; they join the WGMMA (N + linear_cols()).
   bool split_relu = false;
+  bool q_fp4 = false;   // q: FP4 codes [.., D / 2] + int32 scale words, folded into the q slot in-kernel
+  bool kv_fp4 = false;  // paged cache: FP4 codes + int32 scale words per key (D / 2 + 4 bytes per key)
 
   // Tokens per scheduled segment, a power of two >= 64 (the metadata kernel's contract; the CPU
   // reference in the tests assumes 256).
@@ -63,6 +72,7 @@ struct PagedMqaLogitsLayout {
   static constexpr int kSmemAlignSlack = 1024;
   static constexpr int kMaxNextN = 8;
   static constexpr int kMaxQSlotRowBytes = 65536;  // q rows of one sequence double-buffered up to this size
+  static constexpr int kQStageRows = 128;          // FP4: q rows staged per pass of the q producer
 
   // ---------------------------------------------------------------- launch
   constexpr DI_HOST_DEVICE int split_kv() const { return kSplitKV; }
@@ -73,7 +83,11 @@ struct PagedMqaLogitsLayout {
   // Math warpgroups (tile k -> WG k % num_math_wgs()): 3 up to N = 128, else 2 (register budget).
   // For N <= 64 the 3 WGs keep two tiles in flight each (pipeline_tiles()), which beats 4 WGs with one
   // tile each.
-  constexpr DI_HOST_DEVICE int default_math_wgs() const { return n_total() <= 128 ? 3 : 2; }
+  // kv_fp4: 4 WGs up to N = 64, 3 up to N = 256 (folding the tiles' codes adds integer work per tile,
+  // which more warpgroups overlap better; chunks of at most 128 columns leave room for the A fragments).
+  constexpr DI_HOST_DEVICE int default_math_wgs() const {
+    return kv_fp4 ? (n_total() <= 64 ? 4 : (n_total() <= 256 ? 3 : 2)) : (n_total() <= 128 ? 3 : 2);
+  }
   constexpr DI_HOST_DEVICE int num_math_wgs() const { return math_wgs != 0 ? math_wgs : default_math_wgs(); }
   constexpr DI_HOST_DEVICE int num_threads() const { return (num_math_wgs() + 1) * 128; }  // + 1 producer WG
   // Producer warpgroup: warp 0 loads q + weights, warps 1..num_kv_producers() issue the KV tiles
@@ -103,8 +117,10 @@ struct PagedMqaLogitsLayout {
   // q rows are processed in chunks of whole tokens of at most 256 columns: equal chunks for next_n <= 4;
   // beyond, the fewest chunks, balanced (the last may be smaller: next_n = 5, H = 64 -> 3 + 2 tokens),
   // except one token per chunk for H = 128 and odd next_n.
+  // kv_fp4: at most 128 columns per chunk (the tile's A fragments stay live across the chunks).
+  constexpr DI_HOST_DEVICE int max_chunk_cols() const { return kv_fp4 ? kMaxColsPerChunk / 2 : kMaxColsPerChunk; }
   constexpr DI_HOST_DEVICE int tokens_per_chunk() const {
-    const int cap = next_n < kMaxColsPerChunk / num_heads ? next_n : kMaxColsPerChunk / num_heads;
+    const int cap = next_n < max_chunk_cols() / num_heads ? next_n : max_chunk_cols() / num_heads;
     if (next_n > 4) {
       const int chunks = (next_n + cap - 1) / cap;
       const int t = (next_n + chunks - 1) / chunks;
@@ -136,9 +152,13 @@ struct PagedMqaLogitsLayout {
   // Two tiles in flight per math WG (double-buffered accumulators): the epilogue of tile k runs
   // while the WGMMA of the WG's next tile computes. Single-chunk shapes whose two accumulator sets
   // fit next to the weights: 3 math WGs for N <= 64 (the default), 2 for N <= 128 (DI_PAGED_MATH_WGS=2).
+  // kv_fp4: the in-flight tiles' A fragments (head_dim / 8 registers each) stay live too.
   constexpr DI_HOST_DEVICE bool pipeline_tiles() const {
-    return num_chunks() == 1 && n_total() <= 128 && mma_cols() + n_total() / 4 + kMathRegsOther <= math_regs();
+    return num_chunks() == 1 && n_total() <= 128 &&
+           mma_cols() + n_total() / 4 + kMathRegsOther + (kv_fp4 ? 2 * a_frag_regs() : 0) <= math_regs();
   }
+  // kv_fp4: registers of one tile's A fragments (4 per 32-wide k-step).
+  constexpr DI_HOST_DEVICE int a_frag_regs() const { return head_dim / 8; }
   // split_relu: the pieces columns (an 8-column group per 2 tokens) and the WGMMA N with them.
   constexpr DI_HOST_DEVICE int linear_cols() const { return split_relu ? 8 * ((next_n + 1) / 2) : 0; }
   constexpr DI_HOST_DEVICE int mma_cols() const { return chunk_cols() + linear_cols(); }
@@ -152,7 +172,15 @@ struct PagedMqaLogitsLayout {
   constexpr DI_HOST_DEVICE int slot_info_ints() const { return next_n + 1 <= 8 ? 8 : 16; }
   // A q slot: the sequence's q rows (+ the pieces rows with split_relu), 1024-aligned.
   constexpr DI_HOST_DEVICE int q_slot_bytes() const { return align1024((n_total() + linear_cols()) * head_dim); }
-  constexpr DI_HOST_DEVICE int kv_tile_bytes() const { return kTileTokens * head_dim; }
+  constexpr DI_HOST_DEVICE int kv_row_bytes() const { return kv_fp4 ? head_dim / 2 : head_dim; }
+  constexpr DI_HOST_DEVICE int kv_tile_bytes() const { return kTileTokens * kv_row_bytes(); }
+  // FP4: q rows go through the staging buffer (folded / permuted by the q producer) instead of TMA.
+  constexpr DI_HOST_DEVICE bool q_staged() const { return q_fp4 || kv_fp4; }
+  constexpr DI_HOST_DEVICE int q_src_row_bytes() const { return q_fp4 ? head_dim / 2 : head_dim; }
+  constexpr DI_HOST_DEVICE int q_stage_rows() const { return n_total() < kQStageRows ? n_total() : kQStageRows; }
+  constexpr DI_HOST_DEVICE int q_stage_bytes() const {
+    return q_staged() ? q_stage_rows() * (q_src_row_bytes() + (q_fp4 ? 4 : 0)) : 0;
+  }
   constexpr DI_HOST_DEVICE int scales_bytes_per_stage() const { return kTileTokens * 4; }
   constexpr DI_HOST_DEVICE int weights_slot_bytes() const { return n_total() * 4; }
   constexpr DI_HOST_DEVICE int q_offset() const { return 0; }
@@ -161,9 +189,8 @@ struct PagedMqaLogitsLayout {
   constexpr DI_HOST_DEVICE int weights_offset() const {
     return scales_offset() + num_kv_stages * scales_bytes_per_stage();
   }
-  constexpr DI_HOST_DEVICE int stage_info_offset() const {
-    return weights_offset() + num_q_slots() * weights_slot_bytes();
-  }
+  constexpr DI_HOST_DEVICE int q_stage_offset() const { return weights_offset() + num_q_slots() * weights_slot_bytes(); }
+  constexpr DI_HOST_DEVICE int stage_info_offset() const { return q_stage_offset() + q_stage_bytes(); }
   constexpr DI_HOST_DEVICE int slot_info_offset() const { return stage_info_offset() + num_kv_stages * 16; }
   // split_relu: per q slot, the pieces' max |value| (float bits) [next_n][4]
   constexpr DI_HOST_DEVICE int amax_offset() const { return slot_info_offset() + num_q_slots() * slot_info_ints() * 4; }
@@ -172,7 +199,9 @@ struct PagedMqaLogitsLayout {
   }
   // full[S], empty[S], q_full[2], q_empty[2], and with split_relu pieces_full[2] (with one q slot the
   // second of each pair is unused)
-  constexpr DI_HOST_DEVICE int num_barriers() const { return 2 * num_kv_stages + 4 + (split_relu ? 2 : 0); }
+  constexpr DI_HOST_DEVICE int num_barriers() const {
+    return 2 * num_kv_stages + 4 + (split_relu ? 2 : 0) + (q_staged() ? 1 : 0);
+  }
   constexpr DI_HOST_DEVICE int smem_used_bytes() const { return barrier_offset() + num_barriers() * 8; }
   constexpr DI_HOST_DEVICE int smem_bytes() const { return smem_used_bytes() + kSmemAlignSlack; }
   // Bytes one sequence's q + weights TMA brings in (expect_tx of q_full).
@@ -196,7 +225,8 @@ struct PagedMqaLogitsLayout {
            (!split_relu || (num_chunks() == 1 && mma_cols() <= 256)) &&
            // swizzle atoms: every q slot / KV tile / q box / chunk start on a 1024-byte boundary
            q_slot_bytes() % 1024 == 0 && kv_tile_bytes() % 1024 == 0 && (q_box_rows() * head_dim) % 1024 == 0 &&
-           (chunk_cols() * head_dim) % 1024 == 0 && (block_kv * head_dim) % 1024 == 0 &&
+           (chunk_cols() * head_dim) % 1024 == 0 && (kv_fp4 || (block_kv * head_dim) % 1024 == 0) &&
+           q_stage_bytes() % 16 == 0 && (block_kv * kv_row_bytes()) % 16 == 0 &&
            q_box_rows() <= 256 && q_box_rows() * q_num_boxes() == n_total() && chunk_cols() <= 256 &&
            chunk_cols() % 8 == 0 && smem_bytes() <= kSmemLimit;
   }
@@ -207,11 +237,13 @@ struct PagedMqaLogitsLayout {
 constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, int head_dim, int block_kv,
                                                    int out_bytes, int math_wgs = 0,
                                                    int max_stages = PagedMqaLogitsLayout::kMaxKVStages,
-                                                   bool split_relu = false) {
-  const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes, math_wgs}.stage_granularity();
+                                                   bool split_relu = false, bool q_fp4 = false,
+                                                   bool kv_fp4 = false) {
+  const int w = PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, 0, out_bytes, math_wgs, split_relu, q_fp4, kv_fp4}
+                    .stage_granularity();
   const int cap = max_stages < PagedMqaLogitsLayout::kMaxKVStages ? max_stages : PagedMqaLogitsLayout::kMaxKVStages;
   for (int s = (cap / w > 1 ? cap / w : 1) * w; s >= w; s -= w) {
-    const PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, s, out_bytes, math_wgs, split_relu};
+    const PagedMqaLogitsLayout l{next_n, num_heads, head_dim, block_kv, s, out_bytes, math_wgs, split_relu, q_fp4, kv_fp4};
     if (l.valid()) return s;
   }
   return 0;
@@ -219,10 +251,11 @@ constexpr DI_HOST_DEVICE int paged_mqa_max_kv_stages(int next_n, int num_heads, 
 
 constexpr DI_HOST_DEVICE PagedMqaLogitsLayout make_paged_mqa_layout(
     int next_n, int num_heads, int head_dim, int block_kv, int out_bytes, int math_wgs = 0,
-    int max_stages = PagedMqaLogitsLayout::kMaxKVStages, bool split_relu = false) {
-  const int stages =
-      paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs, max_stages, split_relu);
-  return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, stages, out_bytes, math_wgs, split_relu};
+    int max_stages = PagedMqaLogitsLayout::kMaxKVStages, bool split_relu = false, bool q_fp4 = false,
+    bool kv_fp4 = false) {
+  const int stages = paged_mqa_max_kv_stages(next_n, num_heads, head_dim, block_kv, out_bytes, math_wgs, max_stages,
+                                             split_relu, q_fp4, kv_fp4);
+  return PagedMqaLogitsLayout{next_n, num_heads, head_dim, block_kv, stages, out_bytes, math_wgs, split_relu, q_fp4, kv_fp4};
 }
 
 // Metadata kernel launch: one CTA, no dynamic shared memory. Batches of at most
