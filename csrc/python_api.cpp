@@ -64,6 +64,9 @@ py::dict variant_space() {
   for (int n = 1; n <= kMaxPagedNextN; ++n) next_n.append(n);
   d["next_n"] = py::tuple(next_n);
   d["block_kv"] = py::make_tuple(32, 64);
+  // (q_fp4, kv_fp4) input forms of paged_mqa_logits: FP8 or FP4 q, FP8 or FP4 paged cache (docs/fp4.md)
+  d["paged_input_forms"] = py::make_tuple(py::make_tuple(0, 0), py::make_tuple(1, 1), py::make_tuple(0, 1),
+                                          py::make_tuple(1, 0));
   d["logits_elem_bytes"] = py::make_tuple(py::make_tuple("float32", 4), py::make_tuple("bfloat16", 2));
   // Resident top-k forms the heuristic takes (heuristics_sm90.hpp): (cluster, threads, the most keys per
   // thread within the register budget).
@@ -92,7 +95,9 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       PagedMqaLogitsRuntime::Params p{param(params, "next_n"),   param(params, "num_heads"),
                                       param(params, "head_dim"), param(params, "block_kv"),
                                       param(params, "elem_bytes"), param(params, "context_lens_2d") != 0,
-                                      params.contains("varlen") && params["varlen"].cast<int>() != 0};
+                                      params.contains("varlen") && params["varlen"].cast<int>() != 0,
+                                      params.contains("q_fp4") && params["q_fp4"].cast<int>() != 0,
+                                      params.contains("kv_fp4") && params["kv_fp4"].cast<int>() != 0};
       DI_CHECK_ARG(!p.varlen || p.next_n == 1, "precompile: paged_mqa_logits varlen needs next_n = 1");
       p.layout();  // validates
       py::gil_scoped_release release;
