@@ -64,6 +64,9 @@ py::dict variant_space() {
   for (int n = 1; n <= kMaxPagedNextN; ++n) next_n.append(n);
   d["next_n"] = py::tuple(next_n);
   d["block_kv"] = py::make_tuple(32, 64);
+  // (q_fp4, kv_fp4) input forms of paged_mqa_logits: FP8 or FP4 q, FP8 or FP4 paged cache (docs/fp4.md)
+  d["paged_input_forms"] = py::make_tuple(py::make_tuple(0, 0), py::make_tuple(1, 1), py::make_tuple(0, 1),
+                                          py::make_tuple(1, 0));
   d["logits_elem_bytes"] = py::make_tuple(py::make_tuple("float32", 4), py::make_tuple("bfloat16", 2));
   // Resident top-k forms the heuristic takes (heuristics_sm90.hpp): (cluster, threads, the most keys per
   // thread within the register budget).

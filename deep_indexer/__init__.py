@@ -1,7 +1,7 @@
 """deep_indexer: SM90 kernels for the DeepSeek Sparse Attention lightning indexer.
 
 Ops: fp8_mqa_logits (prefill), get_paged_mqa_logits_metadata + fp8_paged_mqa_logits (decode over
-a paged fp8 KV cache), clean_logits, topk_indices (exact top-k of the logits); DeepGEMM's names fp8_fp4_mqa_logits / fp8_fp4_paged_mqa_logits
+a paged FP8 or FP4 KV cache), clean_logits, topk_indices (exact top-k of the logits); DeepGEMM's names fp8_fp4_mqa_logits / fp8_fp4_paged_mqa_logits
 and get_num_sms / set_num_sms (module deep_indexer.deep_gemm, which also holds install()). Kernels are
 compiled on first use by a C++ JIT (nvcc, sm_90a) and cached on disk; see `python -m deep_indexer
 --help` and docs/api.md.

@@ -16,7 +16,8 @@ def _precompile(args) -> int:
     try:
         results = jit.precompile(ops=args.ops, heads=args.heads, head_dims=args.head_dims, next_n=args.next_n,
                                  block_kv=args.block_kv, logits_dtypes=args.logits_dtypes, arch=args.arch,
-                                 jobs=args.jobs, progress=None if args.quiet else progress)
+                                 jobs=args.jobs, progress=None if args.quiet else progress,
+                                 paged_inputs=args.paged_inputs)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -78,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"paged-cache block sizes in tokens (default: both of {' '.join(map(str, jit.BLOCK_KV))})")
     pc.add_argument("--logits-dtypes", nargs="+", default=None, metavar="DTYPE",
                     help=f"logits dtypes (default: both of {' '.join(jit.LOGITS_DTYPES)})")
+    pc.add_argument("--paged-inputs", nargs="+", default=None, metavar="FORM",
+                    help=f"decode input forms, q and paged cache in FP8 or FP4 (default: all of "
+                         f"{' '.join(jit.PAGED_INPUTS)})")
     pc.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
     pc.add_argument("--quiet", action="store_true", help="no per-variant progress lines")
     pc.set_defaults(func=_precompile)

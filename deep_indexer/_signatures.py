@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 KV = tuple[Tensor, Tensor]  # (k [SKV, D] fp8, k_scale [SKV] float32) or FP4 (k_fp4 [SKV, D / 2], k_sf [SKV] int32)
-QInput = Union[Tensor, tuple]  # prefill / DeepGEMM's q: a tensor, (q, None) or FP4 (q_fp4, q_sf int32)
+QInput = Union[Tensor, tuple]  # q of every logits op: a tensor, (q, None) or FP4 (q_fp4, q_sf int32)
 REQUIRED = inspect.Parameter.empty
 
 
@@ -44,7 +44,7 @@ def get_paged_mqa_logits_metadata(context_lens: Tensor, block_kv: int, num_sms: 
                                   indices: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor: ...
 
 
-def fp8_paged_mqa_logits(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
+def fp8_paged_mqa_logits(q: QInput, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
                          schedule_meta: Tensor, max_context_len: int, clean_logits: bool = False, *,
                          logits_dtype: torch.dtype = torch.float32, indices: Optional[Tensor] = None,
                          out: Optional[Tensor] = None) -> Tensor: ...
@@ -58,7 +58,7 @@ def topk_indices(logits: Tensor, k: int, cu_seq_len_k_start: Optional[Tensor] = 
                  indices: Optional[Tensor] = None): ...
 
 
-def fp8_paged_mqa_topk_indices(q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
+def fp8_paged_mqa_topk_indices(q: QInput, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor,
                                schedule_meta: Tensor, max_context_len: int, k: int, *, sorted: bool = False,
                                index_mode: str = "relative", row_offset: Optional[Tensor] = None,
                                return_values: bool = False, logits_dtype: torch.dtype = torch.float32,
@@ -96,21 +96,21 @@ _PREFILL = "q kv weights cu_seq_len_k_start cu_seq_len_k_end clean_logits"
 _PAGED = "q kv_cache weights context_lens block_table schedule_meta max_context_len clean_logits"
 
 # deep_indexer.deep_gemm: DeepGEMM's indexer entry points (its argument order and defaults; our extras
-# keyword-only and last). The fp8_fp4_* names also take q as (q, None).
+# keyword-only and last). q may be a tensor, (q, None) or FP4 (q_fp4, q_sf) everywhere.
 DEEP_GEMM = {
     "fp8_fp4_mqa_logits": View("fp8_mqa_logits", f"{_PREFILL} max_seqlen_k logits_dtype * out"),
     "fp8_mqa_logits": View("fp8_mqa_logits", f"{_PREFILL} max_seqlen_k * logits_dtype out"),
     "get_paged_mqa_logits_metadata": View("get_paged_mqa_logits_metadata", "context_lens block_kv num_sms indices * out",
                                           required=("num_sms",)),
-    "fp8_fp4_paged_mqa_logits": View("fp8_paged_mqa_logits", f"{_PAGED} logits_dtype indices * out",
-                                     types={"q": QInput}),
-    "fp8_paged_mqa_logits": View("fp8_paged_mqa_logits", f"{_PAGED} indices * logits_dtype out",
-                                 types={"q": QInput}),
+    "fp8_fp4_paged_mqa_logits": View("fp8_paged_mqa_logits", f"{_PAGED} logits_dtype indices * out"),
+    "fp8_paged_mqa_logits": View("fp8_paged_mqa_logits", f"{_PAGED} indices * logits_dtype out"),
 }
 
-# torch.ops.deep_indexer.* (deep_indexer.torch_ops): every argument positional, kv as two tensors, no
-# Python-only options; the *_out ops and clean_logits write into an argument and return None.
+# torch.ops.deep_indexer.* (deep_indexer.torch_ops): every argument positional, kv as two tensors, a decode
+# q as its tensor plus q_sf (None: FP8 q; int32 [B, next_n, H]: q holds FP4 codes as uint8), no Python-only
+# options; the *_out ops and clean_logits write into an argument and return None.
 _K = {"k": (Tensor, REQUIRED), "k_scale": (Tensor, REQUIRED)}
+_Q_SF = {"q_sf": (Optional[Tensor], None)}
 _TOPK = ("logits k cu_seq_len_k_start cu_seq_len_k_end context_lens next_n sorted index_mode block_table block_size "
          "row_offset")
 TORCH_OPS = {
@@ -122,9 +122,11 @@ TORCH_OPS = {
     "get_paged_mqa_logits_metadata": View("get_paged_mqa_logits_metadata", "context_lens block_kv num_sms indices"),
     "get_paged_mqa_logits_metadata_out": View("get_paged_mqa_logits_metadata", "context_lens block_kv out indices",
                                               required=("out",), types={"out": Tensor}, returns=None),
-    "fp8_paged_mqa_logits": View("fp8_paged_mqa_logits", f"{_PAGED} logits_dtype indices"),
-    "fp8_paged_mqa_logits_out": View("fp8_paged_mqa_logits", f"{_PAGED} out indices",
-                                     required=("clean_logits", "out"), types={"out": Tensor}, returns=None),
+    "fp8_paged_mqa_logits": View("fp8_paged_mqa_logits", f"{_PAGED} logits_dtype indices q_sf",
+                                 types={"q": Tensor}, extra=_Q_SF),
+    "fp8_paged_mqa_logits_out": View("fp8_paged_mqa_logits", f"{_PAGED} out indices q_sf",
+                                     required=("clean_logits", "out"), types={"q": Tensor, "out": Tensor},
+                                     extra=_Q_SF, returns=None),
     "clean_logits": View("clean_logits", returns=None),
     "topk_indices": View("topk_indices", f"{_TOPK} indices", extra={"block_size": (int, 0)}, returns=Tensor),
     "topk_indices_out": View("topk_indices", f"{_TOPK} out out_values indices",

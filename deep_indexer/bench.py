@@ -8,7 +8,9 @@ also get the logits and metadata kernels' own GPU durations (CUPTI through torch
 flush, median), taken after every event timing (a profiler pass slows later launches). Ceilings:
 device-to-device copy (bytes read + written) and an 8192^3 fp8 GEMM through torch._scaled_mm.
 Prefill reports TFLOPS = 2 * valid pairs * H * D / time; decode reports GB/s
-over q + weights + (D + 4) B per key token + 4 B per block-table entry + 4 B per valid logit.
+over q + weights + (D + 4) B per key token + 4 B per block-table entry + 4 B per valid logit
+(FP4 decode: D / 2 + 4 B per key token and per q head), and its roofline: the larger of those bytes
+at the copy rate and 2 * next_n * H * D FLOPs per key token at the fp8 GEMM rate.
 """
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ DECODE_SHAPES = {  # id: (B, next_n, avg context)
 VARLEN_SHAPES = {
     "V1": (64, 4, 32768),
 }
+# FP4 decode inputs (q and the paged cache in DeepGEMM's FP4 form, 68 bytes per key at D = 128): "<D or V id>-FP4",
+# timed in turn with the FP8 call of the same shape.
+FP4_DECODE_SHAPES = [f"{sid}-FP4" for sid in (*DECODE_SHAPES, *VARLEN_SHAPES)]
 # clean_logits alone: id: (rows, columns) of fp32 logits with random key ranges.
 CLEAN_SHAPES = {"C1": (4096, 131072)}
 
@@ -89,6 +94,19 @@ TOPK_SHAPES = {
 def fused_topk_ids() -> list:
     return ([f"KF-{d}" for d in ("D1", "D2", "D3", "D4", "D5", "D8")] + ["KF-D5:512", "KF-D5:1024"] +
             ["KF-P2", "KF-P2:512", "KF-P3", "KF-P5"])
+
+
+def fused_topk_fp4_ids() -> list:
+    """The fused rows on FP4 inputs ("<KF id>-FP4"; KF-D5:512-FP4 / KF-D5:1024-FP4: the V4 decode steps)."""
+    return [f"{sid}-FP4" for sid in fused_topk_ids()]
+
+
+def shape_groups() -> dict:
+    """The --shapes group names and their ids."""
+    return {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES) + list(VARLEN_SHAPES),
+            "clean": list(CLEAN_SHAPES), "prefill_fp4": FP4_PREFILL_SHAPES,
+            "decode_fp4": FP4_DECODE_SHAPES + [i for i in fused_topk_fp4_ids() if i.startswith("KF-D")],
+            "topk": list(TOPK_SHAPES), "fused_topk": fused_topk_ids(), "fused_topk_fp4": fused_topk_fp4_ids()}
 
 
 def topk_case(sid: str, device, seed: int) -> dict:
@@ -203,10 +221,16 @@ def shape_help() -> str:
     lines += [f"  {i:<11} decode: B={B}, next_n={nn}, average context {avg}" for i, (B, nn, avg) in DECODE_SHAPES.items()]
     lines += [f"  {i:<11} varlen decode: {B} requests x {nn} rows (indices), average context {avg}"
               for i, (B, nn, avg) in VARLEN_SHAPES.items()]
+    lines += ["  " + " ".join(FP4_DECODE_SHAPES)]
+    lines += ["              the decode shape with FP4 q and an FP4 paged cache (D / 2 + 4 bytes per key), timed",
+              "              against its FP8 call; GB/s over the FP4 bytes and x the roofline"]
     lines += [f"  {i:<11} top-k: {rows} x ~{nk(avg)} keys ({pat} rows), k={k}" for i, (rows, avg, pat, k) in TOPK_SHAPES.items()]
     lines += ["  " + " ".join(fused_topk_ids())]
     lines += ["              logits + top-k in one call against the logits alone (KF-<shape>[:k], k = 2048 unless given)"]
-    lines += ["  groups: prefill, prefill_fp4, decode, clean, topk, fused_topk (default: prefill decode clean topk)",
+    lines += ["  " + " ".join(fused_topk_fp4_ids())]
+    lines += ["              the same on FP4 inputs (KF-D5:512-FP4 / KF-D5:1024-FP4: DeepSeek-V4-Flash / -Pro decode steps)"]
+    lines += ["  groups: prefill, prefill_fp4, decode, decode_fp4 (D*-FP4, V1-FP4, KF-D*-FP4), clean, topk, fused_topk,",
+              "          fused_topk_fp4 (default: prefill decode clean topk)",
               "  custom: B:next_n:avg[:H] (decode), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill)"]
     return "\n".join(lines)
 
@@ -377,7 +401,19 @@ def prefill_inputs(S: int, SKV: int, pattern: str, H: int, D: int, device) -> di
     return {"q": q, "kv": (k, k_scale), "weights": w, "ks": ks, "ke": ke, "pairs": pairs}
 
 
-def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, device, seed: int = 0) -> dict:
+def roofline_us(x: dict, ceil: dict):
+    """The decode floor of decode_inputs `x` (us): its bytes at the copy rate or its FLOPs at the fp8 GEMM rate,
+    whichever takes longer (None without ceilings)."""
+    if not ceil:
+        return None
+    return max(x["bytes"] / ceil["copy_GBps"] / 1e3, x["flops"] / ceil["fp8_gemm_TFLOPS"] / 1e6)
+
+
+def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, device, seed: int = 0,
+                  fp4: bool = False) -> dict:
+    """Decode inputs: lengths U[0.7, 1.3] x avg, blocks scattered at random, random keys. fp4: q as (q_fp4, q_sf)
+    and the FP4 paged cache (D / 2 + 4 bytes per key), with the same lengths and block table as for the seed's
+    FP8 inputs. "bytes": what must move; "flops": 2 * next_n * H * D per key token."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     lens = (torch.rand(B, generator=g) * 0.6 + 0.7).mul(avg).to(torch.int32).clamp(min=next_n)
     blocks = (lens + block_kv - 1) // block_kv
@@ -390,31 +426,44 @@ def decode_inputs(B: int, next_n: int, avg: int, H: int, D: int, block_kv: int, 
         n = int(blocks[b])
         table[b, :n] = perm[off:off + n]
         off += n
-    cache = torch.randint(0, 255, (num_blocks, block_kv, 1, D + 4), dtype=torch.uint8, device=device)
-    # valid fp32 scales in each block's tail
-    scales = torch.rand(num_blocks, block_kv, device=device) * 0.02 + 0.001
-    cache.view(num_blocks, -1)[:, block_kv * D:] = scales.view(torch.uint8).view(num_blocks, -1)
-    fp8 = cache.view(num_blocks, -1)[:, : block_kv * D]
-    fp8.copy_(torch.randn(num_blocks, block_kv * D, device=device).to(torch.float8_e4m3fn).view(torch.uint8))
-    q = torch.randn(B, next_n, H, D, device=device).to(torch.float8_e4m3fn)
+    if fp4:
+        cache = torch.randint(0, 255, (num_blocks, block_kv, 1, D // 2 + 4), dtype=torch.uint8, device=device)
+        # random codes (every nibble is an e2m1 code), then scale words: exponents near 1.0, padded with 127
+        e = torch.randint(118, 128, (num_blocks, block_kv, 4), dtype=torch.uint8, device=device)
+        e[..., D // 32:] = 127
+        cache.view(num_blocks, -1)[:, block_kv * D // 2:] = e.view(num_blocks, -1)
+        q = per_token_cast_to_fp4(torch.randn(B, next_n, H, D, device=device))
+        q_bytes, key_bytes = B * next_n * H * (D // 2 + 4), D // 2 + 4
+    else:
+        cache = torch.randint(0, 255, (num_blocks, block_kv, 1, D + 4), dtype=torch.uint8, device=device)
+        # valid fp32 scales in each block's tail
+        scales = torch.rand(num_blocks, block_kv, device=device) * 0.02 + 0.001
+        cache.view(num_blocks, -1)[:, block_kv * D:] = scales.view(torch.uint8).view(num_blocks, -1)
+        fp8 = cache.view(num_blocks, -1)[:, : block_kv * D]
+        fp8.copy_(torch.randn(num_blocks, block_kv * D, device=device).to(torch.float8_e4m3fn).view(torch.uint8))
+        q = torch.randn(B, next_n, H, D, device=device).to(torch.float8_e4m3fn)
+        q_bytes, key_bytes = q.numel(), D + 4
     w = torch.randn(B * next_n, H, device=device)
     ctx = lens.to(device)
     valid = int(sum(max(0, int(l) - next_n + i + 1) for l in lens for i in range(next_n)))
-    nbytes = q.numel() + w.numel() * 4 + int(lens.sum()) * (D + 4) + num_blocks * 4 + valid * 4
+    nbytes = q_bytes + w.numel() * 4 + int(lens.sum()) * key_bytes + num_blocks * 4 + valid * 4
     return {"q": q, "kv_cache": cache, "weights": w, "context_lens": ctx, "block_table": table.to(device),
-            "max_context_len": int(lens.max()), "bytes": nbytes}
+            "max_context_len": int(lens.max()), "bytes": nbytes, "flops": 2 * next_n * H * D * int(lens.sum())}
 
 
-def varlen_inputs(requests: int, rows: int, avg: int, H: int, D: int, block_kv: int, device, seed: int = 0) -> dict:
+def varlen_inputs(requests: int, rows: int, avg: int, H: int, D: int, block_kv: int, device, seed: int = 0,
+                  fp4: bool = False) -> dict:
     """decode_inputs(requests, rows, ...) recast as a varlen batch of requests * rows q rows."""
-    x = decode_inputs(requests, rows, avg, H, D, block_kv, device, seed)
+    x = decode_inputs(requests, rows, avg, H, D, block_kv, device, seed, fp4)
     R = requests * rows
+    q = x["q"]
+    q = (q[0].reshape(R, 1, H, D // 2), q[1].reshape(R, 1, H)) if fp4 else q.reshape(R, 1, H, D)
     j = torch.arange(rows, device=device)
     ctx = (x["context_lens"][:, None] - rows + 1 + j).reshape(R).to(torch.int32)
     table = torch.full((R, x["block_table"].shape[1]), -1, dtype=torch.int32, device=device)
     table[::rows] = x["block_table"]
     ids = torch.arange(requests, dtype=torch.int32, device=device).repeat_interleave(rows)
-    return {**x, "q": x["q"].reshape(R, 1, H, D), "context_lens": ctx, "block_table": table, "indices": ids}
+    return {**x, "q": q, "context_lens": ctx, "block_table": table, "indices": ids}
 
 
 def prefill_shape(spec: str) -> tuple:
@@ -455,10 +504,11 @@ def prefill_case(spec: str, device) -> tuple:
 
 
 def decode_case(spec: str, device) -> tuple:
-    """Inputs of a decode shape (see decode_shape; D = 128, block 64) and a call of the logits op on
-    them with their schedule (for the tools: profiling, timelines, A/B)."""
-    B, nn, avg, H = decode_shape(spec)
-    x = decode_inputs(B, nn, avg, H, 128, 64, device)
+    """Inputs of a decode shape (see decode_shape; D = 128, block 64; "<id>-FP4": FP4 q and cache) and a call
+    of the logits op on them with their schedule (for the tools: profiling, timelines, A/B)."""
+    fp4 = spec.endswith("-FP4")
+    B, nn, avg, H = decode_shape(spec[:-4] if fp4 else spec)
+    x = decode_inputs(B, nn, avg, H, 128, 64, device, fp4=fp4)
     return x, decode_call(x)
 
 
@@ -475,8 +525,9 @@ def fused_decode_call(x: dict, k: int):
     """The fused decode op (metadata + logits + top-k) on decode_inputs `x` as the bench times it: the
     schedule computed in every call, a workspace and output reused. Returns (call, workspace)."""
 
-    dev = x["q"].device
-    rows = x["q"].shape[0] * x["q"].shape[1]
+    q = x["q"][0] if isinstance(x["q"], tuple) else x["q"]  # (FP4: the codes)
+    dev = q.device
+    rows = q.shape[0] * q.shape[1]
     block_kv = x["kv_cache"].shape[1]
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     ws = di.topk_workspace(rows, x["max_context_len"], device=dev)
@@ -490,13 +541,14 @@ def fused_decode_call(x: dict, k: int):
 
 
 def fused_decode_case(spec: str, device) -> tuple:
-    """Inputs of a fused decode shape 'KF-<D1..D9>[:k]' (H = 64, D = 128, block 64, k = 2048 unless given)
-    and a call of the fused op on them (for the tools). Returns (x, k, call)."""
-    base, _, kk = spec[3:].partition(":")
+    """Inputs of a fused decode shape 'KF-<D1..D9>[:k][-FP4]' (H = 64, D = 128, block 64, k = 2048 unless
+    given; -FP4: FP4 q and cache) and a call of the fused op on them (for the tools). Returns (x, k, call)."""
+    fp4 = spec.endswith("-FP4")
+    base, _, kk = spec[3: len(spec) - 4 * fp4].partition(":")
     if not spec.startswith("KF-") or base not in DECODE_SHAPES:
-        raise ValueError(f"fused decode shape must be KF-<D1..D9>[:k], got {spec!r}")
+        raise ValueError(f"fused decode shape must be KF-<D1..D9>[:k][-FP4], got {spec!r}")
     B, nn, avg, H = decode_shape(base)
-    x = decode_inputs(B, nn, avg, H, 128, 64, device)
+    x = decode_inputs(B, nn, avg, H, 128, 64, device, fp4=fp4)
     k = int(kk) if kk else 2048
     return x, k, fused_decode_call(x, k)[0]
 
@@ -515,10 +567,9 @@ def run(args) -> dict:
     timer = Timer(device, args.flush, args.host_slack_us)
     wanted = args.shapes or ["prefill", "decode", "clean", "topk"]
     ids = []
+    groups = shape_groups()
     for s in wanted:
-        ids += {"prefill": list(PREFILL_SHAPES) + list(COMPRESSED_SHAPES), "decode": list(DECODE_SHAPES) + list(VARLEN_SHAPES),
-                "clean": list(CLEAN_SHAPES),
-                "prefill_fp4": FP4_PREFILL_SHAPES, "topk": list(TOPK_SHAPES), "fused_topk": fused_topk_ids()}.get(s, [s])
+        ids += groups.get(s, [s])
     print(f"device: {name} ({torch.cuda.get_device_properties(device).multi_processor_count} SMs)", flush=True)
     ceil = {} if args.no_ceilings else measure_ceilings(timer, device)
     if ceil:
@@ -582,14 +633,41 @@ def run(args) -> dict:
             frac = gbps / ceil["copy_GBps"] if ceil else None
             shape = (f"varlen {B} requests x {nn} rows" if varlen else f"B={B} next_n={nn}") + \
                 f" avg={avg} H={H} D={D} block={args.block_kv}"
+            floor = roofline_us(x, ceil)
             r = {"id": sid, "kind": "decode", "shape": shape,
-                 "us": us, "GBps": gbps, "fraction_of_ceiling": frac, "metadata_us": meta_us}
+                 "us": us, "GBps": gbps, "fraction_of_ceiling": frac, "metadata_us": meta_us,
+                 "floor_us": floor, "over_floor": us / floor if floor else None}
             if other is not None and not varlen:  # (the reference implementation has no varlen on SM90)
                 ometa = other.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
                 r["compare_us"] = timer(lambda: call(other, ometa), args.iters)
             if not args.no_kernel_time:
                 kernel_time.append((r, lambda call=call: call(di), meta_call))
             del x
+        elif sid in FP4_DECODE_SHAPES:
+            base = sid[:-4]
+            varlen = base in VARLEN_SHAPES
+            B, nn, avg = VARLEN_SHAPES[base] if varlen else DECODE_SHAPES[base]
+            make = varlen_inputs if varlen else decode_inputs
+            x = make(B, nn, avg, H, D, args.block_kv, device, seed=n, fp4=True)
+            x8 = make(B, nn, avg, H, D, args.block_kv, device, seed=n)  # the same lengths and block table, FP8
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            kw = {"indices": x["indices"]} if varlen else {}
+            meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms, **kw)
+            calls = [lambda xi=xi, meta=meta, kw=kw: di.fp8_paged_mqa_logits(
+                xi["q"], xi["kv_cache"], xi["weights"], xi["context_lens"], xi["block_table"], meta,
+                xi["max_context_len"], False, **kw) for xi in (x, x8)]
+            us, fp8_us = timer.alternated(calls, args.iters)  # in turn: the same clocks for both
+            gbps = x["bytes"] / us / 1e3
+            floor = roofline_us(x, ceil)
+            shape = (f"varlen {B} requests x {nn} rows" if varlen else f"B={B} next_n={nn}") + \
+                f" avg={avg} H={H} D={D} block={args.block_kv} FP4"
+            r = {"id": sid, "kind": "decode_fp4", "shape": shape, "us": us, "GBps": gbps,
+                 "fraction_of_ceiling": gbps / ceil["copy_GBps"] if ceil else None, "fp8_us": fp8_us,
+                 "over_fp8": us / fp8_us, "floor_us": floor, "over_floor": us / floor if floor else None}
+            if not args.no_kernel_time:
+                kernel_time.append((r, calls[0], lambda x=x, num_sms=num_sms, kw=kw: di.get_paged_mqa_logits_metadata(
+                    x["context_lens"], args.block_kv, num_sms, **kw)))
+            del x, x8
         elif sid in CLEAN_SHAPES:
             M, N = CLEAN_SHAPES[sid]
             logits = torch.randn(M, N, device=device)
@@ -617,11 +695,12 @@ def run(args) -> dict:
                 r["compare_us"] = timer(topk_run(x, lib=other), args.iters)
             del x, out
         elif sid.startswith("KF-"):
-            base, _, kk = sid[3:].partition(":")
+            fp4 = sid.endswith("-FP4")  # FP4 q and kv (decode: the FP4 paged cache)
+            base, _, kk = sid[3: len(sid) - 4 * fp4].partition(":")
             k = int(kk) if kk else 2048
             if base in DECODE_SHAPES:
                 B, nn, avg = DECODE_SHAPES[base]
-                x = decode_inputs(B, nn, avg, H, D, args.block_kv, device, seed=n)
+                x = decode_inputs(B, nn, avg, H, D, args.block_kv, device, seed=n, fp4=fp4)
                 num_sms = torch.cuda.get_device_properties(device).multi_processor_count
                 fused, ws = fused_decode_call(x, k)
 
@@ -629,15 +708,18 @@ def run(args) -> dict:
                     meta = di.get_paged_mqa_logits_metadata(x["context_lens"], args.block_kv, num_sms)
                     return di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], x["context_lens"],
                                                    x["block_table"], meta, x["max_context_len"], False, out=ws)
-                shape = f"B={B} next_n={nn} avg={avg} H={H} D={D} k={k} (metadata included)"
+                shape = f"B={B} next_n={nn} avg={avg} H={H} D={D} k={k} (metadata included)" + (" FP4" if fp4 else "")
             elif base in PREFILL_SHAPES:
                 S, SKV, pat = PREFILL_SHAPES[base]
                 x = prefill_inputs(S, SKV, pat, H, D, device)
+                if fp4:
+                    x["q"] = per_token_cast_to_fp4(torch.randn(S, H, D, device=device, dtype=torch.bfloat16))
+                    x["kv"] = per_token_cast_to_fp4(torch.randn(SKV, D, device=device, dtype=torch.bfloat16))
                 out = torch.empty(S, k, dtype=torch.int32, device=device)
                 fused = lambda x=x, out=out, k=k: di.fp8_mqa_topk_indices(x["q"], x["kv"], x["weights"], x["ks"], x["ke"],
                                                                           k, out=out)
                 logits_only = lambda x=x: di.fp8_mqa_logits(x["q"], x["kv"], x["weights"], x["ks"], x["ke"], False)
-                shape = f"S={S} SKV={SKV} {pat} H={H} D={D} k={k}"
+                shape = f"S={S} SKV={SKV} {pat} H={H} D={D} k={k}" + (" FP4" if fp4 else "")
             else:
                 raise SystemExit(f"bench: unknown shape id '{sid}'")
             # Timed in turn: the fused call first and the logits after it (as before) favoured the
@@ -680,7 +762,10 @@ def print_table(res: dict) -> None:
             fl = (f"floor {r['floor_us']:.1f} us, {r['over_floor']:.2f}x of it; " if r.get("floor_us") else "")
             extra += f"  ({fl}torch.topk {r['torch_topk_us']:.1f} us, {r['speedup_vs_torch_topk']:.1f}x faster)"
         if "fp8_us" in r:
-            extra += f"  (FP8 {r['fp8_us']:.1f} us: FP4 {r['over_fp8']:.3f}x of it; the fold alone {r['fold_us']:.1f} us)"
+            fold = f"; the fold alone {r['fold_us']:.1f} us" if "fold_us" in r else ""
+            extra += f"  (FP8 {r['fp8_us']:.1f} us: FP4 {r['over_fp8']:.3f}x of it{fold})"
+        if r.get("floor_us") and "torch_topk_us" not in r:
+            extra += f"  (roofline {r['floor_us']:.1f} us: {r['over_floor']:.2f}x)"
         if "kernel_us" in r:
             extra += f"  (kernels alone: logits {r['kernel_us']:.1f} us, metadata {r.get('metadata_kernel_us', 0):.1f} us)"
         cmp = (f"  ({res.get('compare')}: {r['compare_us']:.1f} us; deep_indexer {r['compare_us'] / r['us']:.2f}x as fast)"

@@ -14,11 +14,11 @@ points, so code written for `deep_gemm` (positional or keyword calls) runs uncha
 deep_indexer's own extras (`out=`, and `logits_dtype` on the older names) are keyword-only. The
 signatures are written in deep_indexer._signatures (DEEP_GEMM); tests/test_deep_gemm.py spells
 DeepGEMM's out independently.
-Prefill takes FP8 and FP4 inputs: `q` is `(q_fp8, None)`, a plain float8_e4m3fn tensor or
-`(q_fp4, q_sf)`; `kv` is `(k_fp8, k_scale)` or `(k_fp4, k_sf)` (FP4 is folded exactly into e4m3 for the
-SM90 FP8 kernel, docs/fp4.md). Decode is FP8 only: an FP4 q or FP4 paged cache raises a ValueError
-saying the SM90 FP4 decode kernel is not available yet. Weights may be float32, bfloat16 or float16
-(converted to float32 on the GPU, graph-capturable).
+Both prefill and decode take FP8 and FP4 inputs (DeepGEMM's formats, docs/fp4.md): `q` is `(q_fp8, None)`,
+a plain float8_e4m3fn tensor or `(q_fp4, q_sf)`; prefill `kv` is `(k_fp8, k_scale)` or `(k_fp4, k_sf)`;
+the decode `kv_cache` is DeepGEMM's FP8 paged cache ([..., D + 4] bytes per token) or its FP4 one
+([..., D / 2 + 4]), with either q. Weights may be float32, bfloat16 or float16 (converted to float32 on the
+GPU, graph-capturable).
 
 `install()` makes `import deep_gemm` / `from deep_gemm import fp8_fp4_mqa_logits` in an engine
 resolve these names to deep_indexer (see its docstring and docs/api.md).
@@ -50,28 +50,7 @@ __all__ = [
     "set_num_sms",
 ]
 
-_FP4_DTYPES = tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2", "uint8", "int8") if hasattr(torch, n))
 _HALF_WEIGHTS = (torch.bfloat16, torch.float16)
-
-def _fp8_only(op: str, what: str) -> ValueError:
-    return ValueError(f"deep_indexer.{op}: {what}; the SM90 FP4 decode kernel is not available yet: decode "
-                      f"supports only the FP8 path on SM90 (q = (q float8_e4m3fn, None), the FP8 paged cache; FP4 "
-                      f"inputs are supported by the prefill ops)")
-
-
-def _unpack_q(op: str, q) -> torch.Tensor:
-    """(q_fp8, None) or q_fp8 -> q_fp8; FP4 forms raise a clear ValueError."""
-    if isinstance(q, (tuple, list)):
-        if len(q) != 2:
-            raise ValueError(f"deep_indexer.{op}: q must be a tensor or a tuple (q, None), got a tuple of {len(q)}")
-        q, q_sf = q
-        if q_sf is not None:
-            raise _fp8_only(op, "q[1] (FP4 scale factors of q) must be None")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"deep_indexer.{op}: q must be a torch.Tensor or (tensor, None), got {type(q).__name__}")
-    if q.dtype in _FP4_DTYPES:
-        raise _fp8_only(op, f"q has dtype {q.dtype} (packed FP4)")
-    return q
 
 
 def _float_weights(weights: torch.Tensor, native: tuple = ()) -> torch.Tensor:
@@ -79,15 +58,6 @@ def _float_weights(weights: torch.Tensor, native: tuple = ()) -> torch.Tensor:
     if isinstance(weights, torch.Tensor) and weights.dtype in _HALF_WEIGHTS and weights.dtype not in native:
         return weights.float()
     return weights
-
-
-def _check_kv_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or q.dim() != 4:
-        return  # ops.fp8_paged_mqa_logits raises its own error
-    d = q.size(-1)
-    if kv_cache.size(-1) == d // 2 + 4 and kv_cache.size(-1) != d + 4:
-        raise _fp8_only(op, f"kv_cache rows hold {kv_cache.size(-1)} bytes = D / 2 + 4 for D = {d} (an FP4 cache; "
-                            f"the FP8 cache has D + 4 = {d + 4})")
 
 
 # ------------------------------------------------------------------------------------ prefill
@@ -131,20 +101,20 @@ def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices, out)
 
 def _decode(op, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
             logits_dtype, indices, out):
-    q = _unpack_q(op, q)
-    _check_kv_cache(op, q, kv_cache)
-    return ops.fp8_paged_mqa_logits(q, kv_cache, _float_weights(weights), context_lens, block_table, schedule_meta,
-                                    max_context_len, clean_logits, logits_dtype=logits_dtype, indices=indices,
-                                    out=out)
+    q, q_sf = ops._decode_q(op, q)  # (q_fp8, None) / q_fp8 / (q_fp4, q_sf); errors name this op
+    return ops._paged_logits(op, q, q_sf, kv_cache, _float_weights(weights), context_lens, block_table, schedule_meta,
+                             max_context_len, clean_logits, logits_dtype, indices, out)
 
 
 @_op(DEEP_GEMM["fp8_fp4_paged_mqa_logits"])
 def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
                              logits_dtype, indices, out):
-    """Decode indexer logits over a paged FP8 cache, as deep_indexer.fp8_paged_mqa_logits (docs/api.md).
+    """Decode indexer logits over a paged cache, as deep_indexer.fp8_paged_mqa_logits (docs/api.md).
 
-    q: (q [B, next_n, H, D] float8_e4m3fn, None) or q. kv_cache: uint8 [num_blocks, block_kv, 1, D + 4].
-    weights: [B * next_n, H] float32 (bfloat16/float16 are converted). Returns [B * next_n, max_context_len].
+    q: (q [B, next_n, H, D] float8_e4m3fn, None), q, or FP4 (q_fp4 [B, next_n, H, D / 2] int8/uint8, q_sf
+    [B, next_n, H] int32). kv_cache: uint8 [num_blocks, block_kv, 1, D + 4] (FP8) or [..., D / 2 + 4] (FP4),
+    with either q. weights: [B * next_n, H] float32 (bfloat16/float16 are converted).
+    Returns [B * next_n, max_context_len]: the logits of the dequantized inputs (docs/fp4.md).
     """
     return _decode("fp8_fp4_paged_mqa_logits", q, kv_cache, weights, context_lens, block_table, schedule_meta,
                    max_context_len, clean_logits, logits_dtype, indices, out)
@@ -153,7 +123,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, sc
 @_op(DEEP_GEMM["fp8_paged_mqa_logits"])
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
                          indices, logits_dtype, out):
-    """The older name of fp8_fp4_paged_mqa_logits (q is a plain float8_e4m3fn tensor)."""
+    """The older name of fp8_fp4_paged_mqa_logits (the same q / kv_cache forms)."""
     return _decode("fp8_paged_mqa_logits", q, kv_cache, weights, context_lens, block_table, schedule_meta,
                    max_context_len, clean_logits, logits_dtype, indices, out)
 

@@ -30,6 +30,9 @@ FP4_HEAD_DIMS = tuple(_SPACE["fp4_head_dims"])  # fp4_fold (FP4 q / kv folded in
 TRAINING_HEAD_DIMS = tuple(_SPACE["training_head_dims"])  # bf16 training kernels (deep_indexer.training)
 NEXT_N = tuple(_SPACE["next_n"])
 BLOCK_KV = tuple(_SPACE["block_kv"])
+# decode input forms by name: (q_fp4, kv_fp4) of paged_mqa_logits (FP8 or FP4 q, FP8 or FP4 paged cache)
+_FORM_NAMES = {(0, 0): "fp8", (1, 1): "fp4", (0, 1): "fp8q-fp4kv", (1, 0): "fp4q-fp8kv"}
+PAGED_INPUTS = {_FORM_NAMES[tuple(f)]: tuple(f) for f in _SPACE["paged_input_forms"]}
 _ELEM_BYTES = dict(_SPACE["logits_elem_bytes"])
 LOGITS_DTYPES = tuple(_ELEM_BYTES)
 TRAINING_TARGET_HEAD_DIMS = tuple(_SPACE["training_target_head_dims"])  # attention q.k dims precompiled for the warm-up target
@@ -64,9 +67,12 @@ def variants(
     next_n: Optional[Sequence[int]] = None,
     block_kv: Optional[Sequence[int]] = None,
     logits_dtypes: Optional[Sequence[str]] = None,
+    paged_inputs: Optional[Sequence[str]] = None,
 ) -> list[Variant]:
-    """Every kernel variant of the chosen ops over the chosen options (None = all supported)."""
+    """Every kernel variant of the chosen ops over the chosen options (None = all supported). paged_inputs:
+    the decode input forms (names of PAGED_INPUTS: "fp8", "fp4", "fp8q-fp4kv", "fp4q-fp8kv")."""
     ops = _check_choice("op", ops or OPS, OPS)
+    forms = [PAGED_INPUTS[f] for f in _check_choice("paged input form", paged_inputs or PAGED_INPUTS, list(PAGED_INPUTS))]
     dtypes = _check_choice("logits dtype", logits_dtypes or LOGITS_DTYPES, LOGITS_DTYPES)
     hs = _check_choice("head count", heads or HEADS, HEADS)
     nn = _check_choice("next_n", next_n or NEXT_N, NEXT_N)
@@ -89,11 +95,13 @@ def variants(
                 add(op, num_heads=h, head_dim=d, elem_bytes=_ELEM_BYTES[dt])
         elif op == "paged_mqa_logits":
             dims = [d for d in (head_dims or PAGED_HEAD_DIMS) if d in PAGED_HEAD_DIMS]
-            for n, h, d, b, dt, two_d in itertools.product(nn, hs, dims, bk, dtypes, (0, 1)):
-                add(op, next_n=n, num_heads=h, head_dim=d, block_kv=b, elem_bytes=_ELEM_BYTES[dt], context_lens_2d=two_d)
+            for (q4, kv4), n, h, d, b, dt, two_d in itertools.product(forms, nn, hs, dims, bk, dtypes, (0, 1)):
+                fp4 = {k: 1 for k, on in (("q_fp4", q4), ("kv_fp4", kv4)) if on}  # (FP8 variants: as before)
+                add(op, next_n=n, num_heads=h, head_dim=d, block_kv=b, elem_bytes=_ELEM_BYTES[dt], context_lens_2d=two_d,
+                    **fp4)
                 if n == 1:  # varlen (indices) variants exist for next_n = 1 only
                     add(op, next_n=n, num_heads=h, head_dim=d, block_kv=b, elem_bytes=_ELEM_BYTES[dt],
-                        context_lens_2d=two_d, varlen=1)
+                        context_lens_2d=two_d, varlen=1, **fp4)
         elif op == "paged_mqa_logits_metadata":
             for n, small in itertools.product(nn, (1, 0)):
                 add(op, next_n=n, small=small)
@@ -169,13 +177,16 @@ def precompile(
     arch: Optional[str] = None,
     jobs: Optional[int] = None,
     progress: Optional[Callable[[int, int, dict], None]] = None,
+    paged_inputs: Optional[Sequence[str]] = None,
 ) -> list[dict]:
     """Compiles the chosen kernel variants into the disk cache, `jobs` nvcc processes at a time.
 
     Returns one dict per variant (kernel, params, registers, spill bytes, smem bytes, seconds,
     from_cache, or `error`). Never raises for a failed variant: check each dict's "error".
+    paged_inputs: the decode input forms to compile (default: all of PAGED_INPUTS).
     """
-    return compile_variants(variants(ops, heads, head_dims, next_n, block_kv, logits_dtypes), arch, jobs, progress)
+    return compile_variants(variants(ops, heads, head_dims, next_n, block_kv, logits_dtypes, paged_inputs), arch, jobs,
+                            progress)
 
 
 def compile_variants(

@@ -11,7 +11,7 @@ import torch
 import deep_indexer._C as _C
 from . import quant
 from ._signatures import native
-from .torch_ops import elem_bytes, padded_row_stride  # (importing torch_ops registers torch.ops.deep_indexer.*)
+from .torch_ops import elem_bytes, padded_row_stride, paged_cache_rows_error  # (registers torch.ops.deep_indexer.*)
 
 # @native: the signature (names, order, kinds, defaults) is deep_indexer._signatures' stub of the same
 # name; each implementation below gets every argument positionally in that order, types checked.
@@ -43,23 +43,24 @@ def _elem_bytes(logits_dtype: torch.dtype, op: str) -> int:
     return elem_bytes(logits_dtype, f"deep_indexer.{op}")
 
 
-# ------------------------------------------------------------------------------------ FP4 prefill inputs
+# ------------------------------------------------------------------------------------ FP4 inputs
 _FP4_CODE_DTYPES = tuple(getattr(torch, n) for n in ("uint8", "int8", "float4_e2m1fn_x2") if hasattr(torch, n))
 _FP4_HEAD_DIMS = (32, 64, 128)  # the FP8 prefill kernel's head dims (FP4 needs D % 32 == 0)
+_PAGED_HEAD_DIMS = (64, 128)  # the decode kernel's
 _FP4_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fp4_codes(op: str, name: str, codes, sf, ndim: int, lead: str) -> torch.Tensor:
-    """Validate one FP4 operand (codes [*lead, D / 2], sf int32 [*lead]); return the codes as uint8."""
+def _fp4_codes(op: str, name: str, codes, sf, ndim: int, lead: str, dims: tuple = _FP4_HEAD_DIMS) -> torch.Tensor:
+    """Validate one FP4 operand (codes [*lead, D / 2], sf int32 [*lead], D in dims); return the codes as uint8."""
     where = f"deep_indexer.{op}"
     if not isinstance(codes, torch.Tensor) or not isinstance(sf, torch.Tensor):
         bad = codes if not isinstance(codes, torch.Tensor) else sf
         raise TypeError(f"{where}: {name} must be two tensors (codes, int32 scale words), got {type(bad).__name__}")
     if codes.dtype not in _FP4_CODE_DTYPES:
         raise ValueError(f"{where}: {name}[0] (FP4 codes) must be uint8 or int8, got {codes.dtype}")
-    if codes.dim() != ndim or codes.shape[-1] * 2 not in _FP4_HEAD_DIMS:
-        raise ValueError(f"{where}: {name}[0] (FP4 codes) must be [{lead}, D / 2] with D in 32/64/128 (two e2m1 codes "
-                         f"per byte), got shape {list(codes.shape)}")
+    if codes.dim() != ndim or codes.shape[-1] * 2 not in dims:
+        raise ValueError(f"{where}: {name}[0] (FP4 codes) must be [{lead}, D / 2] with D in "
+                         f"{'/'.join(map(str, dims))} (two e2m1 codes per byte), got shape {list(codes.shape)}")
     if sf.dtype != torch.int32 or tuple(sf.shape) != tuple(codes.shape[:-1]):
         raise ValueError(f"{where}: {name}[1] (FP4 scale words) must be int32 {list(codes.shape[:-1])} ([{lead}]: one "
                          f"ue8m0 exponent per 32 values, packed little-endian), got {sf.dtype} {list(sf.shape)}")
@@ -165,14 +166,85 @@ def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices, out)
     return _C.get_paged_mqa_logits_metadata(context_lens, int(block_kv), num_sms, out, indices)
 
 
+# ------------------------------------------------------------------------------------ decode inputs
+# The decode hot path (~10 us a call) checks nothing here beyond unpacking q: the extension validates every
+# argument, and when it raises, _decode_inputs_error looks for a cause it can name more clearly.
+_CODE_VIEWS = tuple(d for d in _FP4_CODE_DTYPES if d != torch.uint8)  # FP4 code dtypes passed on as uint8
+_PAGED_FP4_FORM = "(q_fp4 [B, next_n, H, D / 2], q_sf [B, next_n, H] int32)"
+
+
+def _decode_q(op: str, q) -> tuple:
+    """(q, q_sf) as the extension takes them: (q, None) for an FP8 q, (codes as uint8, q_sf) for an FP4 q.
+
+    q: a tensor, (q, None) or (q_fp4 [B, next_n, H, D / 2] uint8/int8/float4_e2m1fn_x2, q_sf [B, next_n, H]
+    int32). Only the Python types are checked here (see _decode_inputs_error)."""
+    if isinstance(q, torch.Tensor):
+        return q, None
+    if not isinstance(q, (tuple, list)) or len(q) != 2:
+        got = f"a {type(q).__name__} of {len(q)}" if isinstance(q, (tuple, list)) else type(q).__name__
+        raise ValueError(f"deep_indexer.{op}: q must be a tensor, (q, None) or (q_fp4, q_sf), got {got}")
+    q, q_sf = q
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"deep_indexer.{op}: q[0] must be a torch.Tensor, got {type(q).__name__}")
+    if q_sf is None:
+        return q, None
+    if not isinstance(q_sf, torch.Tensor):
+        raise TypeError(f"deep_indexer.{op}: q must be two tensors (codes, int32 scale words), got "
+                        f"{type(q_sf).__name__}")
+    return (q.view(torch.uint8) if q.dtype in _CODE_VIEWS else q), q_sf
+
+
+def _decode_inputs_error(op: str, q: torch.Tensor, q_sf, kv_cache):
+    """A clearer error for decode inputs the extension rejected, or None: packed FP4 codes without scale
+    words, a malformed FP4 q (codes dtype or shape, q_sf dtype, shape or device), a cache of neither layout."""
+    if q_sf is None:
+        if q.dtype in _FP4_CODE_DTYPES:
+            return ValueError(f"deep_indexer.{op}: q has dtype {q.dtype} (packed FP4) but no scale words: pass "
+                              f"q = {_PAGED_FP4_FORM}")
+    else:
+        try:
+            _fp4_codes(op, "q", q, q_sf, 4, "B, next_n, H", _PAGED_HEAD_DIMS)
+        except (TypeError, ValueError) as e:
+            return e
+    return paged_cache_rows_error(op, q, q_sf, kv_cache)
+
+
+def _paged_logits(op: str, q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                  clean_logits, logits_dtype, indices, out):
+    """The decode logits of q as _decode_q returns it, over either cache layout (the extension tells them
+    apart by the row bytes for q's head dim: D + 4 or D / 2 + 4)."""
+    if _compiling():
+        err = _decode_inputs_error(op, q, q_sf, kv_cache)  # (at trace time only)
+        if err is not None:
+            raise err
+        if out is None:
+            return _ops().fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                               max_context_len, clean_logits, logits_dtype, indices, q_sf)
+        _ops().fp8_paged_mqa_logits_out(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                        max_context_len, clean_logits, out, indices, q_sf)
+        return out
+    try:
+        return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                       int(max_context_len), bool(clean_logits), _elem_bytes(logits_dtype, op), out,
+                                       indices, q_sf)
+    except ValueError:
+        err = _decode_inputs_error(op, q, q_sf, kv_cache)
+        if err is None:
+            raise
+    raise err
+
+
 @native
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
                          logits_dtype, indices, out):
-    """Decode indexer logits over a paged fp8 KV cache (docs/api.md): [B * next_n, max_context_len].
+    """Decode indexer logits over a paged KV cache (docs/api.md): [B * next_n, max_context_len].
 
-    q [B, next_n, H, D] fp8 (next_n 1..8, H 16/32/64/128, D 64/128); kv_cache uint8
-    [num_blocks, block_kv (32/64), 1, D + 4] (fp8 keys then fp32 scales per block); weights
-    [B * next_n, H] float32 (rows may be padded to a multiple of 4 elements; 16-byte aligned); context_lens int32 [B] (row (b, i) sees j <= ctx[b] - next_n + i) or
+    q [B, next_n, H, D] fp8 (also as (q, None); next_n 1..8, H 16/32/64/128, D 64/128) or FP4
+    (q_fp4 [B, next_n, H, D / 2] uint8/int8/float4_e2m1fn_x2, q_sf [B, next_n, H] int32: DeepGEMM's format,
+    docs/fp4.md); kv_cache uint8 [num_blocks, block_kv (32/64), 1, D + 4] (fp8 keys then fp32 scales per
+    block) or [..., D / 2 + 4] (the FP4 cache: codes then int32 scale words per block), with either q;
+    weights [B * next_n, H] float32 (rows may be padded to a multiple of 4 elements; 16-byte aligned);
+    context_lens int32 [B] (row (b, i) sees j <= ctx[b] - next_n + i) or
     [B, next_n] (row (b, i) sees j < ctx[b, i]); block_table int32 [B, max_blocks]; schedule_meta from
     get_paged_mqa_logits_metadata with the same block_kv. max_context_len must be >= every context length.
 
@@ -182,17 +254,15 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     first row (the other rows' block-table entries are ignored), and row r sees keys j < context_lens[r].
     Id values are only compared with their neighbours, so any int32 value is safe. Pass the same
     indices to get_paged_mqa_logits_metadata.
+
+    FP4 operands are folded into e4m3 per key and per (token, head) inside the kernel: the logits are those of
+    the dequantized inputs (docs/fp4.md says when a row's scales span too many binades for that).
     """
-    if _compiling():
-        if out is None:
-            return _ops().fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
-                                               max_context_len, clean_logits, logits_dtype, indices)
-        _ops().fp8_paged_mqa_logits_out(q, kv_cache, weights, context_lens, block_table, schedule_meta,
-                                        max_context_len, clean_logits, out, indices)
-        return out
-    return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
-                                   int(max_context_len), bool(clean_logits),
-                                   _elem_bytes(logits_dtype, "fp8_paged_mqa_logits"), out, indices)
+    q_sf = None
+    if not isinstance(q, torch.Tensor):
+        q, q_sf = _decode_q("fp8_paged_mqa_logits", q)
+    return _paged_logits("fp8_paged_mqa_logits", q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
+                         max_context_len, clean_logits, logits_dtype, indices, out)
 
 
 @native
@@ -266,13 +336,17 @@ def fp8_paged_mqa_topk_indices(q, kv_cache, weights, context_lens, block_table, 
     (from topk_workspace(B * next_n, >= max_context_len, logits_dtype)) is reused across calls;
     without it a buffer is allocated per call (pass one for CUDA graphs). indices: varlen batches, as
     in fp8_paged_mqa_logits (q [R, 1, H, D]; "slot" maps each row through the block-table row of its
-    run's first row). The logits still go through memory once (a fused kernel that keeps them on
-    chip is future work).
+    run's first row). q and kv_cache may be FP4, as in fp8_paged_mqa_logits. The logits still go
+    through memory once (a fused kernel that keeps them on chip is future work).
     """
+    op = "fp8_paged_mqa_topk_indices"
+    q_sf = None
+    if not isinstance(q, torch.Tensor):
+        q, q_sf = _decode_q(op, q)
     rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
-    logits = _logits_workspace(q, rows, int(max_context_len), logits_dtype, workspace, "fp8_paged_mqa_topk_indices")
-    fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, False,
-                         logits_dtype=logits_dtype, out=logits, indices=indices)
+    logits = _logits_workspace(q, rows, int(max_context_len), logits_dtype, workspace, op)
+    _paged_logits(op, q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, False,
+                  logits_dtype, indices, logits)
     slot = index_mode == "slot"
     return topk_indices(logits, k, context_lens=context_lens, next_n=q.shape[1], sorted=sorted, index_mode=index_mode,
                         block_table=block_table if slot else None, block_size=kv_cache.shape[1] if slot else None,

@@ -185,7 +185,7 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
                      accum_dtype, chunk, indices):
     """Decode logits over a fused paged cache (docs/api.md): [B * next_n, max_context_len].
 
-    q [B, next_n, H, D] fp8; kv_cache uint8 [num_blocks, block_kv, 1, D + 4]; weights
+    q [B, next_n, H, D] fp8 (or (q, None)); kv_cache uint8 [num_blocks, block_kv, 1, D + 4]; weights
     [B * next_n, H] fp32; block_table [B, max_blocks] int32. context_lens int32 [B]: row (b, i)
     sees j < ctx[b] - next_n + i + 1; or [B, next_n]: row (b, i) sees j < ctx[b, i]. Ranges are
     clipped to [0, max_context_len); -inf elsewhere. Only the first ceil(len_b / block_kv)
@@ -195,32 +195,46 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     A run of equal consecutive ids is one request; each of its rows reads the block-table row of
     the run's first row and sees keys j < context_lens[r].
 
-    FP4 inputs: q = (codes [B, next_n, H, D / 2] uint8/int8, sf [B, next_n, H] int32) with an FP4 cache
-    uint8 [num_blocks, block_kv, 1, D / 2 + 4] (deep_indexer.quant.pack_paged_kv_cache_fp4); dequantized.
+    FP4 inputs, in any combination with the FP8 forms: q = (codes [B, next_n, H, D / 2] uint8/int8, sf
+    [B, next_n, H] int32) and/or the FP4 cache uint8 [num_blocks, block_kv, 1, D / 2 + 4]
+    (deep_indexer.quant.pack_paged_kv_cache_fp4; told apart from the FP8 cache by its row bytes for q's D).
+    FP4 operands are dequantized (codes x 2^(e - 127), exact in accum_dtype barring fp32 overflow).
     """
-    if _is_fp4_q(q):  # FP4 inputs: q = (codes, sf), FP4 cache
-        return _paged_mqa_logits_fp4(q, kv_cache, weights, context_lens, block_table, max_context_len,
-                                     clean_logits, logits_dtype, accum_dtype, chunk, indices)
     _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
-    q = _check("q", q, dtypes=(FP8,), ndim=4)
-    b_sz, next_n, heads, d = q.shape
+    if isinstance(q, (tuple, list)) and len(q) == 2 and q[1] is None:
+        q = q[0]
+    if _is_fp4_q(q):
+        qx = _fp4_operand("q", q, 4, accum_dtype)  # dequantized
+        q_shape, q_name = list(q[0].shape), "q[0] (codes)"
+    else:
+        qx = _check("q", q, dtypes=(FP8,), ndim=4)
+        q_shape, q_name = list(q.shape), "q"
+    b_sz, next_n, heads, d = qx.shape
     if next_n < 1 or heads < 1 or d < 1:
-        raise ValueError(f"q: expected shape [B, next_n >= 1, H >= 1, D >= 1], got {list(q.shape)}")
-    dev = q.device
-    k_bytes, s_bytes = _kv_cache_views(kv_cache)
-    nb, bkv, d_kv = k_bytes.shape
-    if d_kv != d or kv_cache.device != dev:
-        raise ValueError(f"kv_cache: expected shape [*, *, 1, {d + 4}] on {dev}, "
-                         f"got {list(kv_cache.shape)} on {kv_cache.device}")
-    w, ctx, bt, mcl, bt_row = _check_paged_args(list(q.shape), b_sz, next_n, heads, dev, weights, context_lens,
-                                                block_table, max_context_len, indices)
+        raise ValueError(f"{q_name}: expected shape [B, next_n >= 1, H >= 1, {'D / 2' if q_name != 'q' else 'D'} >= 1], "
+                         f"got {q_shape}")
+    dev = qx.device
+    fp4_kv = isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4 and kv_cache.shape[-1] == d // 2 + 4
+    k_bytes, s_bytes = _kv_cache_views(kv_cache, fp4=fp4_kv)
+    nb, bkv, c_kv = k_bytes.shape
+    if c_kv != (d // 2 if fp4_kv else d) or kv_cache.device != dev:
+        raise ValueError(f"kv_cache: expected shape [*, *, 1, {d + 4}] (the FP8 cache, D + 4) or [*, *, 1, {d // 2 + 4}] "
+                         f"(the FP4 cache, D / 2 + 4) for D = {d} on {dev}, got {list(kv_cache.shape)} on "
+                         f"{kv_cache.device}")
+    w, ctx, bt, mcl, bt_row = _check_paged_args(q_shape, b_sz, next_n, heads, dev, weights, context_lens, block_table,
+                                                max_context_len, indices)
     out = torch.full((b_sz * next_n, mcl), _NEG_INF, dtype=logits_dtype, device=dev)
     zero = torch.zeros(next_n, dtype=torch.long)
     for b, n_tok, n_blk, ids, ends_b in _paged_sequences(ctx, bt, bt_row, b_sz, next_n, mcl, bkv, nb, dev):
-        k = k_bytes.index_select(0, ids).view(n_blk * bkv, d)[:n_tok].view(FP8)
-        scale = s_bytes.index_select(0, ids).view(n_blk * bkv, 4)[:n_tok].contiguous().view(torch.float32)
+        keys = k_bytes.index_select(0, ids).reshape(n_blk * bkv, c_kv)[:n_tok]
+        words = s_bytes.index_select(0, ids).reshape(n_blk * bkv, 4)[:n_tok].contiguous()
+        if fp4_kv:  # codes and int32 scale words: dequantized, unit scale
+            k = _fp4_dequant(*_fp4_inputs(keys, words.view(torch.int32).view(-1)), accum_dtype)
+            scale = torch.ones(n_tok, dtype=accum_dtype, device=dev)
+        else:  # fp8 keys and float32 scales
+            k, scale = keys.view(FP8), words.view(torch.float32).view(-1)
         rows = slice(b * next_n, (b + 1) * next_n)
-        _weighted_relu_into(out[rows], q[b], k, scale.view(-1), w[rows], zero, ends_b, accum_dtype, chunk)
+        _weighted_relu_into(out[rows], qx[b], k, scale, w[rows], zero, ends_b, accum_dtype, chunk)
     return out
 
 
@@ -254,34 +268,6 @@ def _mqa_logits_fp4(q, kv, weights, ks_in, ke_in, clean_logits, max_seqlen_k, lo
         raise ValueError(f"kv[0] (codes): expected shape [*, {d // 2}] (D = {d} from q), got {list(kv[0].shape)}")
     ones = torch.ones(kd.shape[0], dtype=accum_dtype, device=dev)
     return _prefill_logits(qd, kd, ones, weights, ks_in, ke_in, max_seqlen_k, logits_dtype, accum_dtype, chunk)
-
-
-def _paged_mqa_logits_fp4(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits,
-                          logits_dtype, accum_dtype, chunk, indices):
-    """paged_mqa_logits on FP4 inputs: q (codes, sf) and an FP4 paged cache, dequantized per sequence."""
-    _check_options(clean_logits, logits_dtype, accum_dtype, chunk)
-    qd = _fp4_operand("q", q, 4, accum_dtype)
-    b_sz, next_n, heads, d = qd.shape
-    if next_n < 1 or heads < 1:
-        raise ValueError(f"q[0] (codes): expected shape [B, next_n >= 1, H >= 1, D / 2], got {list(q[0].shape)}")
-    dev = qd.device
-    k_bytes, s_bytes = _kv_cache_views(kv_cache, fp4=True)
-    nb, bkv, c_kv = k_bytes.shape
-    if 2 * c_kv != d or kv_cache.device != dev:
-        raise ValueError(f"kv_cache: expected an FP4 cache of shape [*, *, 1, {d // 2 + 4}] (D / 2 + 4) on {dev}, "
-                         f"got {list(kv_cache.shape)} on {kv_cache.device}")
-    w, ctx, bt, mcl, bt_row = _check_paged_args(list(q[0].shape), b_sz, next_n, heads, dev, weights, context_lens,
-                                                block_table, max_context_len, indices)
-    out = torch.full((b_sz * next_n, mcl), _NEG_INF, dtype=logits_dtype, device=dev)
-    zero = torch.zeros(next_n, dtype=torch.long)
-    for b, n_tok, n_blk, ids, ends_b in _paged_sequences(ctx, bt, bt_row, b_sz, next_n, mcl, bkv, nb, dev):
-        codes = k_bytes.index_select(0, ids).reshape(n_blk * bkv, c_kv)[:n_tok]
-        words = s_bytes.index_select(0, ids).reshape(n_blk * bkv, 4)[:n_tok].contiguous().view(torch.int32)
-        k = _fp4_dequant(*_fp4_inputs(codes, words.view(-1)), accum_dtype)
-        ones = torch.ones(n_tok, dtype=accum_dtype, device=dev)
-        rows = slice(b * next_n, (b + 1) * next_n)
-        _weighted_relu_into(out[rows], qd[b], k, ones, w[rows], zero, ends_b, accum_dtype, chunk)
-    return out
 
 
 def split_relu_pieces(q_tilde: torch.Tensor, num_pieces: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

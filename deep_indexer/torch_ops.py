@@ -35,6 +35,21 @@ def elem_bytes(dtype: torch.dtype, op: str = "deep_indexer") -> int:
 _elem = elem_bytes
 
 
+def paged_cache_rows_error(op: str, q, q_sf, kv_cache):
+    """The ValueError for a decode kv_cache whose rows fit neither cache layout for q's head dim (D + 4 bytes:
+    FP8, D / 2 + 4: FP4; D = q.size(-1), or twice that for FP4 codes with q_sf), else None (also when D itself
+    is not supported: the op's own error says so)."""
+    if not isinstance(kv_cache, Tensor) or not isinstance(q, Tensor) or kv_cache.dim() != 4 or q.dim() != 4:
+        return None
+    d = q.shape[-1] * (2 if q_sf is not None else 1)
+    if d not in (64, 128) or kv_cache.shape[-1] in (d + 4, d // 2 + 4):
+        return None
+    return ValueError(f"deep_indexer.{op}: kv_cache rows must hold D + 4 = {d + 4} bytes (the FP8 cache) or "
+                      f"D / 2 + 4 = {d // 2 + 4} bytes (the FP4 cache) for D = {d} (from q"
+                      f"{'_fp4' if q_sf is not None else ''}), got {kv_cache.shape[-1]} "
+                      f"(kv_cache shape {list(kv_cache.shape)})")
+
+
 def _fake_logits(like: Tensor, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
     return like.new_empty_strided((rows, cols), (padded_row_stride(cols, dtype), 1), dtype=dtype)
 
@@ -96,26 +111,36 @@ def _metadata_out_fake(context_lens, block_kv, out, indices):
     return None
 
 
+# q: fp8 [B, next_n, H, D] with q_sf None, or FP4 codes uint8 [B, next_n, H, D / 2] with q_sf int32 [B, next_n, H];
+# the kernel tells the cache layouts apart by their row bytes.
 def _paged_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
-                  logits_dtype, indices):
+                  logits_dtype, indices, q_sf):
     return _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                                   clean_logits, elem_bytes(logits_dtype), None, indices)
+                                   clean_logits, elem_bytes(logits_dtype), None, indices, q_sf)
+
+
+def _paged_check_fake(q, kv_cache, q_sf):
+    err = paged_cache_rows_error("fp8_paged_mqa_logits", q, q_sf, kv_cache)
+    if err is not None:
+        raise err
 
 
 def _paged_logits_fake(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
-                       logits_dtype, indices):
+                       logits_dtype, indices, q_sf):
     elem_bytes(logits_dtype)
+    _paged_check_fake(q, kv_cache, q_sf)
     return _fake_logits(q, q.shape[0] * q.shape[1], max_context_len, logits_dtype)
 
 
 def _paged_logits_out(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
-                      out, indices):
+                      out, indices, q_sf):
     _C.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                            clean_logits, elem_bytes(out.dtype), out, indices)
+                            clean_logits, elem_bytes(out.dtype), out, indices, q_sf)
 
 
 def _paged_logits_out_fake(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                           clean_logits, out, indices):
+                           clean_logits, out, indices, q_sf):
+    _paged_check_fake(q, kv_cache, q_sf)
     return None
 
 

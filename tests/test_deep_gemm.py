@@ -1,4 +1,4 @@
-"""deep_indexer.deep_gemm: DeepGEMM's indexer API (names, argument order, defaults), FP8-only errors,
+"""deep_indexer.deep_gemm: DeepGEMM's indexer API (names, argument order, defaults), its FP8 / FP4 input forms,
 bf16 weights, set_num_sms / get_num_sms and install(). CPU tests first, GPU tests (SM90) at the end."""
 import inspect
 import subprocess
@@ -63,7 +63,7 @@ def test_public_names():
         assert getattr(di, name) is getattr(deep_gemm, name)
 
 
-# ------------------------------------------------------------------------------------ FP8 only
+# ------------------------------------------------------------------------------------ input forms
 def _fp8(*shape):
     return torch.randn(*shape).to(torch.float8_e4m3fn)
 
@@ -100,17 +100,32 @@ def test_fp4_prefill_inputs_are_validated():
             deep_gemm.fp8_fp4_mqa_logits(qq, kk, w, ks, ke)
 
 
-def test_fp4_paged_inputs_are_a_clear_error():
-    q = _fp8(2, 1, 64, 128)
-    cache = torch.zeros(4, 64, 1, 64 + 4, dtype=torch.uint8)  # D / 2 + 4 bytes per token: FP4
+def test_fp4_paged_inputs_are_accepted_and_validated():
+    # FP4 q and the FP4 cache (D / 2 + 4 bytes per token), in every combination with the FP8 forms, pass the
+    # Python checks and reach the op's own validation (which needs CUDA tensors); malformed ones are clear errors
+    q8 = _fp8(2, 1, 64, 128)
+    q4 = quant.per_token_cast_to_fp4(torch.randn(2, 1, 64, 128))
+    caches = (torch.zeros(4, 64, 1, 128 + 4, dtype=torch.uint8), torch.zeros(4, 64, 1, 64 + 4, dtype=torch.uint8))
     args = (torch.rand(2, 64), torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
             torch.zeros(133, 2, dtype=torch.int32), 64)
-    with pytest.raises(ValueError, match=r"kv_cache rows hold 68 bytes.*FP4 cache.*FP8"):
-        deep_gemm.fp8_fp4_paged_mqa_logits((q, None), cache, *args)
-    with pytest.raises(ValueError, match="FP4"):
-        deep_gemm.fp8_paged_mqa_logits(q, cache, *args)
-    with pytest.raises(ValueError, match=r"q\[1\]"):
-        deep_gemm.fp8_fp4_paged_mqa_logits((q, torch.zeros(2, 1, 64, dtype=torch.int32)), cache, *args)
+    for q in ((q8, None), q8, q4, (q4[0].view(torch.int8), q4[1])):
+        for cache in caches:
+            for fn in (deep_gemm.fp8_fp4_paged_mqa_logits, deep_gemm.fp8_paged_mqa_logits):
+                with pytest.raises(ValueError, match="CUDA|cuda"):
+                    fn(q, cache, *args)
+    with pytest.raises(ValueError, match=r"^deep_indexer.fp8_fp4_paged_mqa_logits: q\[1\] \(FP4 scale words\) must "
+                                         r"be int32 \[2, 1, 64\].*got torch.int32 \[2, 1, 1\]"):
+        deep_gemm.fp8_fp4_paged_mqa_logits((q4[0], q4[1][..., :1]), caches[1], *args)
+    with pytest.raises(ValueError, match=r"^deep_indexer.fp8_paged_mqa_logits: q\[0\] \(FP4 codes\) must be uint8 or "
+                                         r"int8, got torch.float8_e4m3fn"):
+        deep_gemm.fp8_paged_mqa_logits((q8, q4[1]), caches[1], *args)
+    with pytest.raises(ValueError, match=r"q has dtype torch.uint8 \(packed FP4\) but no scale words"):
+        deep_gemm.fp8_fp4_paged_mqa_logits((q4[0], None), caches[1], *args)
+    bad = torch.zeros(4, 64, 1, 100, dtype=torch.uint8)
+    for q in ((q8, None), q4):
+        with pytest.raises(ValueError, match=r"kv_cache rows must hold D \+ 4 = 132 bytes \(the FP8 cache\) or "
+                                             r"D / 2 \+ 4 = 68 bytes \(the FP4 cache\) for D = 128.*got 100"):
+            deep_gemm.fp8_fp4_paged_mqa_logits(q, bad, *args)
 
 
 def test_fp8_inputs_reach_the_op_validation():

@@ -473,9 +473,9 @@ def test_reference_paged_fp4(ctx2d):
             fin = torch.isfinite(exp[0])
             assert torch.equal(torch.isinf(out[r]), ~fin)
             torch.testing.assert_close(out[r][fin].double(), exp[0][fin], rtol=1e-6, atol=1e-5)
-    with pytest.raises(ValueError, match=r"^kv_cache: expected an FP4 cache"):
-        fp8_cache = quant.pack_paged_kv_cache(keys, block_kv)[0]
-        reference.paged_mqa_logits(q, fp8_cache, w, ctx, table, mcl)
+    with pytest.raises(ValueError, match=r"^kv_cache: expected shape \[\*, \*, 1, 132\] \(the FP8 cache, D \+ 4\) or "
+                                         r"\[\*, \*, 1, 68\] \(the FP4 cache, D / 2 \+ 4\) for D = 128"):
+        reference.paged_mqa_logits(q, torch.zeros(12, block_kv, 1, 100, dtype=torch.uint8), w, ctx, table, mcl)
     with pytest.raises(ValueError, match=r"^q\[1\] \(sf\)"):
         reference.paged_mqa_logits((q[0], q[1][:, :1]), cache, w, ctx, table, mcl)
 

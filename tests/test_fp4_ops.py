@@ -220,20 +220,13 @@ def test_native_ops_validate_fp4_inputs():
          r"q must be a torch.Tensor, a tuple \(q, None\) or an FP4 tuple \(q_fp4, q_sf\), got a tuple of 3")
 
 
-def test_deep_gemm_prefill_signature_unchanged_and_decode_fp4_still_an_error():
+def test_deep_gemm_prefill_signature_unchanged():
     params = [(p.name, p.default) for p in inspect.signature(deep_gemm.fp8_fp4_mqa_logits).parameters.values()]
     assert params == [("q", inspect.Parameter.empty), ("kv", inspect.Parameter.empty),
                       ("weights", inspect.Parameter.empty), ("cu_seq_len_k_start", inspect.Parameter.empty),
                       ("cu_seq_len_k_end", inspect.Parameter.empty), ("clean_logits", True), ("max_seqlen_k", 0),
                       ("logits_dtype", torch.float32), ("out", None)]
-    q = quant.per_token_cast_to_fp4(torch.randn(2, 1, 64, 128))
-    cache = torch.zeros(4, 64, 1, 64 + 4, dtype=torch.uint8)
-    args = (torch.rand(2, 64), torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
-            torch.zeros(133, 2, dtype=torch.int32), 64)
-    with pytest.raises(ValueError, match="SM90 FP4 decode kernel is not available yet"):
-        deep_gemm.fp8_fp4_paged_mqa_logits(q, cache, *args)
-    with pytest.raises(ValueError, match="SM90 FP4 decode kernel is not available yet"):
-        deep_gemm.fp8_fp4_paged_mqa_logits((torch.randn(2, 1, 64, 128).to(FP8), None), cache, *args)
+    # (FP4 decode inputs: tests/test_fp4_decode.py)
 
 
 # ------------------------------------------------------------------------------------ GPU (SM90)

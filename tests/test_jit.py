@@ -165,10 +165,20 @@ def test_no_gpu_is_a_clear_error():
 def test_variant_enumeration():
     assert len(jit.variants(ops=["clean_logits"])) == 2
     assert len(jit.variants(ops=["mqa_logits"])) == 4 * 3 * 2
-    # next_n 1..8 x heads x dims x block_kv x dtypes x context_lens forms, + varlen for next_n = 1
-    assert len(jit.variants(ops=["paged_mqa_logits"])) == 8 * 4 * 2 * 2 * 2 * 2 + 4 * 2 * 2 * 2 * 2
-    assert len(jit.variants(ops=["paged_mqa_logits"], head_dims=[32, 64])) == 8 * 4 * 1 * 2 * 2 * 2 + 4 * 2 * 2 * 2
-    assert len(jit.variants(ops=["paged_mqa_logits"], next_n=[5, 8])) == 2 * 4 * 2 * 2 * 2 * 2
+    # next_n 1..8 x heads x dims x block_kv x dtypes x context_lens forms, + varlen for next_n = 1, x the 4 input
+    # forms (FP8 / FP4 q x FP8 / FP4 cache)
+    assert len(jit.variants(ops=["paged_mqa_logits"])) == 4 * (8 * 4 * 2 * 2 * 2 * 2 + 4 * 2 * 2 * 2 * 2)
+    assert len(jit.variants(ops=["paged_mqa_logits"], head_dims=[32, 64])) == 4 * (8 * 4 * 1 * 2 * 2 * 2 + 4 * 2 * 2 * 2)
+    assert len(jit.variants(ops=["paged_mqa_logits"], next_n=[5, 8])) == 4 * 2 * 4 * 2 * 2 * 2 * 2
+    fp8 = jit.variants(ops=["paged_mqa_logits"], paged_inputs=["fp8"])
+    assert len(fp8) == 8 * 4 * 2 * 2 * 2 * 2 + 4 * 2 * 2 * 2 * 2
+    assert not any(k in ("q_fp4", "kv_fp4") for v in fp8 for k, _ in v.params)  # the FP8 variants' params as before
+    forms = {name: jit.variants(ops=["paged_mqa_logits"], next_n=[2], heads=[64], paged_inputs=[name])
+             for name in ("fp4", "fp8q-fp4kv", "fp4q-fp8kv")}
+    assert {name: {(dict(v.params).get("q_fp4", 0), dict(v.params).get("kv_fp4", 0)) for v in vs}
+            for name, vs in forms.items()} == {"fp4": {(1, 1)}, "fp8q-fp4kv": {(0, 1)}, "fp4q-fp8kv": {(1, 0)}}
+    with pytest.raises(ValueError, match=r"unsupported paged input form \['fp6'\]"):
+        jit.variants(ops=["paged_mqa_logits"], paged_inputs=["fp6"])
     assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 8 * 2  # small and general
     assert len(jit.variants(ops=["fp4_fold"])) == 4  # D = 32, 64, 96, 128
     assert len(jit.variants(ops=["fp4_fold"], head_dims=[64, 128])) == 2

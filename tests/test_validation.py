@@ -84,7 +84,9 @@ def test_prefill_out_validation():
     (dict(q=torch.randn(2, 1, 64, 128)), r"q must have dtype Float8_e4m3fn"),
     (dict(q=torch.randn(2, 9, 64, 128).to(FP8), weights=torch.randn(18, 64)), r"1 <= next_n <= 8, got next_n = 9"),
     (dict(q=torch.randn(2, 1, 64, 32).to(FP8)), r"64 heads of dim 32; supported: heads 16/32/64/128, dims 64/128"),
-    (dict(kv_cache=torch.zeros(4, 64, 1, 128, dtype=torch.uint8)), r"kv_cache must have shape \[\*, \*, 1, 132\]"),
+    (dict(kv_cache=torch.zeros(4, 64, 1, 128, dtype=torch.uint8)),
+     r"kv_cache rows must hold D \+ 4 = 132 bytes \(the FP8 cache\) or D / 2 \+ 4 = 68 bytes \(the FP4 cache\) "
+     r"for D = 128 \(from q\), got 128 \(kv_cache shape \[4, 64, 1, 128\]\)"),
     (dict(kv_cache=torch.zeros(4, 16, 1, 132, dtype=torch.uint8)), r"blocks must hold 32 or 64 tokens, got 16"),
     (dict(kv_cache=torch.zeros(4, 64, 1, 132, dtype=torch.int8)), r"kv_cache must have dtype Byte, got Char"),
     (dict(kv_cache=torch.zeros(4, 64, 1, 140, dtype=torch.uint8)[..., :132]), r"contiguous inside each block"),
