@@ -103,10 +103,22 @@ def _prefill_inputs(op: str, q, kv, weights):
                              f"([S, H] of the FP4 q), got {got}")
         if weights.device != codes.device:
             raise ValueError(f"deep_indexer.{op}: weights must be on q's device {codes.device}, got {weights.device}")
+    k_codes = _fp4_codes(op, "kv", kv[0], kv[1], 2, "SKV") if fp4_k else None
+    one = codes if q_sf is not None else k_codes
+    if one.is_cuda and not _compiling() and quant._fold_kernel_ok(one.device):
+        # one launch for both operands (_C.fp4_prefill_fold): the same bytes as the torch form below
+        fp4_q = q_sf is not None
+        q8, w8, k8, k_scale = _C.fp4_prefill_fold(codes if fp4_q else None, q_sf, weights if fp4_q else None, k_codes,
+                                                  kv[1] if fp4_k else None)
+        if q8 is not None:
+            q, weights = q8, w8
+        if k8 is not None:
+            kv = (k8, k_scale)
+        return q, kv, weights
+    if q_sf is not None:
         q, q_base = quant.fold_fp4_to_e4m3(codes, q_sf)
         weights = weights.float() * quant.exp2_int(q_base)  # exact: a power of two (float32 range permitting)
     if fp4_k:
-        k_codes = _fp4_codes(op, "kv", kv[0], kv[1], 2, "SKV")
         k, k_base = quant.fold_fp4_to_e4m3(k_codes, kv[1])
         kv = (k, quant.exp2_int(k_base))
     return q, kv, weights
