@@ -1,7 +1,9 @@
-"""The fused FP4 -> e4m3 fold kernel (_C.fp4_fold, include/deep_indexer/logits/fp4_fold.cuh), which
-quant.fold_fp4_to_e4m3 runs on SM90 GPUs: its per-row logic on the host (the header's __host__ __device__
-functions built by nvcc into a small shared library) against the torch fold, its variants' compile
-report, the _C validation messages (CPU), then the kernel against the torch fold bit for bit (GPU)."""
+"""The fused FP4 -> e4m3 fold kernels (include/deep_indexer/logits/fp4_fold.cuh): _C.fp4_fold, which
+quant.fold_fp4_to_e4m3 runs on SM90 GPUs, and _C.fp4_prefill_fold, which the prefill ops run (e4m3 values,
+k_scale and scaled weights of FP4 q and k in one launch). Their per-row / per-lane logic on the host (the
+header's __host__ __device__ functions built by nvcc into a small shared library) against the torch fold,
+their variants' compile reports, the _C validation messages (CPU), then the kernels against the torch form
+bit for bit (GPU)."""
 from __future__ import annotations
 
 import ctypes
