@@ -42,7 +42,7 @@ constexpr const char* kPrecompileOps[] = {
     "clean_logits",          "mqa_logits",          "paged_mqa_logits",     "paged_mqa_logits_metadata",
     "topk",                  "training_logits",     "training_logits_stats", "training_target",
     "training_indexer_dk",   "training_indexer_dq", "training_per_head_rows", "training_per_head_dk",
-    "fp4_fold"};
+    "fp4_fold",              "fp4_prefill_fold"};
 
 // The compile-time values the kernels support: the one table deep_indexer.jit builds its variant list
 // from (jit.variants() combines them per op; precompile_variant below parses and validates each).
@@ -55,6 +55,7 @@ py::dict variant_space() {
   d["mqa_head_dims"] = py::make_tuple(32, 64, 128);
   d["paged_head_dims"] = py::make_tuple(64, 128);
   d["fp4_head_dims"] = py::make_tuple(32, 64, 96, 128);  // fp4_fold (FP4 q / kv -> e4m3, docs/fp4.md)
+  d["fp4_prefill_head_dims"] = py::make_tuple(32, 64, 128);  // fp4_prefill_fold (the prefill kernel's dims)
   d["training_head_dims"] = py::make_tuple(64, 128);  // bf16 training kernels (deep_indexer.training)
   // attention q.k dims precompiled for the warm-up target (any multiple of 64 up to 576 compiles on use)
   d["training_target_head_dims"] = py::make_tuple(128, 192, 576);
@@ -163,6 +164,11 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       DI_CHECK_ARG(Fp4FoldRuntime::supported(p.head_dim), "precompile: fp4_fold head_dim must be 32, 64, 96 or 128");
       py::gil_scoped_release release;
       r = Fp4FoldRuntime::precompile(p, arch);
+    } else if (op == "fp4_prefill_fold") {
+      Fp4PrefillFoldRuntime::Params p{param(params, "head_dim")};
+      DI_CHECK_ARG(Fp4FoldLayout::supported(p.head_dim), "precompile: fp4_prefill_fold head_dim must be 32, 64 or 128");
+      py::gil_scoped_release release;
+      r = Fp4PrefillFoldRuntime::precompile(p, arch);
     } else {
       std::string known;
       for (const char* name : kPrecompileOps) known += (known.empty() ? "" : ", ") + std::string(name);
@@ -231,6 +237,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("clean_logits", &clean_logits, py::arg("logits"), py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"),
         py::arg("next_n") = 1);
   m.def("fp4_fold", &fp4_fold, py::arg("codes"), py::arg("sf"));
+  m.def("fp4_prefill_fold", &fp4_prefill_fold, py::arg("q_codes"), py::arg("q_sf"), py::arg("weights"),
+        py::arg("k_codes"), py::arg("k_sf"), py::arg("q_out") = py::none(), py::arg("weights_out") = py::none(),
+        py::arg("k_out") = py::none(), py::arg("k_scale_out") = py::none());
   m.def("fp8_mqa_logits", &fp8_mqa_logits, py::arg("q"), py::arg("k"), py::arg("k_scale"), py::arg("weights"),
         py::arg("cu_seq_len_k_start"), py::arg("cu_seq_len_k_end"), py::arg("clean_logits"), py::arg("elem_bytes"),
         py::arg("out"), py::arg("max_seqlen_k") = 0);

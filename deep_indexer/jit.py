@@ -27,6 +27,7 @@ HEADS = tuple(_SPACE["heads"])
 MQA_HEAD_DIMS = tuple(_SPACE["mqa_head_dims"])
 PAGED_HEAD_DIMS = tuple(_SPACE["paged_head_dims"])
 FP4_HEAD_DIMS = tuple(_SPACE["fp4_head_dims"])  # fp4_fold (FP4 q / kv folded into e4m3, docs/fp4.md)
+FP4_PREFILL_HEAD_DIMS = tuple(_SPACE["fp4_prefill_head_dims"])  # fp4_prefill_fold (the prefill ops' FP4 inputs)
 TRAINING_HEAD_DIMS = tuple(_SPACE["training_head_dims"])  # bf16 training kernels (deep_indexer.training)
 NEXT_N = tuple(_SPACE["next_n"])
 BLOCK_KV = tuple(_SPACE["block_kv"])
@@ -145,9 +146,10 @@ def variants(
                         add(op, qk_dim=qk, head_dim=d, bwd=bwd)
                 else:
                     add(op, qk_dim=qk, head_dim=d)
-        elif op == "fp4_fold":
-            for d in (head_dims or FP4_HEAD_DIMS):
-                if d in FP4_HEAD_DIMS:
+        elif op in ("fp4_fold", "fp4_prefill_fold"):
+            dims = FP4_HEAD_DIMS if op == "fp4_fold" else FP4_PREFILL_HEAD_DIMS
+            for d in (head_dims or dims):
+                if d in dims:
                     add(op, head_dim=d)
     return out
 

@@ -78,9 +78,10 @@ def _prefill_inputs(op: str, q, kv, weights):
     """The prefill inputs as the FP8 kernel takes them (q fp8, (k fp8, k_scale float32), weights).
 
     q: a tensor, (q, None) or FP4 (q_fp4 [S, H, D / 2] uint8/int8, q_sf [S, H] int32); kv: (k fp8, k_scale
-    float32) or FP4 (k_fp4 [SKV, D / 2], k_sf [SKV] int32). FP4 operands are folded into e4m3 values
-    (quant.fold_fp4_to_e4m3): k's per-key base exponent becomes k_scale = 2^(base - 127), q's per-(token, head)
-    base multiplies the weights (float32). No host sync."""
+    float32) or FP4 (k_fp4 [SKV, D / 2], k_sf [SKV] int32). FP4 operands are folded into e4m3 values: k's per-key
+    base exponent becomes k_scale = 2^(base - 127), q's per-(token, head) base multiplies the weights (float32).
+    On SM90 in eager mode one _C.fp4_prefill_fold launch writes all of it; elsewhere quant.fold_fp4_to_e4m3 and
+    torch ops, the same bytes. No host sync."""
     q_sf = None
     if isinstance(q, (tuple, list)):
         if len(q) != 2:
@@ -104,10 +105,22 @@ def _prefill_inputs(op: str, q, kv, weights):
                              f"([S, H] of the FP4 q), got {got}")
         if weights.device != codes.device:
             raise ValueError(f"deep_indexer.{op}: weights must be on q's device {codes.device}, got {weights.device}")
+    k_codes = _fp4_codes(op, "kv", kv[0], kv[1], 2, "SKV") if fp4_k else None
+    one = codes if q_sf is not None else k_codes
+    if one.is_cuda and not _compiling() and quant._fold_kernel_ok(one.device):
+        # one launch for both operands (_C.fp4_prefill_fold): the same bytes as the torch form below
+        fp4_q = q_sf is not None
+        q8, w8, k8, k_scale = _C.fp4_prefill_fold(codes if fp4_q else None, q_sf, weights if fp4_q else None, k_codes,
+                                                  kv[1] if fp4_k else None)
+        if q8 is not None:
+            q, weights = q8, w8
+        if k8 is not None:
+            kv = (k8, k_scale)
+        return q, kv, weights
+    if q_sf is not None:
         q, q_base = quant.fold_fp4_to_e4m3(codes, q_sf)
         weights = weights.float() * quant.exp2_int(q_base)  # exact: a power of two (float32 range permitting)
     if fp4_k:
-        k_codes = _fp4_codes(op, "kv", kv[0], kv[1], 2, "SKV")
         k, k_base = quant.fold_fp4_to_e4m3(k_codes, kv[1])
         kv = (k, quant.exp2_int(k_base))
     return q, kv, weights
@@ -136,7 +149,7 @@ def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_l
 
     FP4 inputs (DeepGEMM's format, docs/fp4.md): q = (q_fp4 [S, H, D / 2] uint8/int8, q_sf [S, H] int32)
     and/or kv = (k_fp4 [SKV, D / 2] uint8/int8, k_sf [SKV] int32), D in 32/64/128, in any combination
-    with the FP8 forms. They are folded exactly into e4m3 (quant.fold_fp4_to_e4m3: a fused kernel on SM90) and
+    with the FP8 forms. They are folded exactly into e4m3 (on SM90 one fp4_prefill_fold launch for both) and
     run through the same kernel: the logits are those of the dequantized inputs.
     """
     q, kv, weights = _prefill_inputs("fp8_mqa_logits", q, kv, weights)

@@ -346,6 +346,33 @@ def test_gpu_fp4_deterministic_and_exact_fold():
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_fp4_prefill_inputs_one_launch_is_the_torch_form(form, wdtype, fresh_seed):
+    """On SM90 the ops fold their FP4 operands in one fp4_prefill_fold launch: (q, kv, weights) are the torch
+    form's (fold_fp4_to_e4m3_torch, weights.float() * exp2_int(base), k_scale = exp2_int(base)) bit for bit,
+    with uint8 or int8 codes; an FP8 operand passes through untouched."""
+    q, kv, w, _, _ = make_fp4_prefill(300, 2000, 64, 128, seed=int(torch.randint(2**31, ())), **FORMS[form])
+    w = w.to(wdtype)
+    for codes_dtype in (torch.uint8, torch.int8):
+        q_in = (q[0].view(codes_dtype), q[1]) if _is_fp4(q) else q
+        kv_in = (kv[0].view(codes_dtype), kv[1]) if _is_fp4(kv) else kv
+        q8, kv8, w8 = ops._prefill_inputs("fp8_mqa_logits", q_in, kv_in, w)
+        if _is_fp4(q):
+            tv, tb = quant.fold_fp4_to_e4m3_torch(*q)
+            assert torch.equal(_bits(q8), _bits(tv)) and q8.shape == tv.shape
+            assert torch.equal(w8, w.float() * quant.exp2_int(tb))
+        else:
+            assert q8 is q[0] and w8 is w
+        if _is_fp4(kv):
+            tv, tb = quant.fold_fp4_to_e4m3_torch(*kv)
+            assert torch.equal(_bits(kv8[0]), _bits(tv)) and torch.equal(kv8[1], quant.exp2_int(tb))
+        else:
+            assert kv8 is kv_in
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_gpu_fp4_empty_and_edge_ranges():
     q, kv, w, ks, ke = make_fp4_prefill(40, 500, 32, 64, seed=3)
     ks[:10], ke[:10] = 50, 40

@@ -182,6 +182,7 @@ def test_variant_enumeration():
     assert len(jit.variants(ops=["paged_mqa_logits_metadata"])) == 8 * 2  # small and general
     assert len(jit.variants(ops=["fp4_fold"])) == 4  # D = 32, 64, 96, 128
     assert len(jit.variants(ops=["fp4_fold"], head_dims=[64, 128])) == 2
+    assert len(jit.variants(ops=["fp4_prefill_fold"])) == 3  # D = 32, 64, 128
 
 
 def test_cli_precompile_and_cache(isolated_cache):

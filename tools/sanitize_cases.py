@@ -83,14 +83,19 @@ def mqa_logits():
 
 @case
 def fp4_prefill():
-    """The FP4 fold kernel (ragged row counts, D 64 and 128) and FP4 q and kv through the prefill logits."""
+    """The FP4 fold kernel (ragged row counts, D 64 and 128), the prefill fold (FP4 q and kv in one launch, ragged
+    row counts, bf16 weights) and FP4 q and kv through the prefill logits."""
     import deep_indexer as di
-    from deep_indexer import quant
+    from deep_indexer import _C, quant
     from deep_indexer.bench import prefill_inputs
 
     for rows, d in ((1, 64), (333, 128), (4096, 64)):
         codes, sf = quant.per_token_cast_to_fp4(torch.randn(rows, d, device="cuda"))
         quant.fold_fp4_to_e4m3(codes, sf)
+    for s_len, h, skv, d in ((1, 16, 1, 32), (37, 64, 333, 128), (5, 32, 4099, 64)):
+        q = quant.per_token_cast_to_fp4(torch.randn(s_len, h, d, device="cuda"))
+        k = quant.per_token_cast_to_fp4(torch.randn(skv, d, device="cuda"))
+        _C.fp4_prefill_fold(*q, torch.randn(s_len, h, device="cuda").bfloat16(), *k)
     x = prefill_inputs(96, 2048, "causal", 64, 128, "cuda")
     q = quant.per_token_cast_to_fp4(torch.randn(96, 64, 128, device="cuda"))
     kv = quant.per_token_cast_to_fp4(torch.randn(2048, 128, device="cuda"))
@@ -301,7 +306,7 @@ def precompile(jobs: int) -> int:
 
     from deep_indexer import _C, jit
 
-    groups = [dict(ops=["topk", "clean_logits", "paged_mqa_logits_metadata", "fp4_fold"]),
+    groups = [dict(ops=["topk", "clean_logits", "paged_mqa_logits_metadata", "fp4_fold", "fp4_prefill_fold"]),
               dict(ops=["mqa_logits"], heads=[64], head_dims=[128]),
               dict(ops=["paged_mqa_logits"], heads=[64], head_dims=[128], next_n=[1, 2, 4], block_kv=[64]),
               dict(ops=["training_logits", "training_logits_stats"], heads=[64], head_dims=[64, 128]),

@@ -15,7 +15,12 @@
 // One thread per row: 16-byte loads (one per group; the codes start 16-byte aligned, checked on the
 // host, and a row is kHeadDim / 2 = 16 * groups bytes) and two 16-byte stores per group.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+
+#include <deep_indexer/logits/fp4_fold_layout.hpp>
 
 namespace deep_indexer {
 namespace fp4_fold_detail {
@@ -143,6 +148,104 @@ __global__ void __launch_bounds__(kNumThreads) fp4_fold_kernel(const uint8_t* __
 #pragma unroll
     for (int k = 0; k < kHeadDim / 16; ++k) dst[k] = make_uint4(out[4 * k], out[4 * k + 1], out[4 * k + 2], out[4 * k + 3]);
     base[r] = b;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// fp4_prefill_fold: the FP8 prefill kernel's inputs from FP4 q and / or k in one launch
+// (deep_indexer.ops._prefill_inputs). Per row it writes the e4m3 values of fold_row and, instead of
+// the base, scale = w * 2^(base - 127) in float32: for q w = weights[t, h] (float32 / bfloat16 /
+// float16, row = t * H + h), so scale is the q row's scaled weight; for k w = 1, so scale is k_scale.
+// The product is one round-to-nearest float32 multiply without flush to zero, as torch's
+// weights.float() * exp2_int(base) (exact unless it leaves float32's range).
+//
+// Lane mapping: kHeadDim / 16 consecutive lanes share a row, lane j folding code bytes [8 j, 8 j + 8)
+// (group j / 2) into output bytes [16 j, 16 j + 16): 8-byte loads and 16-byte stores, contiguous
+// across the warp. The row's base comes from one max over its lanes of
+//   key = e_g + 256 (lane holds a nonzero magnitude) or e_g (it does not):
+// the max is 256 + the largest e_g of a nonzero group when there is one, else the largest e_g.
+// Grid: the q operand's CTAs, then the k operand's; each thread folds kUnits rows (loads first).
+namespace fp4_fold_detail {
+
+// 2^(e - 127) as float32 bits for e in [-22, 254] (subnormal below e = 1), as quant.exp2_int.
+__host__ __device__ __forceinline__ uint32_t exp2_bits(int e) {
+  if (e >= 1) return static_cast<uint32_t>(e < 254 ? e : 254) << 23;
+  return 1u << ((e > -22 ? e : -22) + 22);
+}
+
+// One lane's base key (see above) from its 8 code bytes (two words) and its group's exponent byte.
+__host__ __device__ __forceinline__ int lane_key(uint32_t c0, uint32_t c1, int e) {
+  return ((c0 | c1) & 0x77777777u) != 0 ? e + 256 : e;
+}
+
+// One lane's 16 e4m3 bytes (four words) from its 8 code bytes at shift s = e_g - base.
+__host__ __device__ __forceinline__ void fold_lane(uint32_t c0, uint32_t c1, int s, uint32_t (&out)[4]) {
+  s = s < -30 ? -30 : (s > 6 ? 6 : s);
+  uint32_t lo, hi;
+  magnitude_table(s, lo, hi);
+  out[0] = fold_half(c0 & 0xFFFFu, lo, hi);
+  out[1] = fold_half(c0 >> 16, lo, hi);
+  out[2] = fold_half(c1 & 0xFFFFu, lo, hi);
+  out[3] = fold_half(c1 >> 16, lo, hi);
+}
+
+}  // namespace fp4_fold_detail
+
+template <int kHeadDim>
+__global__ void __launch_bounds__(Fp4FoldLayout::kNumThreads) fp4_prefill_fold_kernel(const Fp4FoldOperand q,
+                                                                                      const Fp4FoldOperand k) {
+  static_assert(Fp4FoldLayout::supported(kHeadDim), "D in 32/64/128");
+  constexpr int kLanes = Fp4FoldLayout::lanes_per_row(kHeadDim);
+  constexpr int kRowsPerPass = Fp4FoldLayout::rows_per_pass(kHeadDim);
+  constexpr int kUnits = Fp4FoldLayout::kUnits;
+  static_assert(32 % kLanes == 0, "a row's lanes within one warp");
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  // NOTES: the next kernel (the prefill, launched with PDL) may take SMs as this grid drains; its
+  // griddepcontrol.wait still waits for this grid's completion and writes.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const bool is_q = static_cast<int>(blockIdx.x) < q.blocks;
+  const Fp4FoldOperand op = is_q ? q : k;
+  const int cta = is_q ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) - q.blocks;
+  const int j = static_cast<int>(threadIdx.x) % kLanes;
+  const int e_shift = 8 * (j / 2);
+  const int64_t row0 = static_cast<int64_t>(cta) * Fp4FoldLayout::rows_per_cta(kHeadDim) + threadIdx.x / kLanes;
+
+  uint2 c[kUnits];
+  uint32_t sf[kUnits];
+  float w[kUnits];
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    const int64_t r = row0 + u * kRowsPerPass;
+    c[u] = make_uint2(0, 0);
+    sf[u] = 0;
+    w[u] = 1.0f;
+    if (r < op.rows) {
+      c[u] = __ldg(reinterpret_cast<const uint2*>(op.codes + r * (kHeadDim / 2)) + j);
+      sf[u] = static_cast<uint32_t>(__ldg(op.sf + r));
+      if (j == 0 && op.weights != nullptr) {
+        const uint32_t ri = static_cast<uint32_t>(r), h = static_cast<uint32_t>(op.heads);  // rows < 2^31
+        const int64_t wi = static_cast<int64_t>(ri / h) * op.w_stride0 + static_cast<int64_t>(ri % h) * op.w_stride1;
+        w[u] = op.w_kind == 0   ? __ldg(static_cast<const float*>(op.weights) + wi)
+               : op.w_kind == 1 ? __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(op.weights) + wi))
+                                : __half2float(__ldg(static_cast<const __half*>(op.weights) + wi));
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    const int e = static_cast<int>((sf[u] >> e_shift) & 0xFF);
+    int key = fp4_fold_detail::lane_key(c[u].x, c[u].y, e);
+#pragma unroll
+    for (int m = 1; m < kLanes; m <<= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, m));
+    const int base = (key & 0xFF) - 6;
+    const int64_t r = row0 + u * kRowsPerPass;
+    if (r < op.rows) {
+      uint32_t o[4];
+      fp4_fold_detail::fold_lane(c[u].x, c[u].y, e - base, o);
+      reinterpret_cast<uint4*>(op.vals + r * kHeadDim)[j] = make_uint4(o[0], o[1], o[2], o[3]);
+      if (j == 0) op.scale[r] = __fmul_rn(w[u], __uint_as_float(fp4_fold_detail::exp2_bits(base)));
+    }
   }
 }
 
