@@ -155,6 +155,30 @@ def paged_mqa_logits_varlen():
 
 
 @case
+def paged_mqa_logits_fp4():
+    """FP4 q and cache (next_n 1, 2 with 2-D lengths, 32-token blocks), FP8 q with the FP4 cache, FP4 q with
+    the FP8 cache."""
+    import deep_indexer as di
+    from deep_indexer.bench import decode_inputs
+
+    for next_n, block_kv, two_d in ((1, 64, False), (2, 32, True)):
+        x = decode_inputs(3, next_n, 300, 64, 128, block_kv, "cuda", fp4=True)
+        ctx = x["context_lens"]
+        if two_d:
+            ctx = (ctx[:, None] - next_n + 1 + torch.arange(next_n, device="cuda")).to(torch.int32).contiguous()
+        meta = di.get_paged_mqa_logits_metadata(ctx, block_kv)
+        di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                x["max_context_len"], True)
+    x4 = decode_inputs(3, 1, 300, 64, 128, 64, "cuda", fp4=True)
+    x8 = decode_inputs(3, 1, 300, 64, 128, 64, "cuda")
+    for q, cache in ((x8["q"], x4["kv_cache"]), (x4["q"], x8["kv_cache"])):
+        x = x4 if cache is x4["kv_cache"] else x8
+        meta = di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
+        di.fp8_paged_mqa_logits(q, cache, x["weights"], x["context_lens"], x["block_table"], meta,
+                                x["max_context_len"], False)
+
+
+@case
 def clean_logits():
     import deep_indexer as di
 
@@ -308,7 +332,7 @@ def precompile(jobs: int) -> int:
 
     groups = [dict(ops=["topk", "clean_logits", "paged_mqa_logits_metadata", "fp4_fold", "fp4_prefill_fold"]),
               dict(ops=["mqa_logits"], heads=[64], head_dims=[128]),
-              dict(ops=["paged_mqa_logits"], heads=[64], head_dims=[128], next_n=[1, 2, 4], block_kv=[64]),
+              dict(ops=["paged_mqa_logits"], heads=[64], head_dims=[128], next_n=[1, 2, 4], block_kv=[32, 64]),
               dict(ops=["training_logits", "training_logits_stats"], heads=[64], head_dims=[64, 128]),
               dict(ops=["training_target"], head_dims=[128]),
               dict(ops=["training_indexer_dk", "training_indexer_dq"], head_dims=[64, 128]),
