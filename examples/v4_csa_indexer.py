@@ -222,20 +222,6 @@ def random_queries(rows: int, device, next_n: int | None = None):
 
 
 # ------------------------------------------------------------------------------------------ decode
-def fp4_decode_available(device) -> tuple[bool, str]:
-    """Whether this deep_indexer runs the decode indexer on FP4 inputs (one tiny call); if not, why."""
-    q = quant.per_token_cast_to_fp4(torch.zeros(1, 1, INDEX_HEADS, INDEX_DIM, device=device))
-    cache = torch.zeros(1, BLOCK, 1, INDEX_DIM // 2 + 4, dtype=torch.uint8, device=device)
-    lens = torch.ones(1, dtype=torch.int32, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    try:
-        meta = di.get_paged_mqa_logits_metadata(lens, BLOCK)
-        di.fp8_paged_mqa_logits(q, cache, torch.zeros(1, INDEX_HEADS, device=device), lens, table, meta, BLOCK)
-    except (TypeError, ValueError) as e:  # an FP4 q or cache refused
-        return False, str(e)
-    return True, ""
-
-
 @dataclass
 class DecodeStep:
     q: tuple
@@ -570,12 +556,6 @@ def run(model: str = "V4-Flash", check: bool = False, part: str = "all", device=
             check_prefill(ck, reqs, chunk_tokens, step, k)
 
     if part in ("all", "decode"):
-        ok, why = fp4_decode_available(device)
-        if not ok:
-            why = (why.splitlines() or [""])[0]
-            ck.failures.append(f"decode: needs deep_indexer's FP4 decode (paged logits on an FP4 cache), which this "
-                               f"build lacks ({why}); --part prefill runs the prefill chunk alone")
-            return ck.failures
         reqs = [Request() for _ in decode_tokens]
         cache.append_tokens(reqs, list(decode_tokens))  # the prompts and tokens before this step
         for next_n in (1, 2):  # a plain step, then one with a speculative token (MTP)

@@ -323,8 +323,5 @@ def test_example_prefill_on_gpu(model):
 @requires_sm90
 @pytest.mark.parametrize("model", [[], ["--pro"]], ids=["flash", "pro"])
 def test_example_decode_on_gpu(model):
-    ok, why = ex.fp4_decode_available("cuda")
-    if not ok:
-        pytest.skip(f"this deep_indexer has no FP4 decode yet: {why.splitlines()[0]}")
     out = _run_example("--part", "decode", *model)
     assert "check decode next_n=2: sparse attention" in out
