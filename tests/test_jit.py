@@ -213,7 +213,7 @@ def test_python_precompile_api(isolated_cache):
 
 # Template parameters that only change the epilogue or the indexing (not the register / shared-memory
 # budget): the default run compiles one member of each group of variants that differ only in these.
-_LIGHT_PARAMS = ("block_kv", "elem_bytes", "context_lens_2d")
+_LIGHT_PARAMS = ("block_kv", "elem_bytes", "context_lens_2d", "q_fp4")
 
 
 def sample_variants(variants: list) -> list:
