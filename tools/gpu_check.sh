@@ -4,7 +4,9 @@
 # the host-overhead / cache-reuse probes. Logs and JSON go to $OUT (default ./.out).
 #   tools/gpu_check.sh [all|tests|bench|sanitize|build] [PYTEST_K] [BENCH_SHAPES...]   (build: the install and build only;
 #   sanitize: tools/sanitize_check.sh on the build, memcheck / racecheck / synccheck over a tiny case of every op)
-# env: PRECOMPILE=0 skips the full precompile, TESTS=files, MAXFAIL=n, TEST_TIMEOUT=s
+# env: PRECOMPILE=0 skips the full precompile, TESTS=files, MAXFAIL=n, TEST_TIMEOUT=s, SHARDS=n runs the tests as
+#      n pytest processes at once (round-robin over the collected ids; kernels then compile on first use in
+#      parallel, so PRECOMPILE=0 SHARDS=4 is the quick way through the whole suite)
 set -uo pipefail
 MODE=${1:-all}
 KEXPR=${2:-}
@@ -45,8 +47,21 @@ if [ "${PRECOMPILE:-1}" = 1 ]; then
 fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   log "tests"
-  timeout ${TEST_TIMEOUT:-420} python3 -X faulthandler -m pytest ${TESTS:-tests} -q -p no:cacheprovider --maxfail=${MAXFAIL:-30} -rf --tb=line \
-    ${KEXPR:+-k "$KEXPR"} >"$OUT/tests.log" 2>&1
+  if [ "${SHARDS:-1}" -gt 1 ]; then
+    python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider --collect-only ${KEXPR:+-k "$KEXPR"} 2>/dev/null \
+      | grep "::" >"$OUT/test_ids.txt"
+    split -n r/"$SHARDS" "$OUT/test_ids.txt" "$OUT/shard_"
+    for f in "$OUT"/shard_??; do
+      mapfile -t ids <"$f"  # one id per line (some hold spaces)
+      timeout ${TEST_TIMEOUT:-420} python3 -X faulthandler -m pytest "${ids[@]}" -q -p no:cacheprovider \
+        --maxfail=${MAXFAIL:-30} -rf --tb=line >"$f.log" 2>&1 &
+    done
+    wait
+    cat "$OUT"/shard_??.log >"$OUT/tests.log"
+  else
+    timeout ${TEST_TIMEOUT:-420} python3 -X faulthandler -m pytest ${TESTS:-tests} -q -p no:cacheprovider --maxfail=${MAXFAIL:-30} -rf --tb=line \
+      ${KEXPR:+-k "$KEXPR"} >"$OUT/tests.log" 2>&1
+  fi
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -45 | tee -a "$OUT/gpu.log"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
