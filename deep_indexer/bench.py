@@ -505,7 +505,7 @@ def prefill_case(spec: str, device) -> tuple:
 
 def decode_case(spec: str, device) -> tuple:
     """Inputs of a decode shape (see decode_shape; D = 128, block 64; "<id>-FP4": FP4 q and cache) and a call
-    of the logits op on them with their schedule (for the tools: profiling, timelines, A/B)."""
+    of the logits op on them with their schedule (for the tools: profiling, timelines, side-by-side runs)."""
     fp4 = spec.endswith("-FP4")
     B, nn, avg, H = decode_shape(spec[:-4] if fp4 else spec)
     x = decode_inputs(B, nn, avg, H, 128, 64, device, fp4=fp4)
