@@ -52,12 +52,18 @@ __host__ __device__ __forceinline__ uint32_t e2m1_times_pow2_e4m3(int m, int s) 
   return static_cast<uint32_t>(q + ((rem > half || (rem == half && (q & 1))) ? 1 : 0));
 }
 
+// magnitude_table for s >= -5, where every nonzero magnitude is a normal: the exponent field moves by s
+// (no carries).
+__host__ __device__ __forceinline__ void normal_magnitude_table(int s, uint32_t& lo, uint32_t& hi) {
+  const uint32_t add = static_cast<uint32_t>(s + 5) << 3;
+  lo = 0x14100800u + add * 0x01010100u;  // s = -5: 2^-6 (0x08), 2^-5, 1.5 * 2^-5
+  hi = 0x24201C18u + add * 0x01010101u;  // 2^-4, 1.5 * 2^-4, 2^-3, 1.5 * 2^-3
+}
+
 // The e4m3 bytes of magnitudes 0..7 times 2^s (byte m; magnitude 0 -> 0): lo = m 0..3, hi = m 4..7.
 __host__ __device__ __forceinline__ void magnitude_table(int s, uint32_t& lo, uint32_t& hi) {
-  if (s >= -5) {  // every nonzero magnitude is a normal: the exponent field moves by s (no carries)
-    const uint32_t add = static_cast<uint32_t>(s + 5) << 3;
-    lo = 0x14100800u + add * 0x01010100u;  // s = -5: 2^-6 (0x08), 2^-5, 1.5 * 2^-5
-    hi = 0x24201C18u + add * 0x01010101u;  // 2^-4, 1.5 * 2^-4, 2^-3, 1.5 * 2^-3
+  if (s >= -5) {
+    normal_magnitude_table(s, lo, hi);
   } else {
     lo = 0;
     hi = 0;
@@ -177,6 +183,8 @@ __host__ __device__ __forceinline__ uint32_t exp2_bits(int e) {
 __host__ __device__ __forceinline__ int lane_key(uint32_t c0, uint32_t c1, int e) {
   return ((c0 | c1) & 0x77777777u) != 0 ? e + 256 : e;
 }
+// The row's base from the maximum of its lanes' keys.
+__host__ __device__ __forceinline__ int base_of_key(int key) { return (key & 0xFF) - 6; }
 
 // One lane's 16 e4m3 bytes (four words) from its 8 code bytes at shift s = e_g - base.
 __host__ __device__ __forceinline__ void fold_lane(uint32_t c0, uint32_t c1, int s, uint32_t (&out)[4]) {
@@ -238,7 +246,7 @@ __global__ void __launch_bounds__(Fp4FoldLayout::kNumThreads) fp4_prefill_fold_k
     int key = fp4_fold_detail::lane_key(c[u].x, c[u].y, e);
 #pragma unroll
     for (int m = 1; m < kLanes; m <<= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, m));
-    const int base = (key & 0xFF) - 6;
+    const int base = fp4_fold_detail::base_of_key(key);
     const int64_t r = row0 + u * kRowsPerPass;
     if (r < op.rows) {
       uint32_t o[4];

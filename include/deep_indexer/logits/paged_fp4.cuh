@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include <deep_indexer/common/ptx.cuh>
+#include <deep_indexer/logits/fp4_fold.cuh>
 
 namespace deep_indexer::paged_fp4 {
 
@@ -35,22 +36,16 @@ __device__ __forceinline__ void fold_word(uint32_t w, uint32_t lo, uint32_t hi, 
   v47 = ptx::prmt(lo, hi, m >> 16) | (ptx::prmt(w, w4, 0x3726u) & 0x80808080u);
 }
 
-// Per-thread part of a row's base: this thread's group exponent e plus 1, plus 512 if the codes it
-// holds are not all zero. The maximum over the threads that hold the row's groups is m, and the row's
-// base is (m & 511) - 7 (the largest exponent of a group with a nonzero code if there is one, else of
-// any group, minus 6: fp4_fold.cuh's rule).
-__device__ __forceinline__ uint32_t base_key(uint32_t e, uint32_t any_codes) {
-  return e + 1 + ((any_codes & 0x77777777u) != 0 ? 512u : 0u);
-}
-__device__ __forceinline__ int base_of_key(uint32_t m) { return static_cast<int>(m & 511u) - 7; }
+// A row's base: the maximum of its threads' fp4_fold_detail::lane_key (each over the codes it holds and
+// its group's exponent), through fp4_fold_detail::base_of_key.
+using fp4_fold_detail::base_of_key;
+using fp4_fold_detail::lane_key;
 
 // fp4_fold_detail::magnitude_table for the math warps: the common case (every magnitude an e4m3
 // normal) inline, the subnormal one (s < -5, a group far below the row's largest) by the hardware
 // conversion (round to nearest even, as the fold defines it) in one uniform branch.
 __device__ __forceinline__ void magnitude_table(int s, uint32_t& lo, uint32_t& hi) {
-  const uint32_t add = static_cast<uint32_t>(s + 5) << 3;
-  lo = 0x14100800u + add * 0x01010100u;
-  hi = 0x24201C18u + add * 0x01010101u;
+  fp4_fold_detail::normal_magnitude_table(s, lo, hi);
   if (s < -5) {
     const float p = __int_as_float((s + 127) << 23);  // 2^s, s >= -30
     auto pair = [](float a, float b) {                 // e4m3(a) << 8 | e4m3(b)
@@ -63,10 +58,8 @@ __device__ __forceinline__ void magnitude_table(int s, uint32_t& lo, uint32_t& h
   }
 }
 
-// 2^(base - 127) for a biased base in [-22, 254] (a subnormal float below 1), exactly.
-__device__ __forceinline__ float pow2_biased(int base) {
-  return __int_as_float(base >= 1 ? base << 23 : 0x00400000 >> -base);
-}
+// 2^(base - 127) as a float (fp4_fold_detail::exp2_bits; subnormal below base = 1).
+__device__ __forceinline__ float pow2_biased(int base) { return __uint_as_float(fp4_fold_detail::exp2_bits(base)); }
 
 // A fragments of one 64-key tile (codes: 64 rows of kHeadDim / 2 bytes; sf: 64 scale words) for the
 // calling thread's rows r0 = 16 * (warp % 4) + lane / 4 and r0 + 8: a[ks] feeds k-step ks of
@@ -99,16 +92,15 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* codes, const uint3
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     e[j] = ptx::prmt(s[j], 0u, byte_sel);
-    uint32_t any = 0;
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) any |= w[j][k];
-    key |= base_key(e[j], any) << (16 * j);
+    uint32_t c1 = 0;
+    if constexpr (kSteps == 4) c1 = w[j][2] | w[j][3];
+    key |= static_cast<uint32_t>(lane_key(w[j][0] | w[j][1], c1, static_cast<int>(e[j]))) << (16 * j);
   }
   key = __vmaxu2(key, __shfl_xor_sync(0xffffffffu, key, 1));
   key = __vmaxu2(key, __shfl_xor_sync(0xffffffffu, key, 2));
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    base[j] = base_of_key(key >> (16 * j));
+    base[j] = base_of_key(static_cast<int>(key >> (16 * j)));
     const int shift = min(max(static_cast<int>(e[j]) - base[j], -30), 6);
     uint32_t lo, hi;
     magnitude_table(shift, lo, hi);
@@ -159,11 +151,11 @@ __device__ __forceinline__ int stage_q_row(const uint8_t* src, uint32_t sf, uint
   const uint4* in = reinterpret_cast<const uint4*>(src);
   int base = 127;
   if constexpr (kQFp4) {
-    uint32_t key = 0;
+    int key = 0;
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const uint4 c = in[g];
-      key = max(key, base_key((sf >> (8 * g)) & 0xFFu, c.x | c.y | c.z | c.w));
+      key = max(key, lane_key(c.x | c.y, c.z | c.w, static_cast<int>((sf >> (8 * g)) & 0xFFu)));
     }
     base = base_of_key(key);
 #pragma unroll 1
