@@ -6,7 +6,7 @@
 
 A shape is a benchmark id (P1..P5, P2c, D1..D7, K-* top-k, KF-<decode id>[:k] the fused decode call with its
 metadata), K:rows:avg:k (top-k, decode pattern), S:SKV:causal|cp[:H[:D[:max_seqlen_k]]] (prefill, fp32, clean) or
-B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean). The inputs are drawn once
+B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean; a decode shape + "-FP4": FP4 q and cache). The inputs are drawn once
 per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
 median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
 The switches are read per call by the extension (getenv), so setting os.environ is enough.
@@ -78,10 +78,11 @@ def main() -> None:
             m = bench.prefill_max_seqlen_k(sid)
             what = f"S={S} SKV={SKV} {pattern} H={H} D={D}" + (f" max_seqlen_k={m}" if m else "")
             x, run = bench.prefill_case(sid, dev)
-        else:
-            B, nn, avg, H = bench.decode_shape(sid)
-            what = f"B={B} next_n={nn} H={H}"
-            x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev)
+        else:  # <decode id>-FP4: FP4 q and the FP4 paged cache
+            fp4 = sid.endswith("-FP4")
+            B, nn, avg, H = bench.decode_shape(sid[: len(sid) - 4 * fp4])
+            what = f"B={B} next_n={nn} H={H}" + (" FP4" if fp4 else "")
+            x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev, fp4=fp4)
         shape_variants = list(variants)
         runs = {}  # decode: per variant, with that variant's schedule (its metadata build may differ)
         if other is not None and bench.is_prefill_shape(sid):
