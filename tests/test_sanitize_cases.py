@@ -29,6 +29,15 @@ _SLOT_HANDOFF = (
     f"=========     and Read access at {_KERNEL}::math_warpgroups(const {_KERNEL}::Smem &, float *, long, "
     "unsigned int, unsigned int, deep_indexer::Tracer &)::[lambda(int) (instance 1)]::operator ()(int) const"
     "+0x2c50 in paged_mqa_logits.cuh:566 [140 hazards]")
+# With split relu (H200): the q rows' stores (store_q_words, inlined in stage_q_rows) against build_pieces' reads.
+_SLOT_PIECES = (
+    "========= Error: Race reported between Read access at void deep_indexer::split_relu::build_pieces<(int)64, "
+    "(int)128, (int)2>(const unsigned char *, unsigned char *, const float *, unsigned int *, int, int, unsigned int)"
+    "+0x3200 in split_relu.cuh:66\n"
+    "=========     and Write access at void deep_indexer::paged_fp4::store_q_words<(int)128, (bool)1>(unsigned char *, "
+    "int, int, const unsigned int (&)[8])+0xbe90 in paged_fp4.cuh:134 [1280 hazards]\n"
+    "=========     and Write access at void deep_indexer::paged_fp4::store_q_words<(int)128, (bool)1>(unsigned char *, "
+    "int, int, const unsigned int (&)[8])+0xbec0 in paged_fp4.cuh:134 [1280 hazards]")
 # Same kernel, other places: a race between the KV producer's tile issue and the math warpgroups.
 _OTHER_RACE = (
     f"========= Error: Race reported between Write access at {_KERNEL}::issue_kv_tile(const {_KERNEL}::Smem &)"
@@ -69,6 +78,14 @@ def test_other_races_of_the_kernel_still_fail(tmp_path, capsys):
                                                                          "=========     and")])
 def test_slot_handoff_either_order(tmp_path, report):
     assert sc.parse(_log(tmp_path, "paged_mqa_logits_fp4", [report]), "racecheck") == 0
+
+
+def test_slot_handoff_to_the_split_relu_pieces_is_suppressed(tmp_path, capsys):
+    assert sc.parse(_log(tmp_path, "paged_mqa_logits_fp4", [_SLOT_PIECES, _SLOT_HANDOFF]), "racecheck") == 0
+    assert "clean, 2 suppressed" in capsys.readouterr().out
+    # a read of build_pieces against some other write is not this hand-off
+    other = _SLOT_PIECES.replace("paged_fp4::store_q_words", "paged_fp4::something_else")
+    assert sc.parse(_log(tmp_path, "paged_mqa_logits_fp4", [other]), "racecheck") == 1
 
 
 def test_a_case_that_did_not_finish_fails(tmp_path):

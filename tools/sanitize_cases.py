@@ -32,6 +32,8 @@ import torch
 # 39acb5e is this pair (reads: training_indexer_bwd.cuh make_ds / wait_item, training_per_head.cuh header and
 # RowInfo reads, training_target.cuh reducer sum; writes: the producer's fill of the same stage one ring turn later).
 _STAGE_RELEASE = "lane reads, __syncwarp, lane-0 arrive on the stage's empty mbarrier (tools/sanitize_repro.cu)"
+_Q_SLOT_WRITE = r"(stage_q_rows\([^\n]*paged_mqa_logits|store_q_words<[^\n]*paged_fp4)\.cuh:\d+"
+_Q_SLOT_READ = r"(math_warpgroups\([^\n]*paged_mqa_logits|build_pieces<[^\n]*split_relu)\.cuh:\d+"
 SUPPRESSIONS: list[tuple[str, str, str]] = [
     ("racecheck", r"training_indexer_dk_kernel<.*training_indexer_bwd\.cuh", _STAGE_RELEASE),
     ("racecheck", r"training_per_head_dk_kernel<.*training_per_head\.cuh", _STAGE_RELEASE),
@@ -45,10 +47,10 @@ SUPPRESSIONS: list[tuple[str, str, str]] = [
     # weights after waiting on it, and hands the slot back by __syncwarp() and a lane-0 arrive on q_empty, which
     # the Q producer waits on before the slot's next generation: the same release both ways (the FP8 path fills
     # the slot by TMA, which racecheck does not track). Reports seen (H100): stage_q_rows' weights store against
-    # take_generation's weights read.
-    ("racecheck", r"access at [^\n]*stage_q_rows\([^\n]*paged_mqa_logits\.cuh:\d+.*access at [^\n]*math_warpgroups\("
-                  r"[^\n]*paged_mqa_logits\.cuh:\d+|access at [^\n]*math_warpgroups\([^\n]*paged_mqa_logits\.cuh:\d+"
-                  r".*access at [^\n]*stage_q_rows\(", _STAGE_RELEASE),
+    # take_generation's weights read; with split relu (next_n = 2, H200), store_q_words' q rows (in stage_q_rows)
+    # against build_pieces' reads of them.
+    ("racecheck", rf"access at [^\n]*{_Q_SLOT_WRITE}.*access at [^\n]*{_Q_SLOT_READ}|"
+                  rf"access at [^\n]*{_Q_SLOT_READ}.*access at [^\n]*{_Q_SLOT_WRITE}", _STAGE_RELEASE),
 ]
 
 CASES = {}

@@ -109,13 +109,13 @@ constexpr int kPagedKVStages = 12;
 // is exposed, i.e. one tile in flight per WG; with two tiles in flight (N <= 64) the epilogue already
 // hides under the next WGMMA, and with 2 WGs carrying N >= 192 the extra columns cost more than they
 // save. Default: 3+ WGs with one tile in flight and next_n <= 2 (N = 128).
-// An FP4 cache takes it only when forced: its tiles' fold, not the epilogue, is the integer work that
-// counts, and building the pieces delays the first tile of every sequence.
+// An FP4 cache takes it at next_n = 2 only: at next_n = 1 the tiles' fold is most of the integer work and
+// building the pieces delays the first tile of every sequence; at next_n = 2 the epilogue's share doubles.
 // DI_PAGED_SPLIT_RELU=0/1 forces it (where the layout cannot take it, it stays off).
 inline bool paged_mqa_split_relu(const PagedMqaLogitsLayout& plain) {
   const int forced = env::get_int(env::kPagedSplitRelu, -1);
   if (forced == 0 || forced == 1) return forced == 1;
-  return !plain.kv_fp4 && !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && plain.next_n <= 2;
+  return !plain.pipeline_tiles() && plain.num_math_wgs() >= 3 && (plain.kv_fp4 ? plain.next_n == 2 : plain.next_n <= 2);
 }
 
 inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, int head_dim, int block_kv,
