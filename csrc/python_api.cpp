@@ -69,11 +69,14 @@ py::dict variant_space() {
   d["paged_input_forms"] = py::make_tuple(py::make_tuple(0, 0), py::make_tuple(1, 1), py::make_tuple(0, 1),
                                           py::make_tuple(1, 0));
   d["logits_elem_bytes"] = py::make_tuple(py::make_tuple("float32", 4), py::make_tuple("bfloat16", 2));
-  // Resident top-k forms the heuristic takes (heuristics_sm90.hpp): (cluster, threads, the most keys per
-  // thread within the register budget).
+  // Resident top-k forms the heuristic takes (heuristics_sm90.hpp): (cluster, threads, CTAs per SM, the most
+  // keys per thread within the register budget for float32, for bfloat16).
   py::list forms;
-  for (const auto& [cluster, threads] : {std::pair{false, 1024}, {true, 256}, {true, 512}, {true, 1024}})
-    forms.append(py::make_tuple(cluster ? 1 : 0, threads, TopkResidentLayout::max_keys_per_thread(threads, cluster)));
+  for (const auto& [cluster, threads, per_sm] :
+       {std::tuple{false, 1024, 1}, {true, 256, 1}, {true, 512, 1}, {true, 1024, 1}, {false, 512, 2}})
+    forms.append(py::make_tuple(cluster ? 1 : 0, threads, per_sm,
+                                TopkResidentLayout::max_keys_per_thread(threads, cluster, 4, per_sm),
+                                TopkResidentLayout::max_keys_per_thread(threads, cluster, 2, per_sm)));
   d["topk_resident_forms"] = forms;
   return d;
 }
@@ -110,7 +113,8 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       r = PagedMqaMetadataRuntime::precompile(p, arch);
     } else if (op == "topk" && params.contains("resident") && params["resident"].cast<int>() != 0) {
       TopkResidentRuntime::Params p{param(params, "elem_bytes"), param(params, "keys_per_thread"),
-                                    param(params, "cluster") != 0, param(params, "threads")};
+                                    param(params, "cluster") != 0, param(params, "threads"),
+                                    params.contains("ctas_per_sm") ? params["ctas_per_sm"].cast<int>() : 1};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkResidentRuntime::precompile(p, arch);

@@ -40,7 +40,8 @@ TRAINING_TARGET_HEAD_DIMS = tuple(_SPACE["training_target_head_dims"])  # attent
 OPS = tuple(_SPACE["ops"])
 # (attention q.k dim, indexer dim) pairs precompiled for the warm-up loss's per_head target (others compile on use)
 TRAINING_PER_HEAD_DIMS = tuple(tuple(p) for p in _SPACE["training_per_head_dims"])
-# the resident top-k forms: (cluster, threads, most keys per thread) (TopkResidentLayout::max_keys_per_thread)
+# the resident top-k forms: (cluster, threads, CTAs per SM, most keys per thread for float32, for bfloat16)
+# (TopkResidentLayout::max_keys_per_thread)
 _TOPK_RESIDENT_FORMS = tuple(tuple(f) for f in _SPACE["topk_resident_forms"])
 
 
@@ -112,10 +113,14 @@ def variants(
                     add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl, wide=wide)
             # the resident form (unsorted): the forms its heuristic takes (heuristics_sm90.hpp), whole
             # 16-byte vectors per thread up to the register budget (TopkResidentLayout::max_keys_per_thread)
-            for dt, (cl, threads, most) in itertools.product(dtypes, _TOPK_RESIDENT_FORMS):
+            for dt, (cl, threads, per_sm, most4, most2) in itertools.product(dtypes, _TOPK_RESIDENT_FORMS):
                 vec = 16 // _ELEM_BYTES[dt]
-                for kpt in range(vec, most + 1, vec):
-                    add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads)
+                if per_sm == 2 and dt == "float32":
+                    continue  # the two-CTA form is the default for bfloat16 rows only (float32: forced, compiled on use)
+                two = {"ctas_per_sm": 2} if per_sm == 2 else {}  # (one CTA per SM: as before)
+                for kpt in range(vec, (most4 if _ELEM_BYTES[dt] == 4 else most2) + 1, vec):
+                    add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads,
+                        **two)
         elif op in ("training_logits", "training_logits_stats"):
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
             for h, d in itertools.product(hs, dims):

@@ -953,6 +953,35 @@ def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.bfloat16, "8"),
+                                        (torch.bfloat16, "16"), (torch.bfloat16, "24")])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
+@pytest.mark.parametrize("m", [3, 300])
+def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):
+    # the resident form with two 512-thread CTAs per SM (bfloat16 keys packed two per register): rows
+    # up to one CTA's keys, more rows than two per SM (grid-stride), misaligned starts, empty rows, rows
+    # of fewer than k keys, every index mode
+    monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "2")
+    monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", keys)
+    per_cta = 512 * int(keys)
+    gen = torch.Generator().manual_seed(int(keys) + m + len(kind))
+    for n_max in (per_cta - 8, per_cta // 2 + 3):
+        x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
+        ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
+        ke = torch.randint(n_max // 2, n_max + 5, (m,), generator=gen, dtype=torch.int32)
+        ke[0], ks[0] = n_max, 0
+        ke[1 % m] = ks[1 % m]  # empty
+        ke[2 % m] = ks[2 % m] + 100  # fewer keys than k
+        off = torch.randint(-1000, 1000, (m,), generator=gen, dtype=torch.int32)
+        _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off, return_values=True)
+        _check(x, 333, ks, ke)
+        ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
+        bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
+        _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
+
+
+@requires_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 32768, 256), (1, 32768, 2048), (8, 40000, 2048), (40, 25000, 1024),
                                    (64, 8000, 512), (200, 3000, 2048), (200, 8000, 2048), (256, 8000, 512),

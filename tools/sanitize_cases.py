@@ -247,6 +247,22 @@ def topk_resident():
 
 
 @case
+def topk_resident_two_per_sm():
+    import deep_indexer as di
+
+    old = _env(DI_TOPK_RESIDENT_CTAS_PER_SM=2)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(5, 12004, generator=gen)[:, 1:12001].cuda()
+        ks = torch.tensor([0, 3, 100, 7, 0], dtype=torch.int32, device="cuda")
+        ke = torch.tensor([12000, 11999, 300, 7, 6000], dtype=torch.int32, device="cuda")
+        di.topk_indices(x.bfloat16(), 512, ks, ke, index_mode="absolute", return_values=True)  # 24 keys a thread
+        di.topk_indices(x[:, :6000].contiguous(), 512, ks, ke.clamp(max=6000))  # float32, 12 keys a thread
+    finally:
+        _restore(old)
+
+
+@case
 def fused_mqa_topk():
     import deep_indexer as di
     from deep_indexer.bench import prefill_inputs

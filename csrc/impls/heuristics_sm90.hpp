@@ -194,6 +194,9 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // Resident top-k (topk_resident.cuh), unsorted output: CTAs of 256, 512 or 1024 threads (one per SM) hold
 // whole rows in registers, keys_per_thread each (whole 16-byte vectors, up to the register budget
 // TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
+// - Two 512-thread CTAs per SM, one row each (bfloat16 keys two per register, up to 12K keys a row), for
+//   bfloat16 rows when there are more rows than SMs but at most two per SM: both rows' chains of dependent
+//   steps run at once instead of one after the other (DeepSeek-V4 decode rows: 256 x ~8K).
 // - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it. Also
 //   for more rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of more than
 //   4K keys where k >= 1024; not for k = 512 (the buffered kernel's filter keeps few keys there and wins).
@@ -209,10 +212,12 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
 // are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
 // hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS / DI_TOPK_RESIDENT_THREADS (256, 512, 1024)
-// force the keys per thread / the threads per CTA.
+// force the keys per thread / the threads per CTA; DI_TOPK_RESIDENT_CTAS_PER_SM=2 / 1 the two-CTA form
+// wherever one CTA holds a row / never.
 struct TopkResidentLaunch {
   bool use = false;
   int keys_per_thread = 8;
+  unsigned ctas_per_sm = 1;
   unsigned grid = 0, cluster = 1, smem = 0, threads = TopkResidentLayout::kMaxThreads;
   int64_t clusters_at_once = 0;  // the device's count for the chosen cluster form (0: one CTA per row, or forced)
 };
@@ -223,7 +228,8 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const int forced = env::get_int(env::kTopkResident, -1);
   const int forced_keys = env::get_int(env::kTopkResidentKeys, 0);
   const int forced_threads = env::get_int(env::kTopkResidentThreads, 0);
-  if (sorted || forced == 0 || rows <= 0 || (forced != 1 && k < 256)) return t;
+  const int per_sm = env::get_int(env::kTopkResidentCtasPerSm, 0);  // 2: the two-CTA form wherever it fits, 1: never
+  if (sorted || forced == 0 || rows <= 0 || (forced != 1 && per_sm != 2 && k < 256)) return t;
   const int64_t sms = std::max(1, num_sms);
   const int vec = TopkLayout::kVecBytes / elem_bytes;
   auto ctas = [&](int kpt, int threads) {  // CTAs per row
@@ -235,6 +241,16 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
            kpt <= TopkResidentLayout::max_keys_per_thread(threads, cluster);
   };
   int kpt = 0, threads = 0;
+  // two CTAs per SM (512 threads, one row each)
+  const bool two_default = per_sm == 0 && forced != 1 && elem_bytes == 2 && rows > sms && rows <= 2 * sms;
+  if (per_sm == 2 || two_default)
+    for (int c = vec; c < 32; c += vec) {
+      const TopkResidentLayout l{elem_bytes, c, 512, 2};
+      if (kpt == 0 && (forced_keys == 0 || forced_keys == c) &&
+          c <= TopkResidentLayout::max_keys_per_thread(512, false, elem_bytes, 2) &&
+          (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta() <= 1)
+        kpt = c, threads = 512, t.ctas_per_sm = 2;
+    }
   // one CTA per row (1024 threads unless forced); any number of rows per CTA for rows of > 4K keys at k >= 1024
   const int one_cta = forced_threads == 256 || forced_threads == 512 ? forced_threads : TopkResidentLayout::kMaxThreads;
   for (int c = vec; c < 32; c += vec)
@@ -260,14 +276,14 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     t.keys_per_thread = kpt;
     t.threads = static_cast<unsigned>(threads);
     t.cluster = static_cast<unsigned>(c);
-    t.smem = TopkResidentLayout{elem_bytes, kpt, threads}.launch_smem_bytes();
-    const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, sms / c));
+    t.smem = TopkResidentLayout{elem_bytes, kpt, threads, static_cast<int>(t.ctas_per_sm)}.launch_smem_bytes();
+    const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, t.ctas_per_sm * sms / c));
     t.grid = static_cast<unsigned>(clusters * c);
   }
   print_choice([&] {
     return t.use ? fmt::format("topk resident rows={} vecs={} elem_bytes={} k={}: grid {}, cluster {}, {} threads x {} "
-                               "keys, smem {} B, clusters at once {}", rows, vecs, elem_bytes, k, t.grid, t.cluster,
-                               t.threads, t.keys_per_thread, t.smem, t.clusters_at_once)
+                               "keys, {} per SM, smem {} B, clusters at once {}", rows, vecs, elem_bytes, k, t.grid,
+                               t.cluster, t.threads, t.keys_per_thread, t.ctas_per_sm, t.smem, t.clusters_at_once)
                  : fmt::format("topk resident rows={} vecs={} elem_bytes={} k={} sorted={}: not taken", rows, vecs,
                                elem_bytes, k, sorted);
   });

@@ -56,6 +56,7 @@ constexpr const char* kTopkWide = "DI_TOPK_WIDE";          // 0 / 1: buffered ke
 constexpr const char* kTopkResident = "DI_TOPK_RESIDENT";  // 0 / 1: resident kernel never / wherever it fits
 constexpr const char* kTopkResidentKeys = "DI_TOPK_RESIDENT_KEYS";        // resident keys per thread
 constexpr const char* kTopkResidentThreads = "DI_TOPK_RESIDENT_THREADS";  // 256, 512, 1024: resident threads per CTA
+constexpr const char* kTopkResidentCtasPerSm = "DI_TOPK_RESIDENT_CTAS_PER_SM";  // 2 / 1: resident form with 2 CTAs of 512 per SM wherever it fits / never
 
 // ---- tuning / test: training kernels
 constexpr const char* kTrainingTargetCluster = "DI_TRAINING_TARGET_CLUSTER";    // 1 / 2: target kernel's cluster size

@@ -111,16 +111,22 @@ struct TopkResidentLayout {
   static constexpr int kScalarTableRow = 4;
   static constexpr int kScalarLowerAbove = 5;
   static constexpr int kScalarLowerEqual = 6;
-  // Register budget (one CTA per SM: 65536 / threads registers per thread): the keys a thread may hold,
-  // as measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state).
-  DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster) {
-    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads;
+  // Register budget (65536 / (threads * ctas_per_sm) registers per thread): the keys a thread may hold, as
+  // measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state). Two CTAs
+  // per SM halve it; bfloat16 keys are then held two per register (packed()), which doubles it back.
+  DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
+                                                          int ctas_per_sm = 1) {
+    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (ctas_per_sm == 2 && elem_bytes == 2 ? 2 : 1);
     return budget < 31 ? budget : 31;
   }
 
   int elem_bytes;        // 4: float32, 2: bfloat16
   int keys_per_thread;   // whole 16-byte vectors per thread, < 32 (a bit per key)
   int threads;           // 256, 512 or 1024
+  int ctas_per_sm = 1;   // 1: one CTA per SM (launch_smem_bytes pads it); 2: two rows per SM at once (one CTA per row)
+
+  // bfloat16 keys two per 32-bit register (the two-CTA form)
+  DI_HOST_DEVICE constexpr bool packed() const { return elem_bytes == 2 && ctas_per_sm == 2; }
 
   DI_HOST_DEVICE constexpr int vec() const { return TopkLayout::kVecBytes / elem_bytes; }
   DI_HOST_DEVICE constexpr int vecs_per_thread() const { return keys_per_thread / vec(); }
@@ -145,10 +151,11 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE constexpr unsigned smem_bytes() const { return mbar_offset() + 2 * num_passes() * 8; }
   // NOTES: launched with more than half an SM's shared memory (228 KiB on SM90, 1 KiB of it reserved per
   // CTA), so that the scheduler places one CTA per SM whatever the registers allow: a second CTA on an SM
-  // would halve both rows' issue slots.
+  // would halve both rows' issue slots. The two-CTA form asks for its own bytes only: its launch bounds
+  // (64 registers per thread at 512 threads) fit two CTAs in an SM's register file.
   static constexpr unsigned kOneCtaPerSmBytes = 116 * 1024;
   DI_HOST_DEVICE constexpr unsigned launch_smem_bytes() const {
-    return smem_bytes() > kOneCtaPerSmBytes ? smem_bytes() : kOneCtaPerSmBytes;
+    return ctas_per_sm == 2 || smem_bytes() > kOneCtaPerSmBytes ? smem_bytes() : kOneCtaPerSmBytes;
   }
 };
 

@@ -30,12 +30,13 @@ namespace deep_indexer {
 
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
 // 2-8 CTAs per row (else one CTA per row, no cluster exchange); kThreads: 256, 512 or 1024 per CTA (fewer
-// threads with more keys each: the same keys per SM in fewer per-warp steps). Unsorted output.
-template <int kElemBytes, int kKeysPerThread, bool kCluster, int kThreads>
-__global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkArgs a) {
+// threads with more keys each: the same keys per SM in fewer per-warp steps); kCtasPerSm: 1, or 2 (two
+// rows per SM at once, half the registers each; bfloat16 keys then packed two per register). Unsorted output.
+template <int kElemBytes, int kKeysPerThread, bool kCluster, int kThreads, int kCtasPerSm>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(const TopkArgs a) {
   namespace cg = cooperative_groups;
   using namespace topk_detail;
-  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread, kThreads};
+  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread, kThreads, kCtasPerSm};
   constexpr TopkLayout kDigits{kElemBytes, false};  // the digit schedule
   constexpr int kWarps = L.warps();
   constexpr int kBins = TopkResidentLayout::kHistBins;
@@ -53,7 +54,12 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
   constexpr int kBinsPerThread = kBins / kThreads;
   static_assert(kBins % kThreads == 0 && kBinsPerThread % 2 == 0 && kBinsPerThread <= 8, "2, 4 or 8 bins per thread");
   static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
-  static_assert(kKeysPerThread <= TopkResidentLayout::max_keys_per_thread(kThreads, kCluster), "the register budget");
+  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && !kCluster), "two CTAs per SM: one CTA per row");
+  static_assert(kKeysPerThread <= TopkResidentLayout::max_keys_per_thread(kThreads, kCluster, kElemBytes, kCtasPerSm),
+                "the register budget");
+  constexpr bool kPacked = L.packed();  // key i in the 16-bit half i % 2 of word i / 2
+  static_assert(!kPacked || kKeysPerThread % 2 == 0, "whole words of packed keys");
+  constexpr int kKeyWords = kPacked ? kKeysPerThread / 2 : kKeysPerThread;
   constexpr uint32_t kAllValid = (1u << kKeysPerThread) - 1u;
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
@@ -118,23 +124,39 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     }
     int ks_r, ke_r;
     load_row_range(a, r, ks_r, ke_r);
-    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);  // early: the same lo (0), mis and vectors
+    // early: the same lo (0), mis and vectors
+    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r, std::bool_constant<kCtasPerSm == 2>{});
     const int n = row.n;
     if (!early) load_vecs(row.vec, row.num_vecs);
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
-    uint32_t key[kKeysPerThread];
+    uint32_t kw[kKeyWords];
 #pragma unroll
     for (int u = 0; u < kVecs; ++u)
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) key[u * kVec + c] = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
+      for (int c = 0; c < kVec; ++c) {
+        const int i = u * kVec + c;
+        const uint32_t kk = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
+        if constexpr (kPacked) kw[i / 2] = (i & 1) ? kw[i / 2] | (kk << 16) : kk;
+        else kw[i] = kk;
+      }
+    // key i (every index is a compile-time constant after unrolling)
+    auto key = [&](int i) -> uint32_t {
+      if constexpr (kPacked) return (i & 1) ? kw[i / 2] >> 16 : kw[i / 2] & 0xFFFFu;
+      else return kw[i];
+    };
     // NOTES: keys outside the row become 0 (NaN's key): radix pass 0 counts them in bin 0, which
     // holds NaN alone, and takes them out again; later passes never match them (a chosen bin 0 ends
     // the selection after pass 0) and the emission masks them by `valid`.
     if (valid != kAllValid) {  // the row's ends; threads past them hold no column
 #pragma unroll
-      for (int i = 0; i < kKeysPerThread; ++i) key[i] = (valid >> i) & 1u ? key[i] : 0u;
+      for (int i = 0; i < kKeyWords; ++i) {
+        if constexpr (kPacked)
+          kw[i] &= ((valid >> (2 * i)) & 1u ? 0xFFFFu : 0u) | ((valid >> (2 * i + 1)) & 1u ? 0xFFFF0000u : 0u);
+        else
+          kw[i] = (valid >> i) & 1u ? kw[i] : 0u;
+      }
     }
-    tr.mark<0>(static_cast<int>(key[0]));
+    tr.mark<0>(static_cast<int>(key(0)));
     // NOTES: one CTA per row without ks: the CTA's next row (columns from 0) is asked of L2 while this one is
     // selected, a line per thread, the one of its first vector (a thread's <= 8 vectors start in every line
     // the CTA reads). Clusters take one row each unless forced (and their 1024-thread form would spill).
@@ -163,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
         if (pass == 0) {
           static_assert(kDigits.digit_shift(0) + kDigits.digit_bits(0) == 8 * kElemBytes, "digit 0: the top bits");
 #pragma unroll
-          for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + (key[i] >> shift), 1u);
+          for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + (key(i) >> shift), 1u);
           if (valid != kAllValid) atomicSub(h, static_cast<uint32_t>(kKeysPerThread - __popc(valid)));
         } else {
           // the few keys in the k-th key's bin so far; keys outside the row (0) never match: the bin of
@@ -178,14 +200,14 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
             const uint32_t below = (1u << shift) - 1u;
 #pragma unroll
             for (int i = 0; i < kKeysPerThread; ++i) {
-              const uint32_t bytes = min(((key[i] ^ prefix) & ~below) >> (shift - 2), sink_bytes);
+              const uint32_t bytes = min(((key(i) ^ prefix) & ~below) >> (shift - 2), sink_bytes);
               atomicAdd(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(h) + bytes), 1u);
             }
           } else {
             uint32_t* const sink = h + kBins + warp;
 #pragma unroll
             for (int i = 0; i < kKeysPerThread; ++i)
-              atomicAdd((key[i] & mask) == prefix ? h + ((key[i] >> shift) & digit_mask) : sink, 1u);
+              atomicAdd((key(i) & mask) == prefix ? h + ((key(i) >> shift) & digit_mask) : sink, 1u);
           }
         }
         __syncthreads();  // the histogram is complete
@@ -324,15 +346,15 @@ __global__ void __launch_bounds__(kThreads, 1) topk_resident_kernel(const TopkAr
     uint32_t gt = 0, eq = 0;
     if (whole) {  // one compare per key (most rows)
 #pragma unroll
-      for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key[i] >= prefix) << i;
+      for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key(i) >= prefix) << i;
       gt &= valid;
     } else {
       const uint32_t hi = prefix | (~mask & kFullKeyMask);
       uint32_t ge = 0;
 #pragma unroll
       for (int i = 0; i < kKeysPerThread; ++i) {
-        ge |= static_cast<uint32_t>(key[i] >= prefix) << i;
-        gt |= static_cast<uint32_t>(key[i] > hi) << i;
+        ge |= static_cast<uint32_t>(key(i) >= prefix) << i;
+        gt |= static_cast<uint32_t>(key(i) > hi) << i;
       }
       ge &= valid;
       gt &= valid;

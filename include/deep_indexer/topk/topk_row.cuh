@@ -2,6 +2,7 @@
 // vectors, and the store of a selected column in the requested index convention (docs/topk.md).
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include <deep_indexer/topk/topk_layout.hpp>
 
@@ -24,11 +25,20 @@ struct RowSpan {
   static constexpr int kVec = 16 / kElemBytes;
   int lo, n, mis, num_vecs;
   const uint4* vec;
-  __device__ __forceinline__ RowSpan(const TopkArgs& a, int r, int ks_r, int ke_r) {
+  // kNarrow: the same end computed in 32 bits (ke_r - lo_r and ke_r - d cannot overflow where taken).
+  // NOTES: only a register-allocation choice; each kernel takes the form that compiles without spills.
+  template <bool kNarrow = false>
+  __device__ __forceinline__ RowSpan(const TopkArgs& a, int r, int ks_r, int ke_r, std::bool_constant<kNarrow> = {}) {
     const int i_in = a.range_next_n == 1 ? 0 : r % a.range_next_n;
     const int lo_r = min(max(ks_r, 0), a.num_cols);
-    const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
-    const int hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo_r)), static_cast<int64_t>(a.num_cols)));
+    int hi;
+    if constexpr (kNarrow) {
+      const int d = a.range_next_n - 1 - i_in;  // >= 0
+      hi = (ke_r < lo_r || ke_r - lo_r < d) ? lo_r : min(ke_r - d, a.num_cols);
+    } else {
+      const int64_t hi64 = static_cast<int64_t>(ke_r) - a.range_next_n + i_in + 1;
+      hi = static_cast<int>(min(max(hi64, static_cast<int64_t>(lo_r)), static_cast<int64_t>(a.num_cols)));
+    }
     init(a, r, lo_r, hi - lo_r);
   }
   // Every column of row r: [0, num_cols).
