@@ -8,9 +8,9 @@ next to the library). Rows are the bench's top-k shapes (`deep_indexer.bench.TOP
 dtype; each library gets the same rows (DeepSelect in its padded row layout) and is timed by the bench's
 method (cold L2, CUDA events, median), the calls of one shape alternated round by round. `--forms` times
 deep_indexer once per list of KEY=VALUE switches (colon-separated; "" is the default heuristic).
-FlashInfer's kernel takes float32 only. On float32 rows the index sets are compared (they must be
-equal: every library breaks ties to the smaller index there); bfloat16 rows have many ties at the k-th
-value, which DeepSelect breaks in its own order, so only the set sizes are checked.
+FlashInfer's kernel takes float32 only. On float32 rows the index sets are compared with the first form's
+(they must be equal: every library breaks ties to the smaller index there); bfloat16 rows have many ties at
+the k-th value, which DeepSelect breaks in its own order, so only the set sizes are checked.
 """
 import argparse
 import ctypes
@@ -74,39 +74,37 @@ def main(argv=None) -> int:
             rows, n, k = x["rows"], x["n"], x["k"]
             ks, ke = x["ks"], x["ke"]
             out = torch.empty(rows, k, dtype=torch.int32, device=dev)
-            calls, names = [], []
+            calls, names, outs = [], [], []
             for form in args.forms:
                 calls.append(with_env(form, lambda: di.topk_indices(logits, k, ks, ke, out=out)))
                 names.append("di" + (f"[{form}]" if form else ""))
+                outs.append(out)
             if ds is not None:
                 xd = ds.empty_input(rows, n, dtype)
                 xd.copy_(logits)
                 ds_out = ds.empty_output(rows, k)
                 calls.append(lambda: ds.topk(xd, k, lengths=ke, out=ds_out))
                 names.append("deepselect")
+                outs.append(ds_out)
             if fi is not None and dtype == torch.float32:
                 lf = logits if logits.stride(1) == 1 else logits.contiguous()
                 fi_out = torch.empty(rows, k, dtype=torch.int32, device=dev)
                 offs = torch.zeros(rows, dtype=torch.int32, device=dev)
                 lens = ke.clone()
                 P = ctypes.c_void_p
-                stream = lambda: P(torch.cuda.current_stream().cuda_stream)
                 calls.append(lambda: fi.fi_topk_ragged(P(lf.data_ptr()), P(fi_out.data_ptr()), P(offs.data_ptr()),
                                                        P(lens.data_ptr()), ctypes.c_uint(rows), ctypes.c_uint(k),
                                                        ctypes.c_uint(lf.stride(0)), P(fi_state.data_ptr()), 1, 1,
-                                                       stream()))
+                                                       P(torch.cuda.current_stream().cuda_stream)))
                 names.append("flashinfer")
-            for c in calls:
-                c()
-            torch.cuda.synchronize()
-            # Checks: every library's sets against deep_indexer's default form.
+                outs.append(fi_out)
+            # Checks: every library's sets against the first form of deep_indexer's.
+            calls[0]()
             ref = torch.sort(out, dim=1).values
             check = {}
-            for c, name in zip(calls, names):
+            for c, name, o in zip(calls, names, outs):
                 c()
-                torch.cuda.synchronize()
-                got = {"deepselect": lambda: ds_out, "flashinfer": lambda: fi_out}.get(name, lambda: out)()
-                got = torch.sort(got.clone(), dim=1).values
+                got = torch.sort(o, dim=1).values
                 if dtype == torch.float32 or name.startswith("di"):
                     check[name] = bool(torch.equal(got, ref))
                 else:

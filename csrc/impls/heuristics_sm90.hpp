@@ -236,21 +236,19 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     const TopkResidentLayout l{elem_bytes, kpt, threads};
     return std::max<int64_t>(1, (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta());
   };
+  auto fits = [&](int kpt, int threads, bool cluster, int ctas_per_sm) {  // DI_TOPK_RESIDENT_KEYS and the budget
+    return (forced_keys == 0 || forced_keys == kpt) &&
+           kpt <= TopkResidentLayout::max_keys_per_thread(threads, cluster, elem_bytes, ctas_per_sm);
+  };
   auto allowed = [&](int kpt, int threads, bool cluster) {
-    return (forced_keys == 0 || forced_keys == kpt) && (forced_threads == 0 || forced_threads == threads) &&
-           kpt <= TopkResidentLayout::max_keys_per_thread(threads, cluster);
+    return fits(kpt, threads, cluster, 1) && (forced_threads == 0 || forced_threads == threads);
   };
   int kpt = 0, threads = 0;
   // two CTAs per SM (512 threads, one row each)
   const bool two_default = per_sm == 0 && forced != 1 && elem_bytes == 2 && rows > sms && rows <= 2 * sms;
   if (per_sm == 2 || two_default)
-    for (int c = vec; c < 32; c += vec) {
-      const TopkResidentLayout l{elem_bytes, c, 512, 2};
-      if (kpt == 0 && (forced_keys == 0 || forced_keys == c) &&
-          c <= TopkResidentLayout::max_keys_per_thread(512, false, elem_bytes, 2) &&
-          (vecs + l.vecs_per_cta() - 1) / l.vecs_per_cta() <= 1)
-        kpt = c, threads = 512, t.ctas_per_sm = 2;
-    }
+    for (int c = vec; c < 32; c += vec)
+      if (kpt == 0 && fits(c, 512, false, 2) && ctas(c, 512) == 1) kpt = c, threads = 512, t.ctas_per_sm = 2;
   // one CTA per row (1024 threads unless forced); any number of rows per CTA for rows of > 4K keys at k >= 1024
   const int one_cta = forced_threads == 256 || forced_threads == 512 ? forced_threads : TopkResidentLayout::kMaxThreads;
   for (int c = vec; c < 32; c += vec)
