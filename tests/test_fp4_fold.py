@@ -368,9 +368,9 @@ def test_kernel_through_quant_any_layout(d):
     assert torch.equal(_bits(v), _bits(tv)) and torch.equal(b, tb)
 
 
-@requires_sm90
-def test_kernel_extreme_exponents_and_spans():
-    """Exponent bytes 0 / 255 and spans far beyond 14 (inexact rows), every code byte at every shift."""
+def _extreme_rows():
+    """(codes, scale words) on the CPU: every code byte at every shift -40..6 of its group against the row's
+    largest, next to exponent bytes 0 and 255."""
     rows, words = [], []
     for s in range(-40, 7):
         for byte in range(256):
@@ -379,8 +379,13 @@ def test_kernel_extreme_exponents_and_spans():
             row[16:48] = byte
             rows.append(row)
             words.append((200, 194 + s, 255, (byte & 1) * 255))
-    codes = torch.stack(rows).cuda()
-    sf = _words(words).cuda()
+    return torch.stack(rows), _words(words)
+
+
+@requires_sm90
+def test_kernel_extreme_exponents_and_spans():
+    """Exponent bytes 0 / 255 and spans far beyond 14 (inexact rows), every code byte at every shift."""
+    codes, sf = (t.cuda() for t in _extreme_rows())
     v, b = _C.fp4_fold(codes, sf)
     tv, tb = quant.fold_fp4_to_e4m3_torch(codes, sf)
     rv, rb, _ = quant.fp4_to_e4m3_folded(codes.cpu(), sf.cpu())
@@ -473,15 +478,7 @@ def test_prefill_fold_kernel_matches_the_torch_fold(d, s_len, heads, skv, fresh_
 def test_prefill_fold_extreme_exponents_zero_rows_and_spans():
     """Every code byte at every shift -40..6 with exponent bytes 0 / 255 next to it, rows of +-0 codes with
     scale words 0 and 0xFFFFFFFF (base -6 and 249: subnormal and huge scales), through q and k."""
-    rows, words = [], []
-    for s in range(-40, 7):
-        for byte in range(256):
-            row = torch.zeros(64, dtype=torch.uint8)
-            row[:16] = 0x7F
-            row[16:48] = byte
-            rows.append(row)
-            words.append((200, 194 + s, 255, (byte & 1) * 255))
-    codes, sf = torch.stack(rows), _words(words)
+    codes, sf = _extreme_rows()
     zero = torch.zeros(64, 64, dtype=torch.uint8)
     zero[1::2] = 0x88  # -0 codes
     zsf = torch.zeros(64, dtype=torch.int32)

@@ -918,6 +918,23 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
     _check(x.bfloat16(), 512, ks, ke, sorted=sorted_)
 
 
+def _check_resident_rows(kind, m, n_max, dtype, gen):
+    """m rows of up to n_max keys (misaligned starts, the longest row whole, an empty one, one of fewer
+    than k keys) through k = 2048 absolute with offsets and values, k = 333, and k = 1024 slots."""
+    x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
+    ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
+    ke = torch.randint(n_max // 2, n_max + 5, (m,), generator=gen, dtype=torch.int32)
+    ke[0], ks[0] = n_max, 0
+    ke[1 % m] = ks[1 % m]  # empty
+    ke[2 % m] = ks[2 % m] + 100  # fewer keys than k
+    off = torch.randint(-1000, 1000, (m,), generator=gen, dtype=torch.int32)
+    _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off, return_values=True)
+    _check(x, 333, ks, ke)
+    ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
+    bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
+    _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("threads,keys", [("1024", "4"), ("1024", "8"), ("1024", "12"), ("1024", "16"), ("512", "8"),
@@ -937,18 +954,7 @@ def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
     for n_max in (per_cta - 8, 2 * per_cta - 8, 5 * per_cta, 8 * per_cta - 8):
         if m == 300 and n_max > 2 * per_cta:
             continue  # keeps the reference's time down; the cluster sizes are covered by m = 3
-        x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
-        ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
-        ke = torch.randint(n_max // 2, n_max + 5, (m,), generator=gen, dtype=torch.int32)
-        ke[0], ks[0] = n_max, 0
-        ke[1 % m] = ks[1 % m]  # empty
-        ke[2 % m] = ks[2 % m] + 100  # fewer keys than k
-        off = torch.randint(-1000, 1000, (m,), generator=gen, dtype=torch.int32)
-        _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off, return_values=True)
-        _check(x, 333, ks, ke)
-        ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
-        bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
-        _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
+        _check_resident_rows(kind, m, n_max, dtype, gen)
 
 
 @requires_sm90
@@ -966,18 +972,7 @@ def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):
     per_cta = 512 * int(keys)
     gen = torch.Generator().manual_seed(int(keys) + m + len(kind))
     for n_max in (per_cta - 8, per_cta // 2 + 3):
-        x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
-        ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
-        ke = torch.randint(n_max // 2, n_max + 5, (m,), generator=gen, dtype=torch.int32)
-        ke[0], ks[0] = n_max, 0
-        ke[1 % m] = ks[1 % m]  # empty
-        ke[2 % m] = ks[2 % m] + 100  # fewer keys than k
-        off = torch.randint(-1000, 1000, (m,), generator=gen, dtype=torch.int32)
-        _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off, return_values=True)
-        _check(x, 333, ks, ke)
-        ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
-        bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
-        _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
+        _check_resident_rows(kind, m, n_max, dtype, gen)
 
 
 @requires_sm90
