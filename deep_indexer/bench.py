@@ -489,9 +489,10 @@ def prefill_max_seqlen_k(spec: str) -> int:
 
 
 def is_prefill_shape(spec: str) -> bool:
-    """Whether `spec` names a prefill shape (P1..P5, P2c or S:SKV:pattern[...]) rather than a decode one."""
+    """Whether `spec` names a prefill shape (P1..P5, P2c or S:SKV:pattern[...]) rather than a decode one
+    (D1..D9, B:next_n:avg[:H], either with an "-FP4" suffix)."""
     return (spec in PREFILL_SHAPES or spec in COMPRESSED_SHAPES or
-            (spec.count(":") >= 2 and not spec.split(":")[2].isdigit()))
+            (spec.count(":") >= 2 and not spec.removesuffix("-FP4").split(":")[2].isdigit()))
 
 
 def prefill_case(spec: str, device) -> tuple:

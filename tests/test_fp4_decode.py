@@ -265,6 +265,10 @@ def test_bench_fp4_decode_rows():
     assert bench.roofline_us(x4, {}) is None
     v = bench.varlen_inputs(B, nn, 300, H, D, 64, "cpu", seed=3, fp4=True)
     assert v["q"][0].shape == (B * nn, 1, H, D // 2) and v["q"][1].shape == (B * nn, 1, H)
+    # tools/ab.py tells decode specs (own ones too, with "-FP4") from prefill ones
+    for spec, prefill in (("128:2:8192-FP4", False), ("128:2:8192", False), ("D3-FP4", False),
+                          ("4096:32768:causal", True), ("P2", True), ("4096:16384:cp:32:64", True)):
+        assert bench.is_prefill_shape(spec) == prefill, spec
 
 
 # ------------------------------------------------------------------------------------ GPU (SM90)
