@@ -80,7 +80,7 @@ def main() -> None:
             x, run = bench.prefill_case(sid, dev)
         else:  # <decode id>-FP4: FP4 q and the FP4 paged cache
             fp4 = sid.endswith("-FP4")
-            B, nn, avg, H = bench.decode_shape(sid[: len(sid) - 4 * fp4])
+            B, nn, avg, H = bench.decode_shape(sid.removesuffix("-FP4"))
             what = f"B={B} next_n={nn} H={H}" + (" FP4" if fp4 else "")
             x = bench.decode_inputs(B, nn, avg, H, 128, 64, dev, fp4=fp4)
         shape_variants = list(variants)

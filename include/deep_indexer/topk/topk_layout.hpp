@@ -116,7 +116,8 @@ struct TopkResidentLayout {
   // per SM halve it; bfloat16 keys are then held two per register (packed()), which doubles it back.
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
                                                           int ctas_per_sm = 1) {
-    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (ctas_per_sm == 2 && elem_bytes == 2 ? 2 : 1);
+    const bool two_keys_a_word = TopkResidentLayout{elem_bytes, 0, threads, ctas_per_sm}.packed();
+    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (two_keys_a_word ? 2 : 1);
     return budget < 31 ? budget : 31;
   }
 
