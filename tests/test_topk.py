@@ -977,6 +977,30 @@ def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", [{"DI_TOPK_RESIDENT": "1", "DI_TOPK_RESIDENT_THREADS": "1024"},
+                                  {"DI_TOPK_RESIDENT": "1", "DI_TOPK_RESIDENT_THREADS": "512"},
+                                  {"DI_TOPK_RESIDENT_CTAS_PER_SM": "2"}, {"DI_TOPK_RESIDENT": "0"}])
+def test_topk_bf16_every_bit_pattern(monkeypatch, form):
+    # every one of the 65536 bfloat16 bit patterns (each NaN, both zeros, subnormals, infinities) once,
+    # through the one-CTA forms that transform, count and compare the keys two per register (and the
+    # buffered kernel): the negative patterns shuffled over rows 0-3, the positive ones over rows 4-7 (so
+    # that the k-th key falls among either), 8192 keys a row
+    for key, v in form.items():
+        monkeypatch.setenv(key, v)
+    gen = torch.Generator().manual_seed(len(str(form)))
+    bits = torch.cat([32768 + torch.randperm(32768, generator=gen), torch.randperm(32768, generator=gen)]).to(torch.int32)
+    x = (bits - 65536 * (bits >= 32768).int()).to(torch.int16).view(torch.bfloat16).view(8, 8192)
+    assert torch.equal(torch.sort(x.view(torch.int16).flatten()).values.int(), torch.arange(-32768, 32768, dtype=torch.int32))
+    ke = torch.full((8,), 8192, dtype=torch.int32)
+    for k in (1, 255, 2047, 2048):
+        _check_once(x, k, None, ke, return_values=True)
+    ks = torch.randint(0, 9, (8,), generator=gen, dtype=torch.int32)
+    ke = torch.randint(6000, 8193, (8,), generator=gen, dtype=torch.int32)
+    _check_once(x, 3333, ks, ke)
+
+
+@requires_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 32768, 256), (1, 32768, 2048), (8, 40000, 2048), (40, 25000, 1024),
                                    (64, 8000, 512), (200, 3000, 2048), (200, 8000, 2048), (256, 8000, 512),

@@ -82,7 +82,7 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
       DI_CHECK_ARG(keys_per_thread >= vec && keys_per_thread % vec == 0 && keys_per_thread <= most,
                    "topk_resident: keys_per_thread must be a multiple of {} up to {} ({} threads{}), got {}", vec, most,
                    threads, cluster ? ", cluster" : "", keys_per_thread);
-      return TopkResidentLayout{elem_bytes, keys_per_thread, threads, ctas_per_sm};
+      return TopkResidentLayout{elem_bytes, keys_per_thread, threads, ctas_per_sm, cluster};
     }
   };
 

@@ -20,6 +20,17 @@ __device__ __forceinline__ uint32_t bf16_key(uint32_t b) {  // b: the 16 bits of
   return float_key(b << 16) >> 16;  // the bfloat16 widened to float32 exactly: the same order
 }
 
+// Two bfloat16 keys at once: each 16-bit half of the result is bf16_key of the same half of `w`. prmt's
+// sign mode spreads each half's top bit over the half (0xFFFF per negative half, and per half whose
+// magnitude is above 0x7F80: NaN); a negative half becomes (bits ^ 0xFFFF) + 1 = 0x8000 - |bits|, a
+// positive one bits ^ 0x8000. No carry crosses the halves: every half of a sum stays <= 0x8000.
+__device__ __forceinline__ uint32_t bf16_key_pair(uint32_t w) {
+  uint32_t neg, nan;
+  asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(neg) : "r"(w));
+  asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(nan) : "r"((w & 0x7FFF7FFFu) + 0x007F007Fu));
+  return ((w ^ (neg | 0x80008000u)) + (neg & 0x00010001u)) & ~nan;
+}
+
 // Unpacks one 16-byte vector into kVec = 16 / kElemBytes lanes of 32 or 16 bits.
 template <int kElemBytes>
 __device__ __forceinline__ void unpack(const uint4& v, uint32_t (&e)[16 / kElemBytes]) {

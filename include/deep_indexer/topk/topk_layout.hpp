@@ -113,11 +113,11 @@ struct TopkResidentLayout {
   static constexpr int kScalarLowerEqual = 6;
   // Register budget (65536 / (threads * ctas_per_sm) registers per thread): the keys a thread may hold, as
   // measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state). Two CTAs
-  // per SM halve it; bfloat16 keys are then held two per register (packed()), which doubles it back.
+  // per SM halve it; their bfloat16 keys are packed() two per register, which doubles it back (the one-CTA
+  // forms keep the budget their heuristic was measured with).
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
                                                           int ctas_per_sm = 1) {
-    const bool two_keys_a_word = TopkResidentLayout{elem_bytes, 0, threads, ctas_per_sm}.packed();
-    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (two_keys_a_word ? 2 : 1);
+    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (elem_bytes == 2 && ctas_per_sm == 2 ? 2 : 1);
     return budget < 31 ? budget : 31;
   }
 
@@ -125,9 +125,10 @@ struct TopkResidentLayout {
   int keys_per_thread;   // whole 16-byte vectors per thread, < 32 (a bit per key)
   int threads;           // 256, 512 or 1024
   int ctas_per_sm = 1;   // 1: one CTA per SM (launch_smem_bytes pads it); 2: two rows per SM at once (one CTA per row)
+  bool cluster = false;  // a cluster of CTAs per row
 
-  // bfloat16 keys two per 32-bit register (the two-CTA form)
-  DI_HOST_DEVICE constexpr bool packed() const { return elem_bytes == 2 && ctas_per_sm == 2; }
+  // bfloat16 keys two per 32-bit register, worked on two at a time (every form without clusters)
+  DI_HOST_DEVICE constexpr bool packed() const { return elem_bytes == 2 && !cluster; }
 
   DI_HOST_DEVICE constexpr int vec() const { return TopkLayout::kVecBytes / elem_bytes; }
   DI_HOST_DEVICE constexpr int vecs_per_thread() const { return keys_per_thread / vec(); }

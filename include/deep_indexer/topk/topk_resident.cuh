@@ -5,7 +5,8 @@
 // consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
 // (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.
 // 1. Selection: a radix select over every key (float32 11/11/10 bits, bfloat16 11/5). Each CTA counts
-//    its keys into its own histogram. One CTA: a block-wide search of the k-th key's bin. A cluster:
+//    its keys into its own histogram. One CTA: a block-wide search of the k-th key's bin (bfloat16's 32
+//    bins of pass 1: warp 0 alone). A cluster:
 //    the lanes holding each group of 64 bins send its total to every CTA, one warp of every CTA finds
 //    the chosen group in the sums and sends its bins of that group to every CTA, and every CTA finds the same bin
 //    (st.async into the peers' shared memory, an mbarrier per exchange; no cluster barrier).
@@ -31,12 +32,13 @@ namespace deep_indexer {
 // kKeysPerThread: keys held per thread (whole 16-byte vectors); kCluster: launched with clusters of
 // 2-8 CTAs per row (else one CTA per row, no cluster exchange); kThreads: 256, 512 or 1024 per CTA (fewer
 // threads with more keys each: the same keys per SM in fewer per-warp steps); kCtasPerSm: 1, or 2 (two
-// rows per SM at once, half the registers each; bfloat16 keys then packed two per register). Unsorted output.
+// rows per SM at once, half the registers each). Without clusters bfloat16 keys are packed two per register
+// and transformed, counted and compared two at a time (SIMD on the halves). Unsorted output.
 template <int kElemBytes, int kKeysPerThread, bool kCluster, int kThreads, int kCtasPerSm>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(const TopkArgs a) {
   namespace cg = cooperative_groups;
   using namespace topk_detail;
-  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread, kThreads, kCtasPerSm};
+  constexpr TopkResidentLayout L{kElemBytes, kKeysPerThread, kThreads, kCtasPerSm, kCluster};
   constexpr TopkLayout kDigits{kElemBytes, false};  // the digit schedule
   constexpr int kWarps = L.warps();
   constexpr int kBins = TopkResidentLayout::kHistBins;
@@ -58,6 +60,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   static_assert(kKeysPerThread <= TopkResidentLayout::max_keys_per_thread(kThreads, kCluster, kElemBytes, kCtasPerSm),
                 "the register budget");
   constexpr bool kPacked = L.packed();  // key i in the 16-bit half i % 2 of word i / 2
+  static_assert(!kPacked || (kElemBytes == 2 && !kCluster), "packed: bfloat16, one CTA per row");
   static_assert(!kPacked || kKeysPerThread % 2 == 0, "whole words of packed keys");
   constexpr int kKeyWords = kPacked ? kKeysPerThread / 2 : kKeysPerThread;
   constexpr uint32_t kAllValid = (1u << kKeysPerThread) - 1u;
@@ -131,14 +134,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
     uint32_t kw[kKeyWords];
 #pragma unroll
-    for (int u = 0; u < kVecs; ++u)
+    for (int u = 0; u < kVecs; ++u) {
+      if constexpr (kPacked) {  // a raw word holds keys 2j and 2j + 1 in its halves, as kw[j] does
+        const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) {
-        const int i = u * kVec + c;
-        const uint32_t kk = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
-        if constexpr (kPacked) kw[i / 2] = (i & 1) ? kw[i / 2] | (kk << 16) : kk;
-        else kw[i] = kk;
+        for (int c = 0; c < 4; ++c) kw[u * 4 + c] = radix::bf16_key_pair(w[c]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) kw[u * kVec + c] = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
       }
+    }
     // key i (every index is a compile-time constant after unrolling)
     auto key = [&](int i) -> uint32_t {
       if constexpr (kPacked) return (i & 1) ? kw[i / 2] >> 16 : kw[i / 2] & 0xFFFFu;
@@ -202,6 +207,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
             for (int i = 0; i < kKeysPerThread; ++i) {
               const uint32_t bytes = min(((key(i) ^ prefix) & ~below) >> (shift - 2), sink_bytes);
               atomicAdd(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(h) + bytes), 1u);
+            }
+          } else if constexpr (kPacked) {  // bfloat16 pass 1 (the last, one CTA per row): two keys per step
+            // NOTES: the top 11 bits are resolved and the prefix's low 5 are 0: a key is in the bin exactly
+            // when key ^ prefix < 32, and that is its digit. The others count into bins 32 + warp and up
+            // (never read: pass 1's search reads bins 0-31), one min per pair of keys.
+            static_assert(kDigits.digit_shift(1) == 0 && kDigits.digit_bits(1) == 5 && kPasses == 2,
+                          "bfloat16: 11 + 5 bits");
+            static_assert(32 + kWarps <= kBins, "the sinks lie in the histogram");
+            const uint32_t pair_prefix = prefix * 0x10001u, pair_sink = (32u + warp) * 0x10001u;
+#pragma unroll
+            for (int j = 0; j < kKeyWords; ++j) {
+              const uint32_t d = __vminu2(kw[j] ^ pair_prefix, pair_sink);
+              atomicAdd(h + (d & 0xFFFFu), 1u);
+              atomicAdd(h + (d >> 16), 1u);
             }
           } else {
             uint32_t* const sink = h + kBins + warp;
@@ -314,6 +333,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
           phases ^= (1u << pass) | (1u << (kPasses + pass));
           __syncthreads();
           kb = {scalars[0], scalars[1], scalars[2]};
+        } else if (kPacked && pass == 1) {  // 32 bins: warp 0 alone
+          if (warp == 0) {
+            const uint32_t c = h[lane];
+            const uint32_t incl = radix::warp_suffix_sum(c);  // keys in bins >= lane
+            if (incl - c < k_rem && k_rem <= incl) {  // one lane: bins are counted in order
+              scalars[0] = static_cast<uint32_t>(lane);
+              scalars[1] = incl - c;
+              scalars[2] = c;
+            }
+          }
+          __syncthreads();
+          kb = {scalars[0], scalars[1], scalars[2]};
         } else {
           kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return own[b % kBinsPerThread]; }, k_rem,
                                                            warp_sums, scalars);
@@ -344,7 +375,31 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
     // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
     uint32_t gt = 0, eq = 0;
-    if (whole) {  // one compare per key (most rows)
+    if constexpr (kPacked) {  // two keys per compare (the halves of kw[j]: keys 2j and 2j + 1)
+      const uint32_t pair_prefix = prefix * 0x10001u;
+      uint32_t ge = 0;
+#pragma unroll
+      for (int j = 0; j < kKeyWords; ++j) {
+        bool hi_ge, lo_ge;
+        __vibmax_u16x2(kw[j], pair_prefix, &hi_ge, &lo_ge);
+        ge |= (lo_ge ? 1u : 0u) << (2 * j) | (hi_ge ? 1u : 0u) << (2 * j + 1);
+      }
+      ge &= valid;
+      if (whole) {
+        gt = ge;
+      } else {
+        const uint32_t pair_hi = (prefix | (~mask & kFullKeyMask)) * 0x10001u;
+        uint32_t le = 0;
+#pragma unroll
+        for (int j = 0; j < kKeyWords; ++j) {
+          bool hi_le, lo_le;
+          __vibmin_u16x2(kw[j], pair_hi, &hi_le, &lo_le);
+          le |= (lo_le ? 1u : 0u) << (2 * j) | (hi_le ? 1u : 0u) << (2 * j + 1);
+        }
+        gt = ge & ~le;
+        eq = ge & le;
+      }
+    } else if (whole) {  // one compare per key (most rows)
 #pragma unroll
       for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key(i) >= prefix) << i;
       gt &= valid;
