@@ -70,13 +70,17 @@ py::dict variant_space() {
                                           py::make_tuple(1, 0));
   d["logits_elem_bytes"] = py::make_tuple(py::make_tuple("float32", 4), py::make_tuple("bfloat16", 2));
   // Resident top-k forms the heuristic takes (heuristics_sm90.hpp): (cluster, threads, CTAs per SM, the most
-  // keys per thread within the register budget for float32, for bfloat16).
+  // keys per thread it gives them for float32, for bfloat16: the register budget, and for one CTA per SM
+  // without clusters at most default_one_cta_keys).
   py::list forms;
   for (const auto& [cluster, threads, per_sm] :
-       {std::tuple{false, 1024, 1}, {true, 256, 1}, {true, 512, 1}, {true, 1024, 1}, {false, 512, 2}})
+       {std::tuple{false, 1024, 1}, {true, 256, 1}, {true, 512, 1}, {true, 1024, 1}, {false, 512, 2}}) {
+    const int reach = !cluster && per_sm == 1 ? TopkResidentLayout::default_one_cta_keys(threads)
+                                               : TopkResidentLayout::kMaxKeysPerThread;
     forms.append(py::make_tuple(cluster ? 1 : 0, threads, per_sm,
-                                TopkResidentLayout::max_keys_per_thread(threads, cluster, 4, per_sm),
-                                TopkResidentLayout::max_keys_per_thread(threads, cluster, 2, per_sm)));
+                                std::min(reach, TopkResidentLayout::max_keys_per_thread(threads, cluster, 4, per_sm)),
+                                std::min(reach, TopkResidentLayout::max_keys_per_thread(threads, cluster, 2, per_sm))));
+  }
   d["topk_resident_forms"] = forms;
   return d;
 }

@@ -194,9 +194,10 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
 // Resident top-k (topk_resident.cuh), unsorted output: CTAs of 256, 512 or 1024 threads (one per SM) hold
 // whole rows in registers, keys_per_thread each (whole 16-byte vectors, up to the register budget
 // TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
-// - Two 512-thread CTAs per SM, one row each (bfloat16 keys two per register, up to 12K keys a row), for
-//   bfloat16 rows when there are more rows than SMs but at most two per SM: both rows' chains of dependent
-//   steps run at once instead of one after the other (DeepSeek-V4 decode rows: 256 x ~8K).
+// - Two 512-thread CTAs per SM, one row each (bfloat16 keys two per register, up to 16K keys a row), for
+//   bfloat16 rows when there are at most two per SM: both rows' chains of dependent steps run at once
+//   instead of one after the other (DeepSeek-V4 decode rows: 256 x ~8K), and with fewer rows than SMs
+//   half the warps of one 1024-thread CTA take each block-wide step (64 x ~8K: 9.7 -> 9.0 us, H200).
 // - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it. Also
 //   for more rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of more than
 //   4K keys where k >= 1024; not for k = 512 (the buffered kernel's filter keeps few keys there and wins).
@@ -245,20 +246,23 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   };
   int kpt = 0, threads = 0;
   // two CTAs per SM (512 threads, one row each)
-  const bool two_default = per_sm == 0 && forced != 1 && elem_bytes == 2 && rows > sms && rows <= 2 * sms;
+  constexpr int kMostKeys = TopkResidentLayout::kMaxKeysPerThread;
+  const bool two_default = per_sm == 0 && forced != 1 && elem_bytes == 2 && rows <= 2 * sms;
   if (per_sm == 2 || two_default)
-    for (int c = vec; c < 32; c += vec)
+    for (int c = vec; c <= kMostKeys; c += vec)
       if (kpt == 0 && fits(c, 512, false, 2) && ctas(c, 512) == 1) kpt = c, threads = 512, t.ctas_per_sm = 2;
-  // one CTA per row (1024 threads unless forced); any number of rows per CTA for rows of > 4K keys at k >= 1024
+  // one CTA per row (1024 threads unless forced); any number of rows per CTA for rows of > 4K keys at k >= 1024.
+  // Unless forced, at most the 16 registers of keys per thread (at 1024 threads) this choice was measured with.
   const int one_cta = forced_threads == 256 || forced_threads == 512 ? forced_threads : TopkResidentLayout::kMaxThreads;
-  for (int c = vec; c < 32; c += vec)
+  const int one_cta_keys = forced == 1 ? kMostKeys : TopkResidentLayout::default_one_cta_keys(one_cta);
+  for (int c = vec; c <= one_cta_keys; c += vec)
     if (kpt == 0 && allowed(c, one_cta, false) && ctas(c, one_cta) == 1 &&
         (forced == 1 || rows <= sms || (k >= 1024 && vecs * vec > 4096)))
       kpt = c, threads = one_cta;
   // bit m: the device does not hold `rows` clusters of m CTAs at once (one CTA per SM: the same for every form)
   uint32_t failed = 0;
   for (const int n : {256, 512, 1024})  // a cluster per row
-    for (int c = vec; c < 32; c += vec) {
+    for (int c = vec; c <= kMostKeys; c += vec) {
       const int64_t m = ctas(c, n);
       if (kpt != 0 || !allowed(c, n, true) || m < 2 || m > TopkResidentLayout::kMaxCluster || ((failed >> m) & 1u))
         continue;

@@ -113,16 +113,23 @@ struct TopkResidentLayout {
   static constexpr int kScalarLowerEqual = 6;
   // Register budget (65536 / (threads * ctas_per_sm) registers per thread): the keys a thread may hold, as
   // measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state). Two CTAs
-  // per SM halve it; their bfloat16 keys are packed() two per register, which doubles it back (the one-CTA
-  // forms keep the budget their heuristic was measured with).
+  // per SM halve it; bfloat16 keys packed() two per register double it. At most kMaxKeysPerThread (a bit
+  // per key in a word; 31 unpacked).
+  static constexpr int kMaxKeysPerThread = 32;
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
                                                           int ctas_per_sm = 1) {
-    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (elem_bytes == 2 && ctas_per_sm == 2 ? 2 : 1);
-    return budget < 31 ? budget : 31;
+    const bool two_keys_a_word = TopkResidentLayout{elem_bytes, 0, threads, ctas_per_sm, cluster}.packed();
+    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (two_keys_a_word ? 2 : 1);
+    const int most = two_keys_a_word ? kMaxKeysPerThread : kMaxKeysPerThread - 1;
+    return budget < most ? budget : most;
   }
 
+  // The most keys per thread the heuristic gives a one-CTA-per-SM form without clusters unless forced: the
+  // 16 registers of keys (at 1024 threads) it was measured with (heuristics_sm90.hpp).
+  DI_HOST_DEVICE static constexpr int default_one_cta_keys(int threads) { return 16 * kMaxThreads / threads; }
+
   int elem_bytes;        // 4: float32, 2: bfloat16
-  int keys_per_thread;   // whole 16-byte vectors per thread, < 32 (a bit per key)
+  int keys_per_thread;   // whole 16-byte vectors per thread, <= max_keys_per_thread (a bit per key)
   int threads;           // 256, 512 or 1024
   int ctas_per_sm = 1;   // 1: one CTA per SM (launch_smem_bytes pads it); 2: two rows per SM at once (one CTA per row)
   bool cluster = false;  // a cluster of CTAs per row

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   constexpr int kVecs = L.vecs_per_thread();
   constexpr int kPasses = L.num_passes();
   static_assert(kElemBytes == 4 || kElemBytes == 2, "float32 or bfloat16 logits");
-  static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread < 32, "whole vectors; key bits in a word");
+  static_assert(kVecs >= 1 && kVecs * kVec == kKeysPerThread && kKeysPerThread <= 32, "whole vectors; key bits in a word");
   static_assert(kThreads >= TopkResidentLayout::kMinThreads && kThreads <= TopkResidentLayout::kMaxThreads &&
                     kThreads % 32 == 0, "a thread count the layout supports");
   // the bins a thread sums in the searches (consecutive, loaded as 8- or 16-byte words)
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   static_assert(!kPacked || (kElemBytes == 2 && !kCluster), "packed: bfloat16, one CTA per row");
   static_assert(!kPacked || kKeysPerThread % 2 == 0, "whole words of packed keys");
   constexpr int kKeyWords = kPacked ? kKeysPerThread / 2 : kKeysPerThread;
-  constexpr uint32_t kAllValid = (1u << kKeysPerThread) - 1u;
+  constexpr uint32_t kAllValid = kKeysPerThread == 32 ? ~0u : (1u << kKeysPerThread) - 1u;
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
   extern __shared__ __align__(16) uint8_t smem[];

@@ -57,7 +57,8 @@ struct RowSpan {
   __device__ __forceinline__ uint32_t valid_bits(int v, int count = kVec) const {
     const int first = v * kVec - mis;
     const int c_lo = min(max(-first, 0), count), c_hi = min(max(n - first, 0), count);
-    return ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
+    auto low = [](int c) { return c >= 32 ? ~0u : (1u << c) - 1u; };  // count may be 32
+    return low(c_hi) & ~low(c_lo);
   }
 };
 
