@@ -19,6 +19,8 @@ entry/exit %globaltimer and %clock64 marks (include/deep_indexer/common/trace.cu
            7 cycles in fallbacks (all rows); n = the first row's survivors. Resident kernel (topk_resident.cuh,
            from the CTA's entry): 7 past the PDL wait, 0 keys in, 1 / 2 radix pass 0 / 1 done, 4 selection
            threshold, 3 output positions known, 5 emitted, 6 row end
+DI_JIT_EXTRA_FLAGS=-DDI_TRACE_ROW=n gives the buffered top-k kernel's marks for each CTA's n-th row instead
+(from that row's start: a steady-state row).
 A shape is a benchmark id (D1..D7, K-* top-k, KF-<decode id>[:k]: the fused decode call with its metadata) or
 B:next_n:avg[:H]. Entries / exits: %globaltimer after the first entry of any role.
 The report gives, per role and mark, the median and max over CTAs in ns (clock64 converted with the

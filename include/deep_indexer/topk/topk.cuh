@@ -497,6 +497,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   int ks_next = 0, ke_next = 0;
   load_range(static_cast<int>(blockIdx.x) / num_ctas, ks_next, ke_next);
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {  // no overflow: rows < 2^31 - 2^20
+#ifdef DI_TRACE_ROW  // with DI_KERNEL_TRACE: the marks of the CTA's row DI_TRACE_ROW (0: its first), from its start
+    if (r == static_cast<int>(blockIdx.x) / num_ctas + DI_TRACE_ROW * num_clusters) tr = Tracer{}, tr.start();
+#endif
     // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
     const int ks_r = ks_next, ke_r = ke_next;
     load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
