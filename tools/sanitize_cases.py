@@ -263,6 +263,24 @@ def topk_resident_two_per_sm():
 
 
 @case
+def topk_resident_packed():
+    # the one-CTA bfloat16 forms (keys two per register): 1024 threads x 16 and x 32 keys, misaligned rows
+    import deep_indexer as di
+
+    gen = torch.Generator().manual_seed(3)
+    for keys, n in ((16, 16000), (32, 32760)):
+        old = _env(DI_TOPK_RESIDENT=1, DI_TOPK_RESIDENT_THREADS=1024, DI_TOPK_RESIDENT_KEYS=keys)
+        try:
+            x = torch.randn(5, n + 8, generator=gen)[:, 1:n + 1].cuda().bfloat16()
+            ks = torch.tensor([0, 3, 100, 7, 0], dtype=torch.int32, device="cuda")
+            ke = torch.tensor([n, n - 1, 300, 7, n // 2], dtype=torch.int32, device="cuda")
+            di.topk_indices(x, 2048, ks, ke, index_mode="absolute", return_values=True)
+            di.topk_indices(x[:, :n - 8].contiguous(), 512, None, ke.clamp(max=n - 8))
+        finally:
+            _restore(old)
+
+
+@case
 def fused_mqa_topk():
     import deep_indexer as di
     from deep_indexer.bench import prefill_inputs
