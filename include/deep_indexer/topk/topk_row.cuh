@@ -52,7 +52,7 @@ struct RowSpan {
     vec = reinterpret_cast<const uint4*>(row_bytes - mis * kElemBytes);
     num_vecs = n == 0 ? 0 : (mis + n + kVec - 1) / kVec;
   }
-  // Bit c (c < count < 32): element c of the `count` elements from vector v on is a column of the row
+  // Bit c (c < count <= 32): element c of the `count` elements from vector v on is a column of the row
   // (0 <= v * kVec + c - mis < n).
   __device__ __forceinline__ uint32_t valid_bits(int v, int count = kVec) const {
     const int first = v * kVec - mis;
