@@ -51,9 +51,12 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
     python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider --collect-only ${KEXPR:+-k "$KEXPR"} 2>/dev/null \
       | grep "::" >"$OUT/test_ids.txt"
     split -n r/"$SHARDS" "$OUT/test_ids.txt" "$OUT/shard_"
+    # NOTES: each shard's CPU references get a share of the cores (one torch thread pool per core each
+    # would oversubscribe them several times over and stall every shard)
+    threads=$(( $(nproc) / SHARDS > 1 ? $(nproc) / SHARDS : 1 ))
     for f in "$OUT"/shard_??; do
       mapfile -t ids <"$f"  # one id per line (some hold spaces)
-      timeout ${TEST_TIMEOUT:-420} python3 -X faulthandler -m pytest "${ids[@]}" -q -p no:cacheprovider \
+      OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads} timeout ${TEST_TIMEOUT:-420} python3 -X faulthandler -m pytest "${ids[@]}" -q -p no:cacheprovider \
         --maxfail=${MAXFAIL:-30} -rf --tb=line >"$f.log" 2>&1 &
     done
     wait
