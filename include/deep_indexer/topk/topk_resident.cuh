@@ -19,6 +19,7 @@
 #include <cooperative_groups.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include <deep_indexer/common/ptx.cuh>
 #include <deep_indexer/topk/radix_select.cuh>
@@ -376,26 +377,24 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
     uint32_t gt = 0, eq = 0;
     if constexpr (kPacked) {  // two keys per compare (the halves of kw[j]: keys 2j and 2j + 1)
-      const uint32_t pair_prefix = prefix * 0x10001u;
-      uint32_t ge = 0;
+      // bit i: key i >= bound (at_least) or <= bound (one VIMNMX.U16x2 per pair, its predicates)
+      auto compare_bits = [&](uint32_t bound, auto at_least) {
+        const uint32_t pair_bound = bound * 0x10001u;
+        uint32_t bits = 0;
 #pragma unroll
-      for (int j = 0; j < kKeyWords; ++j) {
-        bool hi_ge, lo_ge;
-        __vibmax_u16x2(kw[j], pair_prefix, &hi_ge, &lo_ge);
-        ge |= (lo_ge ? 1u : 0u) << (2 * j) | (hi_ge ? 1u : 0u) << (2 * j + 1);
-      }
-      ge &= valid;
+        for (int j = 0; j < kKeyWords; ++j) {
+          bool hi, lo;
+          if constexpr (decltype(at_least)::value) __vibmax_u16x2(kw[j], pair_bound, &hi, &lo);
+          else __vibmin_u16x2(kw[j], pair_bound, &hi, &lo);
+          bits |= (lo ? 1u : 0u) << (2 * j) | (hi ? 1u : 0u) << (2 * j + 1);
+        }
+        return bits;
+      };
+      const uint32_t ge = compare_bits(prefix, std::true_type{}) & valid;
       if (whole) {
         gt = ge;
       } else {
-        const uint32_t pair_hi = (prefix | (~mask & kFullKeyMask)) * 0x10001u;
-        uint32_t le = 0;
-#pragma unroll
-        for (int j = 0; j < kKeyWords; ++j) {
-          bool hi_le, lo_le;
-          __vibmin_u16x2(kw[j], pair_hi, &hi_le, &lo_le);
-          le |= (lo_le ? 1u : 0u) << (2 * j) | (hi_le ? 1u : 0u) << (2 * j + 1);
-        }
+        const uint32_t le = compare_bits(prefix | (~mask & kFullKeyMask), std::false_type{});
         gt = ge & ~le;
         eq = ge & le;
       }
