@@ -75,11 +75,11 @@ py::dict variant_space() {
   py::list forms;
   for (const auto& [cluster, threads, per_sm] :
        {std::tuple{false, 1024, 1}, {true, 256, 1}, {true, 512, 1}, {true, 1024, 1}, {false, 512, 2}}) {
-    const int reach = !cluster && per_sm == 1 ? TopkResidentLayout::default_one_cta_keys(threads)
-                                               : TopkResidentLayout::kMaxKeysPerThread;
-    forms.append(py::make_tuple(cluster ? 1 : 0, threads, per_sm,
-                                std::min(reach, TopkResidentLayout::max_keys_per_thread(threads, cluster, 4, per_sm)),
-                                std::min(reach, TopkResidentLayout::max_keys_per_thread(threads, cluster, 2, per_sm))));
+    auto most = [&](int elem_bytes) {
+      const int budget = TopkResidentLayout::max_keys_per_thread(threads, cluster, elem_bytes, per_sm);
+      return !cluster && per_sm == 1 ? std::min(budget, TopkResidentLayout::default_one_cta_keys(threads)) : budget;
+    };
+    forms.append(py::make_tuple(cluster ? 1 : 0, threads, per_sm, most(4), most(2)));
   }
   d["topk_resident_forms"] = forms;
   return d;

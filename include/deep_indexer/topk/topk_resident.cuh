@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   static_assert(!kPacked || (kElemBytes == 2 && !kCluster), "packed: bfloat16, one CTA per row");
   static_assert(!kPacked || kKeysPerThread % 2 == 0, "whole words of packed keys");
   constexpr int kKeyWords = kPacked ? kKeysPerThread / 2 : kKeysPerThread;
-  constexpr uint32_t kAllValid = kKeysPerThread == 32 ? ~0u : (1u << kKeysPerThread) - 1u;
+  constexpr uint32_t kAllValid = low_bits(kKeysPerThread);
   constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
   extern __shared__ __align__(16) uint8_t smem[];

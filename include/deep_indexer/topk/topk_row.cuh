@@ -9,6 +9,9 @@
 namespace deep_indexer {
 namespace topk_detail {
 
+// The c low bits set, c in [0, 32].
+DI_HOST_DEVICE constexpr uint32_t low_bits(int c) { return c >= 32 ? ~0u : (1u << c) - 1u; }
+
 // The (ks, ke) entries of row r.
 __device__ __forceinline__ void load_row_range(const TopkArgs& a, int64_t r, int& ks_v, int& ke_v) {
   const int g = a.range_next_n == 1 ? static_cast<int>(r) : static_cast<int>(r) / a.range_next_n;  // no division per row
@@ -57,8 +60,7 @@ struct RowSpan {
   __device__ __forceinline__ uint32_t valid_bits(int v, int count = kVec) const {
     const int first = v * kVec - mis;
     const int c_lo = min(max(-first, 0), count), c_hi = min(max(n - first, 0), count);
-    auto low = [](int c) { return c >= 32 ? ~0u : (1u << c) - 1u; };  // count may be 32
-    return low(c_hi) & ~low(c_lo);
+    return low_bits(c_hi) & ~low_bits(c_lo);
   }
 };
 
