@@ -20,6 +20,7 @@
 //    buffer holds, the equal plane is rebuilt from the row, window by window.
 #pragma once
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -60,7 +61,7 @@ __device__ __forceinline__ float value_at(const uint4& v, int c) {
 template <int kElemBytes>
 __device__ __forceinline__ uint32_t raw_of_pair(const uint4& a, const uint4& b, int c) {
   constexpr int kPerWord = 4 / kElemBytes;
-  const int w = c / kPerWord;  // a select tree on values (an indexed array would go to local memory)
+  const uint32_t w = static_cast<uint32_t>(c) / kPerWord;  // a select tree on values (an indexed array would go to local memory)
   const uint32_t lo = (w & 2) ? ((w & 1) ? a.w : a.z) : ((w & 1) ? a.y : a.x);
   const uint32_t hi = (w & 2) ? ((w & 1) ? b.w : b.z) : ((w & 1) ? b.y : b.x);
   const uint32_t word = (w & 4) ? hi : lo;
@@ -83,6 +84,25 @@ __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
   }
 }
 
+
+// Bit u * 8 + c set where element c of bfloat16 vector buf[u] is >= bound (ordered: NaN fails), two
+// elements per compare. bound is a bfloat16 value widened to float (key_floor_value).
+// NOTES: the masks' halves are gathered as bit 2 i (element 2 i, low half) and bit 17 + 2 i (element
+// 2 i + 1, high half) of one word, shifted by 8 u, then folded: 2 instructions per 2 elements.
+__device__ __forceinline__ uint32_t ge_bits_bf16(const uint4 (&buf)[2], float bound) {
+  const uint32_t b = __float_as_uint(bound) >> 16;
+  const __nv_bfloat162 bb = __halves2bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(b)),
+                                               __ushort_as_bfloat16(static_cast<unsigned short>(b)));
+  auto ge = [&](uint32_t w) { return __hge2_mask(*reinterpret_cast<const __nv_bfloat162*>(&w), bb); };
+  uint32_t x = 0;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const uint32_t wd[4] = {buf[u].x, buf[u].y, buf[u].z, buf[u].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x |= ge(wd[i]) & (((1u << (2 * i)) | (1u << (17 + 2 * i))) << (8 * u));
+  }
+  return (x | (x >> 16)) & 0xFFFFu;
+}
 
 // The buffered kernel's constants and phases (one instantiation per kernel variant, every phase
 // inlined into topk_kernel below, which walks the rows and keeps the shared helpers).
@@ -536,12 +556,17 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
         const int v = base + u * 32 + lane;
         uint32_t pass = kVecMask;
         if (!interior) pass = v >= vb1 ? 0u : v > 0 && v < num_vecs - 1 ? kVecMask : row.valid_bits(v);
-        if (!all) {
+        if constexpr (kElemBytes == 4) {
+          if (!all) {
 #pragma unroll
-          for (int c = 0; c < kVec; ++c)
-            pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(buf[u], c) >= bound)) << c);
+            for (int c = 0; c < kVec; ++c)
+              pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(buf[u], c) >= bound)) << c);
+          }
         }
         bits |= pass << (u * kVec);
+      }
+      if constexpr (kElemBytes == 2) {
+        if (!all) bits &= ge_bits_bf16(buf, bound);  // two compares at a time
       }
       if (!__any_sync(radix::kFullMask, bits != 0u)) return;
       const uint32_t my = __popc(bits);
@@ -560,6 +585,20 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       // NOTES: with a slot for every survivor of the step, a lane tests every element position in turn
       // (predicated stores to 32-bit shared addresses, no divergent loop); else (and for the remote
       // buffer of a cluster) it walks its survivors.
+#ifdef DI_TOPK_SPARSE_STORE
+      if (!kCluster && end <= static_cast<uint32_t>(kCap) &&
+          __reduce_max_sync(radix::kFullMask, my) <= static_cast<uint32_t>(DI_TOPK_SPARSE_STORE)) {
+        uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot, rest = bits;
+        while (rest != 0u) {
+          const uint32_t b = static_cast<uint32_t>(__ffs(rest)) - 1u;
+          rest &= rest - 1u;
+          ptx::st_shared_u32(ka, raw_of_pair<kElemBytes>(buf[0], buf[1], static_cast<int>(b)));
+          ptx::st_shared_u32(ca, static_cast<uint32_t>(col0) + (b / kVec) * 32u * kVec + b % kVec);
+          ka += 4u;
+          ca += 4u;
+        }
+      } else
+#endif
       if (!kCluster && end <= static_cast<uint32_t>(kCap)) {
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         const uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot;
