@@ -585,20 +585,6 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       // NOTES: with a slot for every survivor of the step, a lane tests every element position in turn
       // (predicated stores to 32-bit shared addresses, no divergent loop); else (and for the remote
       // buffer of a cluster) it walks its survivors.
-#ifdef DI_TOPK_SPARSE_STORE
-      if (!kCluster && end <= static_cast<uint32_t>(kCap) &&
-          __reduce_max_sync(radix::kFullMask, my) <= static_cast<uint32_t>(DI_TOPK_SPARSE_STORE)) {
-        uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot, rest = bits;
-        while (rest != 0u) {
-          const uint32_t b = static_cast<uint32_t>(__ffs(rest)) - 1u;
-          rest &= rest - 1u;
-          ptx::st_shared_u32(ka, raw_of_pair<kElemBytes>(buf[0], buf[1], static_cast<int>(b)));
-          ptx::st_shared_u32(ca, static_cast<uint32_t>(col0) + (b / kVec) * 32u * kVec + b % kVec);
-          ka += 4u;
-          ca += 4u;
-        }
-      } else
-#endif
       if (!kCluster && end <= static_cast<uint32_t>(kCap)) {
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         const uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot;
