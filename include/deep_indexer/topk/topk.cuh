@@ -61,7 +61,8 @@ __device__ __forceinline__ float value_at(const uint4& v, int c) {
 template <int kElemBytes>
 __device__ __forceinline__ uint32_t raw_of_pair(const uint4& a, const uint4& b, int c) {
   constexpr int kPerWord = 4 / kElemBytes;
-  const uint32_t w = static_cast<uint32_t>(c) / kPerWord;  // a select tree on values (an indexed array would go to local memory)
+  // a select tree on values (an indexed array would go to local memory)
+  const uint32_t w = static_cast<uint32_t>(c) / kPerWord;
   const uint32_t lo = (w & 2) ? ((w & 1) ? a.w : a.z) : ((w & 1) ? a.y : a.x);
   const uint32_t hi = (w & 2) ? ((w & 1) ? b.w : b.z) : ((w & 1) ? b.y : b.x);
   const uint32_t word = (w & 4) ? hi : lo;
