@@ -86,23 +86,32 @@ __device__ __forceinline__ float key_floor_value(uint32_t kmin) {
 }
 
 
-// Bit u * 8 + c set where element c of bfloat16 vector buf[u] is >= bound (ordered: NaN fails), two
-// elements per compare. bound is a bfloat16 value widened to float (key_floor_value).
-// NOTES: the masks' halves are gathered as bit 2 i (element 2 i, low half) and bit 17 + 2 i (element
-// 2 i + 1, high half) of one word, shifted by 8 u, then folded: 2 instructions per 2 elements.
-__device__ __forceinline__ uint32_t ge_bits_bf16(const uint4 (&buf)[2], float bound) {
-  const uint32_t b = __float_as_uint(bound) >> 16;
-  const __nv_bfloat162 bb = __halves2bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(b)),
-                                               __ushort_as_bfloat16(static_cast<unsigned short>(b)));
-  auto ge = [&](uint32_t w) { return __hge2_mask(*reinterpret_cast<const __nv_bfloat162*>(&w), bb); };
+// Bit u * kVec + c set where element c of vector buf[u] is >= bound (ordered: NaN fails); bound is a value
+// of the logits' dtype widened to float (key_floor_value).
+// NOTES: bfloat16 compares two elements at a time; the masks' halves are gathered as bit 2 i (element 2 i,
+// low half) and bit 17 + 2 i (element 2 i + 1, high half) of one word, shifted by 8 u, then folded: 2
+// instructions per 2 elements.
+template <int kElemBytes>
+__device__ __forceinline__ uint32_t ge_bits(const uint4 (&buf)[2], float bound) {
   uint32_t x = 0;
+  if constexpr (kElemBytes == 4) {
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    const uint32_t wd[4] = {buf[u].x, buf[u].y, buf[u].z, buf[u].w};
+    for (int u = 0; u < 2; ++u)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x |= ge(wd[i]) & (((1u << (2 * i)) | (1u << (17 + 2 * i))) << (8 * u));
+      for (int c = 0; c < 4; ++c) x |= static_cast<uint32_t>(value_at<kElemBytes>(buf[u], c) >= bound) << (4 * u + c);
+    return x;
+  } else {
+    const unsigned short b = static_cast<unsigned short>(__float_as_uint(bound) >> 16);  // a bfloat16 value
+    const __nv_bfloat162 bb = __halves2bfloat162(__ushort_as_bfloat16(b), __ushort_as_bfloat16(b));
+    auto ge = [&](uint32_t w) { return __hge2_mask(*reinterpret_cast<const __nv_bfloat162*>(&w), bb); };
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const uint32_t wd[4] = {buf[u].x, buf[u].y, buf[u].z, buf[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x |= ge(wd[i]) & (((1u << (2 * i)) | (1u << (17 + 2 * i))) << (8 * u));
+    }
+    return (x | (x >> 16)) & 0xFFFFu;
   }
-  return (x | (x >> 16)) & 0xFFFFu;
 }
 
 // The buffered kernel's constants and phases (one instantiation per kernel variant, every phase
@@ -537,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     // the other step is filtered.
     constexpr int kStep = kThreads * kUnroll;
     constexpr uint32_t kVecMask = (1u << kVec) - 1u;
-    static_assert(kUnroll == 2, "raw_of_pair reads a step of two vectors");
+    static_assert(kUnroll == 2, "raw_of_pair and ge_bits read a step of two vectors");
     uint4 buf_a[kUnroll], buf_b[kUnroll];
     auto load_step = [&](uint4 (&buf)[kUnroll], int base, int vb1) {
 #pragma unroll
@@ -557,18 +566,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
         const int v = base + u * 32 + lane;
         uint32_t pass = kVecMask;
         if (!interior) pass = v >= vb1 ? 0u : v > 0 && v < num_vecs - 1 ? kVecMask : row.valid_bits(v);
-        if constexpr (kElemBytes == 4) {
-          if (!all) {
-#pragma unroll
-            for (int c = 0; c < kVec; ++c)
-              pass &= ~(static_cast<uint32_t>(!(value_at<kElemBytes>(buf[u], c) >= bound)) << c);
-          }
-        }
         bits |= pass << (u * kVec);
       }
-      if constexpr (kElemBytes == 2) {
-        if (!all) bits &= ge_bits_bf16(buf, bound);  // two compares at a time
-      }
+      if (!all) bits &= ge_bits<kElemBytes>(buf, bound);
       if (!__any_sync(radix::kFullMask, bits != 0u)) return;
       const uint32_t my = __popc(bits);
       // NOTES: lane 0 reserves the warp's slots with the suffix sum it holds (the warp's total); a
