@@ -21,8 +21,8 @@ entry/exit %globaltimer and %clock64 marks (include/deep_indexer/common/trace.cu
            threshold, 3 output positions known, 5 emitted, 6 row end
 DI_JIT_EXTRA_FLAGS=-DDI_TRACE_ROW=n gives the buffered top-k kernel's marks for each CTA's n-th row instead
 (from that row's start: a steady-state row).
-A shape is a benchmark id (D1..D7, K-* top-k, KF-<decode id>[:k]: the fused decode call with its metadata) or
-B:next_n:avg[:H]. Entries / exits: %globaltimer after the first entry of any role.
+A shape is a benchmark id (D1..D9, K-* top-k, KF-<decode id>[:k]: the fused decode call with its metadata) or
+B:next_n:avg[:H]; a decode shape + "-FP4": FP4 q and cache. Entries / exits: %globaltimer after the first entry of any role.
 The report gives, per role and mark, the median and max over CTAs in ns (clock64 converted with the
 clock rate measured from the same records), the spread of CTA starts and the kernel span.
 """
@@ -157,7 +157,7 @@ def main() -> int:
                 print(f"  {name}:", end="")
                 show(a)
             continue
-        B, nn, avg, H = bench.decode_shape(sid)
+        B, nn, avg, H = bench.decode_shape(sid.removesuffix("-FP4"))
         x, run = bench.decode_case(sid, dev)
         run_meta = lambda: di.get_paged_mqa_logits_metadata(x["context_lens"], 64)
         capture(lambda: [run() for _ in range(3)] + [run_meta() for _ in range(3)])  # compile + warm up

@@ -628,11 +628,15 @@ struct PagedMqaKernel {
     // Per element: relu(x), or with split_relu |x| (a free FFMA operand modifier) plus, per (token, row),
     // the linear half sigma_p * (piece_p . k) from the pieces columns (token 2 g + c, piece `quad`, after
     // the chunk's columns); the sum is then halved with the key scale.
-    auto relu_part = [](float x) { return kSplitRelu ? fabsf(x) : fmaxf(x, 0.0f); };
+    // NOTES: with an FP4 cache, relu(x) is taken as (x + |x|) / 2, an FADD with a free |x| operand instead
+    // of an FMNMX on the integer pipe that the fold keeps busy; the halving joins the key scale (exact:
+    // the accumulators of folded, finite operands are finite).
+    constexpr bool kReluByAdd = kKVFp4 && !kSplitRelu;
+    auto relu_part = [](float x) { return kSplitRelu ? fabsf(x) : kReluByAdd ? x + fabsf(x) : fmaxf(x, 0.0f); };
 
     // Epilogue of chunk c: relu, head weights, head sum, quad reduce-scatter, key scale, stores.
     auto epilogue_chunk = [&](auto chunk_c, const float* acc, int key, float key_scale) {
-      if constexpr (kSplitRelu) key_scale *= 0.5f;
+      if constexpr (kSplitRelu || kReluByAdd) key_scale *= 0.5f;
       constexpr int c = decltype(chunk_c)::value;
       constexpr int tok0 = c * kTPC;
       constexpr int tpc = (kNextN - tok0) < kTPC ? (kNextN - tok0) : kTPC;
