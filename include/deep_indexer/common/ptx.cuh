@@ -86,6 +86,12 @@ DI_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
                : "memory");
 }
 
+// Raises the current phase's expected transaction bytes without arriving (the arrival comes later).
+DI_DEVICE void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
 DI_DEVICE bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
   uint32_t done;
   asm volatile(

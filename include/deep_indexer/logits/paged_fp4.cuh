@@ -125,26 +125,38 @@ static_assert(slot_order_is_a_permutation<64>() && slot_order_is_a_permutation<1
 
 // Stores natural words i0 .. i0 + 7 of row `row` of the slot `dst` (swizzled like TMA with kHeadDim-byte
 // rows): two 16-byte stores, or with kPermute eight 4-byte stores to their slot words.
+// NOTES: within a row the swizzle XORs the byte column's 16-byte chunk bits with a per-row constant
+// (`chunk_xor`), so with i0 known at compile time each store is the row base plus a per-chunk offset and an
+// immediate.
+template <int kHeadDim>
+__device__ __forceinline__ uint32_t chunk_xor(int row) {
+  return (static_cast<uint32_t>(row * kHeadDim) >> 3) & ptx::SwizzleMode<kHeadDim>::kChunkMask;
+}
 template <int kHeadDim, bool kPermute>
 __device__ __forceinline__ void store_q_words(uint8_t* dst, int row, int i0, const uint32_t (&v)[8]) {
-  using Sw = ptx::SwizzleMode<kHeadDim>;
+  constexpr uint32_t kMask = ptx::SwizzleMode<kHeadDim>::kChunkMask;
+  static_assert((kHeadDim / 8 - 1) < 16 && (kMask & 0xFu) == 0, "the row's bits stay out of the chunk bits");
+  uint8_t* row_ptr = dst + row * kHeadDim;
+  const uint32_t x = chunk_xor<kHeadDim>(row);
+  auto at = [&](uint32_t col) { return row_ptr + (((col & kMask) ^ x) | (col & ~kMask)); };
   if constexpr (kPermute) {
 #pragma unroll
-    for (int x = 0; x < 8; ++x)
-      *reinterpret_cast<uint32_t*>(dst + Sw::swizzle(static_cast<uint32_t>(
-                                             row * kHeadDim + 4 * slot_word_of<kHeadDim>(i0 + x)))) = v[x];
+    for (int k = 0; k < 8; ++k)
+      *reinterpret_cast<uint32_t*>(at(static_cast<uint32_t>(4 * slot_word_of<kHeadDim>(i0 + k)))) = v[k];
   } else {
 #pragma unroll
-    for (int x = 0; x < 2; ++x)
-      *reinterpret_cast<uint4*>(dst + Sw::swizzle(static_cast<uint32_t>(row * kHeadDim + 4 * (i0 + 4 * x)))) =
-          make_uint4(v[4 * x], v[4 * x + 1], v[4 * x + 2], v[4 * x + 3]);
+    for (int k = 0; k < 2; ++k)
+      *reinterpret_cast<uint4*>(at(static_cast<uint32_t>(4 * (i0 + 4 * k)))) =
+          make_uint4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
   }
 }
 
 // One q row for the q slot: `src` is the row in the staging buffer (FP4: kHeadDim / 2 code bytes with
 // its scale word `sf`; FP8: kHeadDim e4m3 bytes); writes it to row `row` of the slot `dst`, in the
-// K-fragment order when kPermute. Returns the row's base (FP4; 127, a factor of 1, for FP8). A group
-// (or 32 bytes) at a time: the q producer runs with few registers.
+// K-fragment order when kPermute. Returns the row's base (FP4; 127, a factor of 1, for FP8).
+// NOTES: unrolled over the row's groups (stores at compile-time offsets), each group's codes read again for
+// its fold (the q producer's registers are few): the q producer warp stages every row of a sequence alone,
+// on the first tile's critical path.
 template <int kHeadDim, bool kQFp4, bool kPermute>
 __device__ __forceinline__ int stage_q_row(const uint8_t* src, uint32_t sf, uint8_t* dst, int row) {
   constexpr int kGroups = kHeadDim / 32;
@@ -158,7 +170,7 @@ __device__ __forceinline__ int stage_q_row(const uint8_t* src, uint32_t sf, uint
       key = max(key, lane_key(c.x | c.y, c.z | c.w, static_cast<int>((sf >> (8 * g)) & 0xFFu)));
     }
     base = base_of_key(key);
-#pragma unroll 1
+#pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const uint4 c = in[g];
       const uint32_t codes[4] = {c.x, c.y, c.z, c.w};
@@ -169,7 +181,7 @@ __device__ __forceinline__ int stage_q_row(const uint8_t* src, uint32_t sf, uint
       store_q_words<kHeadDim, kPermute>(dst, row, 8 * g, v);
     }
   } else {
-#pragma unroll 1
+#pragma unroll
     for (int g = 0; g < kHeadDim / 32; ++g) {
       const uint4 a = in[2 * g], b = in[2 * g + 1];
       const uint32_t v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};

@@ -359,6 +359,9 @@ struct PagedMqaKernel {
     [[maybe_unused]] uint32_t stage_phase = 0;
     while (walker.valid(cur)) {
       const int b = cur.b;
+      // FP4: the first staging pass's loads go out before the row lengths are read (the staging buffer is
+      // free: the previous sequence's passes are done; the weights wait for the slot below).
+      if constexpr (kQStaged) issue_q_stage(sm, b, 0, q_raw, q_sf, lane);
       // Row lengths L(b, i) (lane i), clamped to max_context_len.
       int my_len = 0;
       if (static_cast<int>(lane) < kNextN) {
@@ -415,8 +418,29 @@ struct PagedMqaKernel {
     if (lane == 0) tr.print("q", 0, static_cast<int>(g));
   }
 
-  // FP4: sequence b's q rows into q slot `slot` through the staging buffer (kQStageRows rows per pass;
-  // the first pass also brings the weights rows into the slot). The q producer warp, every lane.
+  // FP4: lane 0 issues the loads of sequence b's q rows [r0, r0 + kQStageRows) (and their scale words) into
+  // the staging buffer, counted by q_stage_bar (the first pass without its arrival: stage_q_rows arrives with
+  // the weights rows).
+  __device__ __forceinline__ static void issue_q_stage(const Smem& sm, int b, int r0, const uint8_t* __restrict__ q_raw,
+                                                       const int* __restrict__ q_sf, uint32_t lane) {
+    if (lane != 0) return;
+    const int rows = min(kQStageRows, kN - r0);
+    // NOTES: the lanes' generic reads of the previous pass (ordered by __syncwarp) come before these
+    // async-proxy writes to the same buffer.
+    ptx::fence_proxy_async();
+    const uint32_t bytes = static_cast<uint32_t>(rows * kQSrcRowBytes + (kQFp4 ? rows * 4 : 0));
+    if (r0 == 0) ptx::mbar_expect_tx(sm.q_stage_bar, bytes);
+    else ptx::mbar_arrive_expect_tx(sm.q_stage_bar, bytes);
+    const int64_t row0 = static_cast<int64_t>(b) * kN + r0;
+    ptx::bulk_load(sm.q_stage, q_raw + row0 * kQSrcRowBytes, static_cast<uint32_t>(rows * kQSrcRowBytes), sm.q_stage_bar);
+    if constexpr (kQFp4)
+      ptx::bulk_load(sm.q_stage + kQStageRows * kQSrcRowBytes, q_sf + row0, static_cast<uint32_t>(rows * 4),
+                     sm.q_stage_bar);
+  }
+
+  // FP4: sequence b's q rows into q slot `slot` through the staging buffer (kQStageRows rows per pass; the
+  // first pass already issued by issue_q_stage), and its weights rows into the slot (bulk copies, their
+  // own barrier phase). The q producer warp, every lane.
   __device__ __forceinline__ static void stage_q_rows(const Smem& sm, uint32_t slot, int b,
                                                       const uint8_t* __restrict__ q_raw, const int* __restrict__ q_sf,
                                                       const float* __restrict__ weights, int64_t weights_stride,
@@ -424,29 +448,18 @@ struct PagedMqaKernel {
     uint8_t* q_dst = sm.q_smem + slot * kL.q_slot_bytes();
     float* w_dst = sm.weights_smem + slot * kN;
     const uint32_t* stage_sf = reinterpret_cast<const uint32_t*>(sm.q_stage + kQStageRows * kQSrcRowBytes);
+    if (lane == 0) {
+      // the weights rows (the slot is free: q_empty waited for), with the first pass's arrival
+      ptx::mbar_arrive_expect_tx(sm.q_stage_bar, static_cast<uint32_t>(kN * 4));
+#pragma unroll
+      for (int i = 0; i < kNextN; ++i)
+        ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
+                       kNumHeads * 4, sm.q_stage_bar);
+    }
 #pragma unroll 1
     for (int r0 = 0; r0 < kN; r0 += kQStageRows) {
       const int rows = min(kQStageRows, kN - r0);
-      if (lane == 0) {
-        // NOTES: the lanes' generic reads of the previous pass (ordered by __syncwarp) come before
-        // these async-proxy writes to the same buffer.
-        ptx::fence_proxy_async();
-        const uint32_t bytes = static_cast<uint32_t>(rows * kQSrcRowBytes + (kQFp4 ? rows * 4 : 0) +
-                                                     (r0 == 0 ? kN * 4 : 0));
-        ptx::mbar_arrive_expect_tx(sm.q_stage_bar, bytes);
-        const int64_t row0 = static_cast<int64_t>(b) * kN + r0;
-        ptx::bulk_load(sm.q_stage, q_raw + row0 * kQSrcRowBytes, static_cast<uint32_t>(rows * kQSrcRowBytes),
-                       sm.q_stage_bar);
-        if constexpr (kQFp4)
-          ptx::bulk_load(sm.q_stage + kQStageRows * kQSrcRowBytes, q_sf + row0, static_cast<uint32_t>(rows * 4),
-                         sm.q_stage_bar);
-        if (r0 == 0) {
-#pragma unroll
-          for (int i = 0; i < kNextN; ++i)
-            ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
-                           kNumHeads * 4, sm.q_stage_bar);
-        }
-      }
+      if (r0 > 0) issue_q_stage(sm, b, r0, q_raw, q_sf, lane);
       ptx::mbar_wait(sm.q_stage_bar, stage_phase);
       stage_phase ^= 1u;
       for (int r = static_cast<int>(lane); r < rows; r += 32) {
