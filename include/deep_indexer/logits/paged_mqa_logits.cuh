@@ -63,7 +63,9 @@
 //               so a phase completes before the slot can be reloaded, and WG 0 never waits on another
 //               WG (stage s feeds only WG s % W), hence no cycle.
 //
-//   q_stage   : count 1 (Q producer) + the pass's bytes; only the Q producer waits, pass by pass.
+//   q_stage   : count 1 (Q producer) + the pass's bytes; only the Q producer waits, pass by pass. A
+//               sequence's first pass is expected (expect_tx) before its row lengths are read and arrived
+//               on with the weights rows once the slot is free, so the phase cannot complete early.
 //
 // Host assumptions (details in the report): q, q_sf, kv_cache and weights 16-byte aligned; kv_cache
 // stride(0) (block_stride_bytes) a multiple of 16; weights_stride a multiple of 4 floats;
