@@ -129,9 +129,24 @@ static_assert(slot_order_is_a_permutation<64>() && slot_order_is_a_permutation<1
 // (`chunk_xor`), so with i0 known at compile time each store is the row base plus a per-chunk offset and an
 // immediate.
 template <int kHeadDim>
-__device__ __forceinline__ uint32_t chunk_xor(int row) {
+__host__ __device__ constexpr uint32_t chunk_xor(int row) {
   return (static_cast<uint32_t>(row * kHeadDim) >> 3) & ptx::SwizzleMode<kHeadDim>::kChunkMask;
 }
+// The byte of row `row`, column `col` as store_q_words addresses it equals ptx::SwizzleMode::swizzle's.
+template <int kHeadDim>
+constexpr bool chunk_xor_matches_swizzle() {
+  constexpr uint32_t kMask = ptx::SwizzleMode<kHeadDim>::kChunkMask;
+  for (int row = 0; row < 16; ++row)
+    for (uint32_t col = 0; col < static_cast<uint32_t>(kHeadDim); col += 4) {
+      const uint32_t off = static_cast<uint32_t>(row * kHeadDim) + col;
+      const uint32_t swizzled = off ^ ((off >> 3) & kMask);  // ptx::SwizzleMode<kHeadDim>::swizzle(off)
+      if (static_cast<uint32_t>(row * kHeadDim) + (((col & kMask) ^ chunk_xor<kHeadDim>(row)) | (col & ~kMask)) !=
+          swizzled)
+        return false;
+    }
+  return true;
+}
+static_assert(chunk_xor_matches_swizzle<64>() && chunk_xor_matches_swizzle<128>(), "q slot store addresses");
 template <int kHeadDim, bool kPermute>
 __device__ __forceinline__ void store_q_words(uint8_t* dst, int row, int i0, const uint32_t (&v)[8]) {
   constexpr uint32_t kMask = ptx::SwizzleMode<kHeadDim>::kChunkMask;
