@@ -10,6 +10,10 @@ B:next_n:avg[:H] (decode, D = 128, block 64, fp32, no clean; a decode shape + "-
 per shape; the variants then alternate for --rounds rounds, each timed like the benchmark (cold L2,
 median of --iters calls, L2 flushed by a read unless --flush write), so that machine drift and input placement affect every variant alike.
 The switches are read per call by the extension (getenv), so setting os.environ is enough.
+A change to the kernel headers is timed against the code before it without a switch in the source: put the
+old headers in a folder (git archive HEAD include | tar -x -C /tmp/old) and give one variant
+DI_JIT_EXTRA_FLAGS=-I/tmp/old/include; the extra flags come before the package's include folder on the
+nvcc line (and in the cache key), so that variant's kernels are built from the old headers.
 --compare MODULE adds, for prefill shapes, MODULE.fp8_mqa_logits (a module with the reference's API,
 e.g. tools/deepgemm_ref.py with PYTHONPATH=tools) as one more variant on the same inputs, after a
 check that its logits match ours.
