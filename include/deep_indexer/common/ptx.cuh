@@ -277,7 +277,7 @@ struct SwizzleMode {
   // Where byte `off` of the unswizzled tile (row * kRowBytes + column) lies: the 16-byte chunk
   // index (bits 4..) is XORed with the row bits 7.. (TMA's 32B/64B/128B swizzle patterns).
   static constexpr uint32_t kChunkMask = (kRowBytes / 16 - 1) << 4;
-  DI_DEVICE static constexpr uint32_t swizzle(uint32_t off) { return off ^ ((off >> 3) & kChunkMask); }
+  __host__ __device__ static constexpr uint32_t swizzle(uint32_t off) { return off ^ ((off >> 3) & kChunkMask); }
 };
 
 // ---------------------------------------------------------------- fp8 (e4m3) conversions

@@ -132,16 +132,20 @@ template <int kHeadDim>
 __host__ __device__ constexpr uint32_t chunk_xor(int row) {
   return (static_cast<uint32_t>(row * kHeadDim) >> 3) & ptx::SwizzleMode<kHeadDim>::kChunkMask;
 }
-// The byte of row `row`, column `col` as store_q_words addresses it equals ptx::SwizzleMode::swizzle's.
+// Where byte column `col` of a row with chunk_xor `x` lies within the row.
+template <int kHeadDim>
+__host__ __device__ constexpr uint32_t swizzled_col(uint32_t x, uint32_t col) {
+  constexpr uint32_t kMask = ptx::SwizzleMode<kHeadDim>::kChunkMask;
+  return ((col & kMask) ^ x) | (col & ~kMask);
+}
+// Every byte of a row, so addressed, is where ptx::SwizzleMode::swizzle puts it.
 template <int kHeadDim>
 constexpr bool chunk_xor_matches_swizzle() {
-  constexpr uint32_t kMask = ptx::SwizzleMode<kHeadDim>::kChunkMask;
   for (int row = 0; row < 16; ++row)
     for (uint32_t col = 0; col < static_cast<uint32_t>(kHeadDim); col += 4) {
-      const uint32_t off = static_cast<uint32_t>(row * kHeadDim) + col;
-      const uint32_t swizzled = off ^ ((off >> 3) & kMask);  // ptx::SwizzleMode<kHeadDim>::swizzle(off)
-      if (static_cast<uint32_t>(row * kHeadDim) + (((col & kMask) ^ chunk_xor<kHeadDim>(row)) | (col & ~kMask)) !=
-          swizzled)
+      const uint32_t row_off = static_cast<uint32_t>(row * kHeadDim);
+      if (row_off + swizzled_col<kHeadDim>(chunk_xor<kHeadDim>(row), col) !=
+          ptx::SwizzleMode<kHeadDim>::swizzle(row_off + col))
         return false;
     }
   return true;
@@ -149,11 +153,9 @@ constexpr bool chunk_xor_matches_swizzle() {
 static_assert(chunk_xor_matches_swizzle<64>() && chunk_xor_matches_swizzle<128>(), "q slot store addresses");
 template <int kHeadDim, bool kPermute>
 __device__ __forceinline__ void store_q_words(uint8_t* dst, int row, int i0, const uint32_t (&v)[8]) {
-  constexpr uint32_t kMask = ptx::SwizzleMode<kHeadDim>::kChunkMask;
-  static_assert((kHeadDim / 8 - 1) < 16 && (kMask & 0xFu) == 0, "the row's bits stay out of the chunk bits");
   uint8_t* row_ptr = dst + row * kHeadDim;
   const uint32_t x = chunk_xor<kHeadDim>(row);
-  auto at = [&](uint32_t col) { return row_ptr + (((col & kMask) ^ x) | (col & ~kMask)); };
+  auto at = [&](uint32_t col) { return row_ptr + swizzled_col<kHeadDim>(x, col); };
   if constexpr (kPermute) {
 #pragma unroll
     for (int k = 0; k < 8; ++k)
