@@ -404,8 +404,9 @@ def test_gpu_decode_fp4_varlen(form, H, D, block_kv):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_gpu_decode_fp4_batches(form):
     """One long sequence, few SMs, and a large batch of short ragged contexts (every row computed, a sample of
-    the sequences compared)."""
-    for B, next_n, max_len, num_sms in ((1, 1, 40000, None), (33, 3, 3000, 1), (64, 2, 9000, None)):
+    the sequences compared). One SM walking many sequences hands the q staging buffer from the math warpgroups
+    (the first sequence's q rows, next_n * H <= 128) to the q producer (the rest)."""
+    for B, next_n, max_len, num_sms in ((1, 1, 40000, None), (33, 3, 3000, 1), (40, 2, 2000, 1), (64, 2, 9000, None)):
         q, cache, w, ctx, table, max_ctx = make_decode(B, next_n, 64, 128, 64, form, seed=B, max_len=max_len)
         got = run_decode(q, cache, w, ctx, table, max_ctx, True, F32, num_sms=num_sms)
         check(got, _ref(q, cache, w, ctx, table, max_ctx), True, F32, f"{form} B={B} next_n={next_n}")

@@ -168,43 +168,70 @@ __device__ __forceinline__ void store_q_words(uint8_t* dst, int row, int i0, con
   }
 }
 
+// The base key (lane_key) of group g of a staged FP4 q row `src` with scale word `sf`.
+__device__ __forceinline__ int q_group_key(const uint8_t* src, uint32_t sf, int g) {
+  const uint4 c = reinterpret_cast<const uint4*>(src)[g];
+  return lane_key(c.x | c.y, c.z | c.w, static_cast<int>((sf >> (8 * g)) & 0xFFu));
+}
+
+// Natural words 8 g .. 8 g + 7 (values 32 g .. 32 g + 31) of a staged q row `src` as e4m3 words: FP4 codes
+// folded at the row's base (scale word `sf`), FP8 bytes as they are.
+template <int kHeadDim, bool kQFp4>
+__device__ __forceinline__ void q_group_words(const uint8_t* src, uint32_t sf, int g, int base, uint32_t (&v)[8]) {
+  const uint4* in = reinterpret_cast<const uint4*>(src);
+  if constexpr (kQFp4) {
+    const uint4 c = in[g];
+    const uint32_t codes[4] = {c.x, c.y, c.z, c.w};
+    uint32_t lo, hi;
+    magnitude_table(min(max(static_cast<int>((sf >> (8 * g)) & 0xFFu) - base, -30), 6), lo, hi);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) fold_word(codes[k], lo, hi, v[2 * k], v[2 * k + 1]);
+  } else {
+    const uint4 a = in[2 * g], b = in[2 * g + 1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+}
+
 // One q row for the q slot: `src` is the row in the staging buffer (FP4: kHeadDim / 2 code bytes with
 // its scale word `sf`; FP8: kHeadDim e4m3 bytes); writes it to row `row` of the slot `dst`, in the
 // K-fragment order when kPermute. Returns the row's base (FP4; 127, a factor of 1, for FP8).
 // NOTES: unrolled over the row's groups (stores at compile-time offsets), each group's codes read again for
-// its fold (the q producer's registers are few): the q producer warp stages every row of a sequence alone,
-// on the first tile's critical path.
+// its fold (the q producer's registers are few).
 template <int kHeadDim, bool kQFp4, bool kPermute>
 __device__ __forceinline__ int stage_q_row(const uint8_t* src, uint32_t sf, uint8_t* dst, int row) {
   constexpr int kGroups = kHeadDim / 32;
-  const uint4* in = reinterpret_cast<const uint4*>(src);
   int base = 127;
   if constexpr (kQFp4) {
     int key = 0;
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      const uint4 c = in[g];
-      key = max(key, lane_key(c.x | c.y, c.z | c.w, static_cast<int>((sf >> (8 * g)) & 0xFFu)));
-    }
+    for (int g = 0; g < kGroups; ++g) key = max(key, q_group_key(src, sf, g));
     base = base_of_key(key);
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      const uint4 c = in[g];
-      const uint32_t codes[4] = {c.x, c.y, c.z, c.w};
-      uint32_t lo, hi, v[8];
-      magnitude_table(min(max(static_cast<int>((sf >> (8 * g)) & 0xFFu) - base, -30), 6), lo, hi);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) fold_word(codes[k], lo, hi, v[2 * k], v[2 * k + 1]);
-      store_q_words<kHeadDim, kPermute>(dst, row, 8 * g, v);
-    }
-  } else {
-#pragma unroll
-    for (int g = 0; g < kHeadDim / 32; ++g) {
-      const uint4 a = in[2 * g], b = in[2 * g + 1];
-      const uint32_t v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      store_q_words<kHeadDim, kPermute>(dst, row, 8 * g, v);
-    }
   }
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    uint32_t v[8];
+    q_group_words<kHeadDim, kQFp4>(src, sf, g, base, v);
+    store_q_words<kHeadDim, kPermute>(dst, row, 8 * g, v);
+  }
+  return base;
+}
+
+// Group g of a q row for the q slot, as stage_q_row, one thread per (row, group): warp-collective, the
+// kHeadDim / 32 groups of a row on consecutive lanes (lane % groups == g), every lane calling. Returns the
+// row's base.
+template <int kHeadDim, bool kQFp4, bool kPermute>
+__device__ __forceinline__ int stage_q_group(const uint8_t* src, uint32_t sf, uint8_t* dst, int row, int g) {
+  constexpr int kGroups = kHeadDim / 32;
+  int base = 127;
+  if constexpr (kQFp4) {
+    int key = q_group_key(src, sf, g);
+#pragma unroll
+    for (int m = 1; m < kGroups; m <<= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, m));
+    base = base_of_key(key);
+  }
+  uint32_t v[8];
+  q_group_words<kHeadDim, kQFp4>(src, sf, g, base, v);
+  store_q_words<kHeadDim, kPermute>(dst, row, 8 * g, v);
   return base;
 }
 

@@ -38,7 +38,9 @@
 //     kQFp4 or kKVFp4: the Q producer bulk-copies q rows (codes + scale words, or e4m3) into a staging
 //     buffer (q_stage, its own barrier) and every lane writes its rows into the slot (folded,
 //     permuted), scales the weights rows by 2^(base - 127) (kQFp4), fences for the async proxy and
-//     arrives on q_full without a transaction count.
+//     arrives on q_full without a transaction count. When a sequence's rows fit one staging pass
+//     (kQ0ByMath), the first sequence's rows are folded by the math warpgroups instead (stage_q0, one
+//     thread per (row, 32-value group)): they wait for that q before their first tile anyway.
 //
 // Barrier protocol (every parity wait is provably at most one phase away from the barrier):
 //   full[s]   : count 1 (KV producer arrive.expect_tx) + TMA bytes; WG s % W waits parity (k / S) & 1.
@@ -66,6 +68,12 @@
 //   q_stage   : count 1 (Q producer) + the pass's bytes; only the Q producer waits, pass by pass. A
 //               sequence's first pass is expected (expect_tx) before its row lengths are read and arrived
 //               on with the weights rows once the slot is free, so the phase cannot complete early.
+//               kQ0ByMath: generation 0's pass (phase 0) also brings its weights rows into slot 0; it is
+//               arrived on at once (after slot_info[0] = sequence id; -1 and a plain arrival without work)
+//               and waited for by the math warpgroups alone, before q_full[0].
+//   q_stage_free (kQ0ByMath): count 1 (math thread 0, after a named barrier of every math thread that
+//               follows their reads of generation 0's staged rows); the Q producer waits parity 0 before
+//               staging generation 1. One phase per launch.
 //
 // Host assumptions (details in the report): q, q_sf, kv_cache and weights 16-byte aligned; kv_cache
 // stride(0) (block_stride_bytes) a multiple of 16; weights_stride a multiple of 4 floats;
@@ -283,6 +291,11 @@ struct PagedMqaKernel {
   static constexpr bool kQStaged = kL.q_staged();
   static constexpr int kQStageRows = kL.q_stage_rows();
   static constexpr int kQSrcRowBytes = kL.q_src_row_bytes();
+  // Staged q whose rows fit one staging pass: generation 0's rows are folded into slot 0 by the math
+  // warpgroups (one thread per (row, 32-value group)), which wait for it anyway, instead of the Q producer.
+  static constexpr bool kQ0ByMath = kL.q0_by_math();
+  static constexpr int kMathThreads = 128 * kNumMathWGs;
+  static constexpr uint32_t kQ0BarrierId = 1 + kNumMathWGs;  // named barrier of the math threads (split_relu: 1..W)
   static constexpr int kKSteps = kHeadDim / 32;
   static constexpr int kSentinel = 1;
   static constexpr uint32_t kProducerWarp0 = 4 * kNumMathWGs;  // producer warpgroup: q loader + KV producers
@@ -315,6 +328,7 @@ struct PagedMqaKernel {
     uint64_t* pieces_full_bar;  // split_relu
     uint8_t* q_stage;           // FP4: staged q rows, then (q_fp4) their scale words
     uint64_t* q_stage_bar;      // FP4: the staging buffer's loads landed
+    uint64_t* q_stage_free_bar;  // kQ0ByMath: the math warpgroups have read generation 0's staged rows
   };
 
   // Thread 0: the barrier counts of the protocol above.
@@ -331,6 +345,7 @@ struct PagedMqaKernel {
       if constexpr (kSplitRelu) ptx::mbar_init(&sm.pieces_full_bar[x], 1);
     }
     if constexpr (kQStaged) ptx::mbar_init(sm.q_stage_bar, 1);
+    if constexpr (kQ0ByMath) ptx::mbar_init(sm.q_stage_free_bar, 1);
     ptx::fence_mbar_init();
   }
 
@@ -356,14 +371,23 @@ struct PagedMqaKernel {
     if (!walker.valid(cur) && lane == 0) {  // no work: release the math WGs' wait for generation 0
       slot_info[0] = -1;
       ptx::mbar_arrive(&q_full_bar[0]);
+      if constexpr (kQ0ByMath) ptx::mbar_arrive(sm.q_stage_bar);
     }
     uint32_t g = 0;
     [[maybe_unused]] uint32_t stage_phase = 0;
     while (walker.valid(cur)) {
       const int b = cur.b;
       // FP4: the first staging pass's loads go out before the row lengths are read (the staging buffer is
-      // free: the previous sequence's passes are done; the weights wait for the slot below).
-      if constexpr (kQStaged) issue_q_stage(sm, b, 0, q_raw, q_sf, lane);
+      // free: the previous sequence's passes are done, and with kQ0ByMath generation 0's reads by the math
+      // warpgroups; the weights wait for the slot below).
+      const bool q0_by_math = kQ0ByMath && g == 0;
+      if constexpr (kQStaged) {
+        if (kQ0ByMath && g == 1) ptx::mbar_wait(sm.q_stage_free_bar, 0);
+        if (q0_by_math)
+          issue_q0(sm, b, q_raw, q_sf, weights, weights_stride, lane);
+        else
+          issue_q_stage(sm, b, 0, q_raw, q_sf, lane);
+      }
       // Row lengths L(b, i) (lane i), clamped to max_context_len.
       int my_len = 0;
       if (static_cast<int>(lane) < kNextN) {
@@ -381,14 +405,20 @@ struct PagedMqaKernel {
       if constexpr (kQStaged) {
         if (lane == 0) {
           int* info = slot_info + slot * kSlotInfoInts;
-          info[0] = b;
+          if (!q0_by_math) info[0] = b;  // generation 0's: stored by issue_q0
 #pragma unroll
           for (int i = 0; i < kNextN; ++i) info[1 + i] = lens[i];
         }
-        stage_q_rows(sm, slot, b, q_raw, q_sf, weights, weights_stride, stage_phase, lane);
-        ptx::fence_proxy_async();  // the slot's rows, written by every lane, seen by the WGMMAs
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(&q_full_bar[slot]);
+        if (q0_by_math) {  // the row lengths; the math warpgroups fold the q rows
+          stage_phase ^= 1u;  // the staging buffer's phase 0, waited for by the math warpgroups
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(&q_full_bar[0]);
+        } else {
+          stage_q_rows(sm, slot, b, q_raw, q_sf, weights, weights_stride, stage_phase, lane);
+          ptx::fence_proxy_async();  // the slot's rows, written by every lane, seen by the WGMMAs
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(&q_full_bar[slot]);
+        }
       } else if (lane == 0) {
         int* info = slot_info + slot * kSlotInfoInts;
         info[0] = b;
@@ -400,11 +430,7 @@ struct PagedMqaKernel {
         for (int x = 0; x < kL.q_num_boxes(); ++x)
           ptx::tma_load_2d(q_dst + x * kL.q_box_rows() * kHeadDim, &tmap_q, &q_full_bar[slot], 0,
                            b * kN + x * kL.q_box_rows());
-        float* w_dst = weights_smem + slot * kN;
-#pragma unroll
-        for (int i = 0; i < kNextN; ++i)
-          ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
-                         kNumHeads * 4, &q_full_bar[slot]);
+        issue_weights(weights_smem + slot * kN, b, weights, weights_stride, &q_full_bar[slot]);
       }
       __syncwarp();
       tr.mark<2>();
@@ -418,6 +444,34 @@ struct PagedMqaKernel {
       cur = walker.next_sequence(cur);
     }
     if (lane == 0) tr.print("q", 0, static_cast<int>(g));
+  }
+
+  // Sequence b's weights rows into `w_dst` (one thread), counted by `bar`.
+  __device__ __forceinline__ static void issue_weights(float* w_dst, int b, const float* __restrict__ weights,
+                                                       int64_t weights_stride, uint64_t* bar) {
+#pragma unroll
+    for (int i = 0; i < kNextN; ++i)
+      ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
+                     kNumHeads * 4, bar);
+  }
+
+  // kQ0ByMath: lane 0 stores generation 0's sequence id into slot 0's info and issues its q rows (one pass)
+  // and weights rows (into slot 0, free before generation 0), all counted by q_stage_bar's phase 0 and
+  // arrived on at once: the math warpgroups wait for that phase alone before folding, in parallel with
+  // the row lengths' load, and learn from the id that the CTA has work.
+  __device__ __forceinline__ static void issue_q0(const Smem& sm, int b, const uint8_t* __restrict__ q_raw,
+                                                  const int* __restrict__ q_sf, const float* __restrict__ weights,
+                                                  int64_t weights_stride, uint32_t lane) {
+    static_assert(!kQ0ByMath || kQStageRows == kN, "one staging pass");
+    if (lane != 0) return;
+    sm.slot_info[0] = b;
+    ptx::mbar_arrive_expect_tx(sm.q_stage_bar, static_cast<uint32_t>(kN * (kQSrcRowBytes + (kQFp4 ? 4 : 0) + 4)));
+    const int64_t row0 = static_cast<int64_t>(b) * kN;
+    ptx::bulk_load(sm.q_stage, q_raw + row0 * kQSrcRowBytes, static_cast<uint32_t>(kN * kQSrcRowBytes), sm.q_stage_bar);
+    if constexpr (kQFp4)
+      ptx::bulk_load(sm.q_stage + kQStageRows * kQSrcRowBytes, q_sf + row0, static_cast<uint32_t>(kN * 4),
+                     sm.q_stage_bar);
+    issue_weights(sm.weights_smem, b, weights, weights_stride, sm.q_stage_bar);
   }
 
   // FP4: lane 0 issues the loads of sequence b's q rows [r0, r0 + kQStageRows) (and their scale words) into
@@ -453,10 +507,7 @@ struct PagedMqaKernel {
     if (lane == 0) {
       // the weights rows (the slot is free: q_empty waited for), with the first pass's arrival
       ptx::mbar_arrive_expect_tx(sm.q_stage_bar, static_cast<uint32_t>(kN * 4));
-#pragma unroll
-      for (int i = 0; i < kNextN; ++i)
-        ptx::bulk_load(w_dst + i * kNumHeads, weights + (static_cast<int64_t>(b) * kNextN + i) * weights_stride,
-                       kNumHeads * 4, sm.q_stage_bar);
+      issue_weights(w_dst, b, weights, weights_stride, sm.q_stage_bar);
     }
 #pragma unroll 1
     for (int r0 = 0; r0 < kN; r0 += kQStageRows) {
@@ -517,6 +568,28 @@ struct PagedMqaKernel {
   }
 
   // ---------------------------------------------------------------- math warpgroups
+  // kQ0ByMath: generation 0's q rows (staged in one pass with its weights rows in slot 0: q_stage_bar's
+  // phase 0 waited for) folded into slot 0 by every math thread, one (row, group) at a time; the rows'
+  // weights scaled by 2^(base - 127) (kQFp4); the staging buffer handed back to the Q producer.
+  __device__ __forceinline__ static void stage_q0(const Smem& sm) {
+    constexpr int kGroups = kHeadDim / 32;
+    constexpr int kUnits = kN * kGroups;
+    static_assert(kUnits % 32 == 0 && kMathThreads % kGroups == 0, "a row's groups in one warp, whole warps per pass");
+    const uint32_t* stage_sf = reinterpret_cast<const uint32_t*>(sm.q_stage + kQStageRows * kQSrcRowBytes);
+#pragma unroll 1
+    for (int u = static_cast<int>(threadIdx.x); u < kUnits; u += kMathThreads) {
+      const int r = u / kGroups, g = u % kGroups;
+      const int base = paged_fp4::stage_q_group<kHeadDim, kQFp4, kKVFp4>(
+          sm.q_stage + r * kQSrcRowBytes, kQFp4 ? stage_sf[r] : 0u, sm.q_smem, r, g);
+      if constexpr (kQFp4) {
+        if (g == 0) sm.weights_smem[r] *= paged_fp4::pow2_biased(base);
+      }
+    }
+    ptx::fence_proxy_async();  // the slot's rows seen by the WGMMAs
+    ptx::named_barrier_sync(kQ0BarrierId, kMathThreads);
+    if (threadIdx.x == 0) ptx::mbar_arrive(sm.q_stage_free_bar);
+  }
+
   // Math WG wg takes tiles wg, wg + W, ... of the walk: WGMMA of the tile against the q rows of its
   // generation, then the epilogue (relu, head weights, head sum, reduce-scatter, key scale, stores).
   __device__ __forceinline__ static void math_warpgroups(const Smem& sm, OutT* __restrict__ logits,
@@ -611,6 +684,12 @@ struct PagedMqaKernel {
 
     // NOTES: generation 0 is taken before the first KV tile arrives (its q lands well before the KV).
     // A CTA without work gets a q_full[0] arrival without loads and slot_info[0] = -1 instead.
+    // kQ0ByMath: generation 0's q rows are folded first (its sequence id, or -1, is stored before the
+    // staging pass's arrival), while the Q producer reads the row lengths.
+    if constexpr (kQ0ByMath) {
+      mbar_wait_loop(sm.q_stage_bar, 0);
+      if (slot_info[0] >= 0) stage_q0(sm);
+    }
     mbar_wait_loop(&q_full_bar[0], 0);
     if (slot_info[0] >= 0) take_generation(0);
 
@@ -894,7 +973,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   uint64_t* q_stage_bar = bars + 2 * kStages + 4 + (kSplitRelu ? 2 : 0);  // FP4
   const typename K::Smem sm{q_smem,      kv_smem,   amax_smem, scales_smem, weights_smem,
                             stage_info,  slot_info, full_bar,  empty_bar,   q_full_bar,
-                            q_empty_bar, pieces_full_bar, smem + kL.q_stage_offset(), q_stage_bar};
+                            q_empty_bar, pieces_full_bar, smem + kL.q_stage_offset(), q_stage_bar,
+                            q_stage_bar + 1};
 
   // A launch with another block size would deadlock (missing warpgroups): fail loudly instead.
   if (blockDim.x != static_cast<uint32_t>(kL.num_threads())) __trap();

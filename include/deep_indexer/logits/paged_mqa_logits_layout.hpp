@@ -41,7 +41,7 @@
 //   [stage info]   S x int4 {generation, sequence, first token, flags}
 //   [slot info]    Q x slot_info_ints() int {sequence, row lengths L_0..L_{next_n-1}}
 //   [amax]         (split_relu) Q x next_n x 4 uint32: per q slot, the pieces' max |value|
-//   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (+ pieces_full[2]) (+ q_stage) (uint64 mbarriers)
+//   [barriers]     full[S], empty[S], q_full[2], q_empty[2] (+ pieces_full[2]) (+ q_stage, q_stage_free) (uint64 mbarriers)
 #pragma once
 
 #include <deep_indexer/common/host_device.hpp>
@@ -178,6 +178,8 @@ struct PagedMqaLogitsLayout {
   constexpr DI_HOST_DEVICE bool q_staged() const { return q_fp4 || kv_fp4; }
   constexpr DI_HOST_DEVICE int q_src_row_bytes() const { return q_fp4 ? head_dim / 2 : head_dim; }
   constexpr DI_HOST_DEVICE int q_stage_rows() const { return n_total() < kQStageRows ? n_total() : kQStageRows; }
+  // Staged q in one pass: the math warpgroups fold the first sequence's rows (paged_mqa_logits.cuh).
+  constexpr DI_HOST_DEVICE bool q0_by_math() const { return q_staged() && n_total() <= kQStageRows; }
   constexpr DI_HOST_DEVICE int q_stage_bytes() const {
     return q_staged() ? q_stage_rows() * (q_src_row_bytes() + (q_fp4 ? 4 : 0)) : 0;
   }
@@ -200,7 +202,7 @@ struct PagedMqaLogitsLayout {
   // full[S], empty[S], q_full[2], q_empty[2], and with split_relu pieces_full[2] (with one q slot the
   // second of each pair is unused)
   constexpr DI_HOST_DEVICE int num_barriers() const {
-    return 2 * num_kv_stages + 4 + (split_relu ? 2 : 0) + (q_staged() ? 1 : 0);
+    return 2 * num_kv_stages + 4 + (split_relu ? 2 : 0) + (q_staged() ? 1 : 0) + (q0_by_math() ? 1 : 0);
   }
   constexpr DI_HOST_DEVICE int smem_used_bytes() const { return barrier_offset() + num_barriers() * 8; }
   constexpr DI_HOST_DEVICE int smem_bytes() const { return smem_used_bytes() + kSmemAlignSlack; }
