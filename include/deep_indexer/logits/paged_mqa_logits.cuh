@@ -379,7 +379,7 @@ struct PagedMqaKernel {
       const int b = cur.b;
       // FP4: the first staging pass's loads go out before the row lengths are read (the staging buffer is
       // free: the previous sequence's passes are done, and with kQ0ByMath generation 0's reads by the math
-      // warpgroups; the weights wait for the slot below).
+      // warpgroups). The weights rows wait for the slot below, except generation 0's with kQ0ByMath.
       const bool q0_by_math = kQ0ByMath && g == 0;
       if constexpr (kQStaged) {
         if (kQ0ByMath && g == 1) ptx::mbar_wait(sm.q_stage_free_bar, 0);
