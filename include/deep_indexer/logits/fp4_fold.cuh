@@ -37,6 +37,17 @@ __host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, u
 #endif
 }
 
+// Exponent byte e_g of group g of a row's scale word.
+__host__ __device__ __forceinline__ int group_exponent(uint32_t sf, int g) {
+  return static_cast<int>((sf >> (8 * g)) & 0xFFu);
+}
+
+// A group's shift s = e_g - base clamped to [-30, 6] (see the top of the file).
+__host__ __device__ __forceinline__ int clamp_shift(int s) {
+  s = s < -30 ? -30 : s;
+  return s > 6 ? 6 : s;
+}
+
 // The e4m3 byte of e2m1 magnitude index m (1..7: 0.5, 1, 1.5, 2, 3, 4, 6) times 2^s, s in [-30, 6].
 __host__ __device__ __forceinline__ uint32_t e2m1_times_pow2_e4m3(int m, int s) {
   const int e = m >= 2 ? (m >> 1) - 1 : -1;  // value = (1 + h / 2) * 2^e
@@ -85,7 +96,7 @@ __host__ __device__ __forceinline__ int row_base(const uint32_t (&any)[kGroups],
   int top = -1, all = 0;
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
-    const int e = static_cast<int>((sf >> (8 * g)) & 0xFF);
+    const int e = group_exponent(sf, g);
     all = e > all ? e : all;
     if ((any[g] & 0x77777777u) != 0 && e > top) top = e;
   }
@@ -94,7 +105,7 @@ __host__ __device__ __forceinline__ int row_base(const uint32_t (&any)[kGroups],
 
 // Folds one 16-byte group (4 code words) into 8 e4m3 words with the group's shift s.
 __host__ __device__ __forceinline__ void fold_group(const uint32_t (&in)[4], int s, uint32_t (&out)[8]) {
-  s = s < -30 ? -30 : (s > 6 ? 6 : s);
+  s = clamp_shift(s);
   uint32_t lo, hi;
   magnitude_table(s, lo, hi);
 #pragma unroll
@@ -117,7 +128,7 @@ __host__ __device__ __forceinline__ int fold_row(const uint32_t (&codes)[kHeadDi
   for (int g = 0; g < kGroups; ++g) {
     const uint32_t in[4] = {codes[4 * g], codes[4 * g + 1], codes[4 * g + 2], codes[4 * g + 3]};
     uint32_t o[8];
-    fold_group(in, static_cast<int>((sf >> (8 * g)) & 0xFF) - base, o);
+    fold_group(in, group_exponent(sf, g) - base, o);
 #pragma unroll
     for (int k = 0; k < 8; ++k) out[8 * g + k] = o[k];
   }
@@ -188,7 +199,7 @@ __host__ __device__ __forceinline__ int base_of_key(int key) { return (key & 0xF
 
 // One lane's 16 e4m3 bytes (four words) from its 8 code bytes at shift s = e_g - base.
 __host__ __device__ __forceinline__ void fold_lane(uint32_t c0, uint32_t c1, int s, uint32_t (&out)[4]) {
-  s = s < -30 ? -30 : (s > 6 ? 6 : s);
+  s = clamp_shift(s);
   uint32_t lo, hi;
   magnitude_table(s, lo, hi);
   out[0] = fold_half(c0 & 0xFFFFu, lo, hi);

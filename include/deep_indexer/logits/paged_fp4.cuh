@@ -41,10 +41,12 @@ __device__ __forceinline__ void fold_word(uint32_t w, uint32_t lo, uint32_t hi, 
 using fp4_fold_detail::base_of_key;
 using fp4_fold_detail::lane_key;
 
-// fp4_fold_detail::magnitude_table for the math warps: the common case (every magnitude an e4m3
-// normal) inline, the subnormal one (s < -5, a group far below the row's largest) by the hardware
-// conversion (round to nearest even, as the fold defines it) in one uniform branch.
+// fp4_fold_detail::magnitude_table of a group's shift s = e_g - base (clamped here, as the fold does) for
+// the math warps: the common case (every magnitude an e4m3 normal) inline, the subnormal one (s < -5, a
+// group far below the row's largest) by the hardware conversion (round to nearest even, as the fold
+// defines it) in one uniform branch.
 __device__ __forceinline__ void magnitude_table(int s, uint32_t& lo, uint32_t& hi) {
+  s = fp4_fold_detail::clamp_shift(s);
   fp4_fold_detail::normal_magnitude_table(s, lo, hi);
   if (s < -5) {
     const float p = __int_as_float((s + 127) << 23);  // 2^s, s >= -30
@@ -101,9 +103,8 @@ __device__ __forceinline__ void tile_fragments(const uint8_t* codes, const uint3
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     base[j] = base_of_key(static_cast<int>(key >> (16 * j)));
-    const int shift = min(max(static_cast<int>(e[j]) - base[j], -30), 6);
     uint32_t lo, hi;
-    magnitude_table(shift, lo, hi);
+    magnitude_table(static_cast<int>(e[j]) - base[j], lo, hi);
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) fold_word(w[j][k], lo, hi, a[k][j], a[k][2 + j]);
   }
@@ -171,7 +172,7 @@ __device__ __forceinline__ void store_q_words(uint8_t* dst, int row, int i0, con
 // The base key (lane_key) of group g of a staged FP4 q row `src` with scale word `sf`.
 __device__ __forceinline__ int q_group_key(const uint8_t* src, uint32_t sf, int g) {
   const uint4 c = reinterpret_cast<const uint4*>(src)[g];
-  return lane_key(c.x | c.y, c.z | c.w, static_cast<int>((sf >> (8 * g)) & 0xFFu));
+  return lane_key(c.x | c.y, c.z | c.w, fp4_fold_detail::group_exponent(sf, g));
 }
 
 // Natural words 8 g .. 8 g + 7 (values 32 g .. 32 g + 31) of a staged q row `src` as e4m3 words: FP4 codes
@@ -183,7 +184,7 @@ __device__ __forceinline__ void q_group_words(const uint8_t* src, uint32_t sf, i
     const uint4 c = in[g];
     const uint32_t codes[4] = {c.x, c.y, c.z, c.w};
     uint32_t lo, hi;
-    magnitude_table(min(max(static_cast<int>((sf >> (8 * g)) & 0xFFu) - base, -30), 6), lo, hi);
+    magnitude_table(fp4_fold_detail::group_exponent(sf, g) - base, lo, hi);
 #pragma unroll
     for (int k = 0; k < 4; ++k) fold_word(codes[k], lo, hi, v[2 * k], v[2 * k + 1]);
   } else {

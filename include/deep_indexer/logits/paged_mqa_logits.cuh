@@ -465,13 +465,24 @@ struct PagedMqaKernel {
     static_assert(!kQ0ByMath || kQStageRows == kN, "one staging pass");
     if (lane != 0) return;
     sm.slot_info[0] = b;
-    ptx::mbar_arrive_expect_tx(sm.q_stage_bar, static_cast<uint32_t>(kN * (kQSrcRowBytes + (kQFp4 ? 4 : 0) + 4)));
-    const int64_t row0 = static_cast<int64_t>(b) * kN;
-    ptx::bulk_load(sm.q_stage, q_raw + row0 * kQSrcRowBytes, static_cast<uint32_t>(kN * kQSrcRowBytes), sm.q_stage_bar);
-    if constexpr (kQFp4)
-      ptx::bulk_load(sm.q_stage + kQStageRows * kQSrcRowBytes, q_sf + row0, static_cast<uint32_t>(kN * 4),
-                     sm.q_stage_bar);
+    ptx::mbar_arrive_expect_tx(sm.q_stage_bar, q_rows_bytes(kN) + static_cast<uint32_t>(kN * 4));
+    load_q_rows(sm, b, 0, kN, q_raw, q_sf);
     issue_weights(sm.weights_smem, b, weights, weights_stride, sm.q_stage_bar);
+  }
+
+  // Bytes of `rows` staged q rows with their scale words (kQFp4).
+  __host__ __device__ static constexpr uint32_t q_rows_bytes(int rows) {
+    return static_cast<uint32_t>(rows * (kQSrcRowBytes + (kQFp4 ? 4 : 0)));
+  }
+  // Sequence b's q rows [r0, r0 + rows) (and their scale words) into the staging buffer (one thread),
+  // counted by q_stage_bar.
+  __device__ __forceinline__ static void load_q_rows(const Smem& sm, int b, int r0, int rows,
+                                                     const uint8_t* __restrict__ q_raw, const int* __restrict__ q_sf) {
+    const int64_t row0 = static_cast<int64_t>(b) * kN + r0;
+    ptx::bulk_load(sm.q_stage, q_raw + row0 * kQSrcRowBytes, static_cast<uint32_t>(rows * kQSrcRowBytes), sm.q_stage_bar);
+    if constexpr (kQFp4)
+      ptx::bulk_load(sm.q_stage + kQStageRows * kQSrcRowBytes, q_sf + row0, static_cast<uint32_t>(rows * 4),
+                     sm.q_stage_bar);
   }
 
   // FP4: lane 0 issues the loads of sequence b's q rows [r0, r0 + kQStageRows) (and their scale words) into
@@ -484,14 +495,9 @@ struct PagedMqaKernel {
     // NOTES: the lanes' generic reads of the previous pass (ordered by __syncwarp) come before these
     // async-proxy writes to the same buffer.
     ptx::fence_proxy_async();
-    const uint32_t bytes = static_cast<uint32_t>(rows * kQSrcRowBytes + (kQFp4 ? rows * 4 : 0));
-    if (r0 == 0) ptx::mbar_expect_tx(sm.q_stage_bar, bytes);
-    else ptx::mbar_arrive_expect_tx(sm.q_stage_bar, bytes);
-    const int64_t row0 = static_cast<int64_t>(b) * kN + r0;
-    ptx::bulk_load(sm.q_stage, q_raw + row0 * kQSrcRowBytes, static_cast<uint32_t>(rows * kQSrcRowBytes), sm.q_stage_bar);
-    if constexpr (kQFp4)
-      ptx::bulk_load(sm.q_stage + kQStageRows * kQSrcRowBytes, q_sf + row0, static_cast<uint32_t>(rows * 4),
-                     sm.q_stage_bar);
+    if (r0 == 0) ptx::mbar_expect_tx(sm.q_stage_bar, q_rows_bytes(rows));
+    else ptx::mbar_arrive_expect_tx(sm.q_stage_bar, q_rows_bytes(rows));
+    load_q_rows(sm, b, r0, rows, q_raw, q_sf);
   }
 
   // FP4: sequence b's q rows into q slot `slot` through the staging buffer (kQStageRows rows per pass; the
