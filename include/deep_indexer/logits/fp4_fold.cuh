@@ -71,8 +71,10 @@ __host__ __device__ __forceinline__ void normal_magnitude_table(int s, uint32_t&
   hi = 0x24201C18u + add * 0x01010101u;  // 2^-4, 1.5 * 2^-4, 2^-3, 1.5 * 2^-3
 }
 
-// The e4m3 bytes of magnitudes 0..7 times 2^s (byte m; magnitude 0 -> 0): lo = m 0..3, hi = m 4..7.
+// The e4m3 bytes of magnitudes 0..7 times 2^s, s clamped to [-30, 6] (byte m; magnitude 0 -> 0): lo = m 0..3,
+// hi = m 4..7.
 __host__ __device__ __forceinline__ void magnitude_table(int s, uint32_t& lo, uint32_t& hi) {
+  s = clamp_shift(s);
   if (s >= -5) {
     normal_magnitude_table(s, lo, hi);
   } else {
@@ -105,7 +107,6 @@ __host__ __device__ __forceinline__ int row_base(const uint32_t (&any)[kGroups],
 
 // Folds one 16-byte group (4 code words) into 8 e4m3 words with the group's shift s.
 __host__ __device__ __forceinline__ void fold_group(const uint32_t (&in)[4], int s, uint32_t (&out)[8]) {
-  s = clamp_shift(s);
   uint32_t lo, hi;
   magnitude_table(s, lo, hi);
 #pragma unroll
@@ -199,7 +200,6 @@ __host__ __device__ __forceinline__ int base_of_key(int key) { return (key & 0xF
 
 // One lane's 16 e4m3 bytes (four words) from its 8 code bytes at shift s = e_g - base.
 __host__ __device__ __forceinline__ void fold_lane(uint32_t c0, uint32_t c1, int s, uint32_t (&out)[4]) {
-  s = clamp_shift(s);
   uint32_t lo, hi;
   magnitude_table(s, lo, hi);
   out[0] = fold_half(c0 & 0xFFFFu, lo, hi);

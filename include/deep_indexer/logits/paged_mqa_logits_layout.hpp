@@ -199,8 +199,8 @@ struct PagedMqaLogitsLayout {
   constexpr DI_HOST_DEVICE int barrier_offset() const {
     return amax_offset() + (split_relu ? num_q_slots() * next_n * 16 : 0);
   }
-  // full[S], empty[S], q_full[2], q_empty[2], and with split_relu pieces_full[2] (with one q slot the
-  // second of each pair is unused)
+  // full[S], empty[S], q_full[2], q_empty[2], with split_relu pieces_full[2] (with one q slot the second
+  // of each pair is unused), with staged q q_stage, and with q0_by_math q_stage_free
   constexpr DI_HOST_DEVICE int num_barriers() const {
     return 2 * num_kv_stages + 4 + (split_relu ? 2 : 0) + (q_staged() ? 1 : 0) + (q0_by_math() ? 1 : 0);
   }
