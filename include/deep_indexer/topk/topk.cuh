@@ -446,8 +446,8 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
 
   extern __shared__ __align__(16) uint8_t smem[];
   // NOTES: `hist` is all zero whenever a radix pass starts: each pass clears `hist_next` (last read
-  // by the previous pass's find_kth_bin, which ends with a barrier) while it counts into `hist`,
-  // and the two swap; find_kth_bin's opening barrier orders the clearing before the next pass.
+  // by the previous pass's bin search, which ends with a barrier) while it counts into `hist`,
+  // and the two swap; the search's opening barrier orders the clearing before the next pass.
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem + L.hist_offset());
   uint32_t* hist_next = hist + kBins;
   auto next_hist_pass = [&]() {
@@ -486,8 +486,13 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       atomicAdd(valid && (key & st.mask) == st.prefix ? hist + ((key >> shift) & digit_mask) : sink, 1u);
     });
     const uint32_t* h = hist;  // 16-byte aligned: a thread's kBins / kThreads bins in one vector load
-    const radix::KthBin kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return h[b]; }, st.k_rem,
-                                                                  warp_sums, scalars);
+    radix::KthBin kb;
+    if (L.digit_bits(pass) == 5) {  // bfloat16's second digit: 32 bins, warp 0 alone
+      __syncthreads();
+      kb = radix::find_kth_bin_warp0([&](int b) { return h[b]; }, st.k_rem, scalars);
+    } else {
+      kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return h[b]; }, st.k_rem, warp_sums, scalars);
+    }
     next_hist_pass();
     st.prefix |= kb.bin << shift;
     st.mask |= digit_mask << shift;

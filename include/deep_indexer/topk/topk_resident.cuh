@@ -335,17 +335,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
           __syncthreads();
           kb = {scalars[0], scalars[1], scalars[2]};
         } else if (kPacked && pass == 1) {  // 32 bins: warp 0 alone
-          if (warp == 0) {
-            const uint32_t c = h[lane];
-            const uint32_t incl = radix::warp_suffix_sum(c);  // keys in bins >= lane
-            if (incl - c < k_rem && k_rem <= incl) {  // one lane: bins are counted in order
-              scalars[0] = static_cast<uint32_t>(lane);
-              scalars[1] = incl - c;
-              scalars[2] = c;
-            }
-          }
-          __syncthreads();
-          kb = {scalars[0], scalars[1], scalars[2]};
+          kb = radix::find_kth_bin_warp0([&](int b) { return h[b]; }, k_rem, scalars);
         } else {
           kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return own[b % kBinsPerThread]; }, k_rem,
                                                            warp_sums, scalars);
