@@ -209,14 +209,16 @@ struct TopkKernel {
   template <class RadixPass, class Prefetch, class Filter>
   __device__ __forceinline__ static Selection select_threshold(
       const RowSpan<kElemBytes>& row, const int& n, const int& num_vecs, const uint4* row_vec, const int& k,
-      uint32_t* count, uint32_t* cand_key, uint32_t* cand_col, const int& tid, const int& lane, const int& warp,
-      RadixPass& radix_pass, Prefetch& prefetch, Filter& filter, int& first_ns, Tracer& tr) {
+      const uint32_t& kmin, uint32_t* count, uint32_t* cand_key, uint32_t* cand_col, const int& tid, const int& lane,
+      const int& warp, RadixPass& radix_pass, Prefetch& prefetch, Filter& filter, int& first_ns, Tracer& tr) {
     uint32_t ns = *count;
     uint32_t prefix = 0, mask = 0, greater = 0, take_eq = ns;
     bool whole = true, eq_from_row = false;
     if (first_ns < 0) first_ns = static_cast<int>(ns);
     const uint64_t fallback_t0 = tr.now();
+    uint32_t floor_key = kmin;  // every buffered key is >= it (the filter's bound; 0: no bound known)
     if (ns < static_cast<uint32_t>(min(k, n)) || ns > static_cast<uint32_t>(kCap)) {
+      floor_key = 0;
       // Radix select over the whole row until the keys from the k-th key's bin up fit the buffer.
       RadixState st;
       st.k_rem = static_cast<uint32_t>(k);
@@ -263,13 +265,43 @@ struct TopkKernel {
       RadixState st;
       st.k_rem = static_cast<uint32_t>(k);
       whole = false;
+      bool converted = false, resolved = false;
+      if constexpr (kElemBytes == 2) {
+        // NOTES: bfloat16 with a known floor: one pass over key - floor_key (bins of one key each; keys
+        // 2047 or more above the floor share the last bin) gives the k-th key itself unless it lies in
+        // that last bin, where the two digits follow.
+        if (floor_key > 0u) {
+          RadixState so;
+          so.k_rem = static_cast<uint32_t>(k);
+          constexpr uint32_t kLast = kBins - 1;
+          constexpr int kShift = L.digit_shift(0);  // the offset is counted as pass 0's digit
+          const radix::KthBin kb = radix_pass(0, so, [&](auto&& add) {
+#pragma unroll 2
+            for (uint32_t i = tid; i < ns; i += kThreads) {
+              const uint32_t key = radix::to_key<kElemBytes>(cand_key[i]);
+              cand_key[i] = key;
+              DI_TOPK_ASSERT(key >= floor_key);
+              add(min(key - floor_key, kLast) << kShift, true);
+            }
+          });
+          converted = true;
+          if (kb.bin < kLast) {
+            resolved = true;
+            st.prefix = floor_key + kb.bin;
+            st.mask = kFullKeyMask;
+            st.greater = kb.above;
+            st.k_rem = static_cast<uint32_t>(k) - kb.above;
+            whole = st.k_rem == kb.count;
+          }
+        }
+      }
 #pragma unroll 1
-      for (int pass = 0; pass < kPasses && !whole; ++pass) {
+      for (int pass = 0; pass < kPasses && !whole && !resolved; ++pass) {
         const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
 #pragma unroll 2
           for (uint32_t i = tid; i < ns; i += kThreads) {
             uint32_t key = cand_key[i];
-            if (pass == 0) cand_key[i] = key = radix::to_key<kElemBytes>(key);
+            if (pass == 0 && !converted) cand_key[i] = key = radix::to_key<kElemBytes>(key);
             add(key, true);
           }
         });
@@ -650,7 +682,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
 
     if (rank() == 0) {
       // ---- 3. the selection's threshold
-      const typename K::Selection sel = K::select_threshold(row, n, num_vecs, row_vec, k, count, cand_key,
+      const typename K::Selection sel = K::select_threshold(row, n, num_vecs, row_vec, k, kmin, count, cand_key,
                                                             cand_col, tid, lane, warp, radix_pass, prefetch, filter,
                                                             first_ns, tr);
       const uint32_t greater = sel.greater, take_eq = sel.take_eq;
