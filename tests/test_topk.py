@@ -120,9 +120,10 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
     """The kernel's algorithm on one row. `buf` holds the keys of the whole allocation (16-byte
     aligned at element 0), the row's first column is element start + lo. Mirrors the vector split
     (mis), the threshold sample, the filter into a buffer of `cap` entries (any order), the
-    fallback radix select over the row, the buffer select and the windowed column-order emission.
-    Returns the output columns (relative to lo), in output order; `stats` gets the path taken. A
-    smaller `cap` scales the sample's thread count (and SAMPLE_MIN) with it."""
+    fallback radix select over the row, the buffer select (bfloat16 with a threshold: one pass over key
+    minus threshold first) and the windowed column-order emission. Returns the output columns (relative
+    to lo), in output order; `stats` gets the path taken and the buffer select's form. A smaller `cap`
+    scales the sample's thread count (and SAMPLE_MIN) with it."""
     kvec = 16 // elem_bytes
     full_mask = 0xFFFFFFFF if elem_bytes == 4 else 0xFFFF
     n = hi - lo
@@ -166,8 +167,11 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
     ns = len(bk)
     prefix = mask = greater = 0
     take_eq, whole, eq_from_row = ns, True, False
+    floor_key = kmin  # every buffered key is >= it (0: no bound known)
+    select = "digits"
     if ns < min(k, n) or ns > cap:
         path += "+fallback"
+        floor_key = 0
         st = dict(prefix=0, mask=0, greater=0, k_rem=k)
         for shift, bits in digits(elem_bytes):
             _, cnt = radix_pass(keys, st, shift, bits)
@@ -187,11 +191,21 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
             take_eq = ns
     if not eq_from_row and ns > k:
         st = dict(prefix=0, mask=0, greater=0, k_rem=k)
-        for shift, bits in digits(elem_bytes):
-            _, cnt = radix_pass(bk, st, shift, bits)
-            whole = st["k_rem"] == cnt
-            if whole:
-                break
+        resolved = False
+        if elem_bytes == 2 and floor_key > 0:  # one pass over key - floor_key, 2047 one-key bins and an overflow bin
+            assert (bk >= floor_key).all()
+            b, above, cnt = kth_bin(np.bincount(np.minimum(bk - floor_key, 2047), minlength=2048), k)
+            resolved = b < 2047
+            select = "one_pass" if resolved else "one_pass_overflow"
+            if resolved:
+                st = dict(prefix=floor_key + b, mask=full_mask, greater=above, k_rem=k - above)
+                whole = st["k_rem"] == cnt
+        if not resolved:
+            for shift, bits in digits(elem_bytes):
+                _, cnt = radix_pass(bk, st, shift, bits)
+                whole = st["k_rem"] == cnt
+                if whole:
+                    break
         prefix, mask, greater, take_eq = st["prefix"], st["mask"], st["greater"], st["k_rem"]
     total = greater + take_eq
     assert total == min(k, n)
@@ -222,7 +236,7 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         w0 += window
     assert gt_base == (total if whole else greater) and None not in out
     if stats is not None:
-        stats["path"], stats["survivors"] = path, ns
+        stats["path"], stats["survivors"], stats["select"] = path, ns, select
     if sorted_:
         comp = np.array([(int(keys[j]) << 32) | (0xFFFFFFFF - j) for j in out], dtype=np.uint64)
         out = [out[i] for i in np.argsort(comp, kind="stable")[::-1]]  # composites are unique
@@ -298,6 +312,31 @@ def test_emulation_fallback_on_skewed_sample(dtype, sample_value, every):
     x = skewed_row(n, mis, dtype, sample_value, gen, every)
     stats = _emulate_vs_reference(x, mis, 0, n, 2048, True)
     assert stats["path"] == "sample+fallback"
+
+
+def far_threshold_row(width: int, lo: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """k values in [1, 2) among tiny negative ones in columns [lo, lo + n): the threshold sample holds fewer
+    large values than its rank, so the threshold lies among the negative values, more than 2047 bfloat16
+    keys below the k-th key (the one-pass selection's overflow bin)."""
+    x = -1e-3 * (1 + torch.rand(width, generator=gen))
+    x[lo + torch.randperm(n, generator=gen)[:k]] = 1 + torch.rand(k, generator=gen)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "far"])
+@pytest.mark.parametrize("k", [512, 2048])
+def test_emulation_buffer_select_forms(dtype, kind, k):
+    # bfloat16 rows with a threshold select in one pass over key - threshold, unless the k-th key lies 2047
+    # or more keys above it; float32 rows take the digits
+    gen = torch.Generator().manual_seed(k + len(kind))
+    n = 30000
+    for start in (0, 3):
+        x = (far_threshold_row(n + 8, start, n, k, dtype, gen) if kind == "far"
+             else make_rows("random", 1, n + 8, dtype, gen)[0])
+        stats = _emulate_vs_reference(x, start, 0, n, k, False)
+        want = "digits" if dtype == torch.float32 else "one_pass" if kind == "random" else "one_pass_overflow"
+        assert stats["path"] == "sample" and stats["select"] == want, stats
 
 
 @pytest.mark.parametrize("elem_bytes", [4, 2])
@@ -559,6 +598,22 @@ def test_topk_adversarial(dtype, kind, sorted_, m, n, k):
     ke = torch.randint(n // 2, n + 5, (m,), generator=gen, dtype=torch.int32)
     ks[0], ke[0] = 0, n  # a full row
     _check(x, k, ks, ke, sorted=sorted_, return_values=True)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [512, 2048])
+def test_topk_threshold_far_below_kth(k):
+    # bfloat16 rows whose threshold lies more than 2047 keys below the k-th key (the one-pass selection's
+    # overflow bin, then the two digits), next to random rows (one pass) and float32 copies of both
+    gen = torch.Generator().manual_seed(k)
+    m, n = 6, 30000
+    rows = [far_threshold_row(n, 0, n, k, torch.float32, gen) for _ in range(m - 2)]
+    rows += list(make_rows("random", 2, n, torch.float32, gen))
+    x = torch.stack(rows)
+    ke = torch.full((m,), n, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        _check(x.to(dtype), k, None, ke, return_values=True)
 
 
 @requires_sm90
