@@ -91,3 +91,10 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nthe tests left {len(new)} kernel(s) in the temp folder's fallback cache "
               f"{os.path.join(tempfile.gettempdir(), f'deep_indexer-{os.getuid()}')}: {sorted(new)[:5]}")
         session.exitstatus = 1
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """torch dtypes in test ids by name (test_x[bfloat16], so that `-k bfloat16` selects them)."""
+    if isinstance(val, torch.dtype):
+        return str(val).removeprefix("torch.")
+    return None

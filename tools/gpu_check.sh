@@ -54,8 +54,11 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
     # NOTES: each shard's CPU references get a share of the cores (one torch thread pool per core each
     # would oversubscribe them several times over and stall every shard)
     threads=$(( $(nproc) / SHARDS > 1 ? $(nproc) / SHARDS : 1 ))
+    [ -s "$OUT/test_ids.txt" ] || { echo "no test ids collected (TESTS=${TESTS:-tests} -k '$KEXPR')" | tee -a "$OUT/gpu.log"; exit 1; }
     for f in "$OUT"/shard_??; do
       mapfile -t ids <"$f"  # one id per line (some hold spaces)
+      # NOTES: an empty shard would run pytest with no ids: the whole default test path
+      [ "${#ids[@]}" -gt 0 ] || continue
       OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads} timeout ${TEST_TIMEOUT:-420} python3 -X faulthandler -m pytest "${ids[@]}" -q -p no:cacheprovider \
         --maxfail=${MAXFAIL:-30} -rf --tb=line >"$f.log" 2>&1 &
     done
