@@ -12,7 +12,8 @@
 // 3. CTA 0: if fewer than k keys or more than the buffer survived, a radix select over the whole
 //    row (re-reads) finds a threshold whose survivors fit, and the filter runs again (rare: skewed
 //    or low-contrast rows). A radix select over the buffer then gives the k-th key (prefix/mask),
-//    the count above it and how many keys equal to it to take.
+//    the count above it and how many keys equal to it to take (bfloat16 with a threshold: one pass over
+//    key - kmin first, the digits only when the k-th key lies 2047 or more keys above kmin).
 // 4. CTA 0 emits in column order: windows of kWindow columns, a bit per selected column in two
 //    planes (above the threshold / equal to it), a block scan of their popcounts; every output
 //    position is a prefix count (ties to the smaller column), so the result does not depend on
