@@ -1,7 +1,7 @@
 """Timelines of cold-L2 decode calls (metadata, then logits) and top-k calls from the kernels'
 DI_KERNEL_TRACE build.
 
-    python3 tools/kernel_trace.py D1 D2 K-D2 K-P2 [--json FILE]
+    python3 tools/kernel_trace.py D1 D2 K-D2 K-P2 [--dtype bfloat16] [--json FILE]
 
 The kernel is compiled with -DDI_KERNEL_TRACE (a separate JIT cache entry): every role prints its
 entry/exit %globaltimer and %clock64 marks (include/deep_indexer/common/trace.cuh):
@@ -119,6 +119,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="+")
     ap.add_argument("--json", default="")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="logits dtype of the K-* top-k shapes")
     args = ap.parse_args()
     dev = torch.device("cuda")
     timer = bench.Timer(dev, "read")
@@ -138,6 +140,7 @@ def main() -> int:
             continue
         if sid in bench.TOPK_SHAPES:
             case = bench.topk_case(sid, dev, seed=1)
+            case["logits"] = case["logits"].to(getattr(torch, args.dtype))
             run = bench.topk_run(case)
             capture(lambda: [run() for _ in range(3)])
             runs, data_warm, warm = [], [], []
@@ -146,13 +149,14 @@ def main() -> int:
                 runs.append(analyse(capture(run)))
                 # the logits back in L2 (as after the logits kernel), the kernel's code not
                 timer.flush_l2()
-                torch.sum(case["logits"], dim=1, out=torch.empty(case["logits"].shape[0], device=dev))
+                lg = case["logits"]
+                torch.sum(lg, dim=1, out=torch.empty(lg.shape[0], dtype=lg.dtype, device=dev))
                 data_warm.append(analyse(capture(run)))
                 warm.append(analyse(capture(run)))  # code and data in L2 (and in the SMs' caches)
             best = pick(runs)
             res[sid] = {"best": best, "spans_ns": [a.get("span_ns") for a in runs], "data_warm": pick(data_warm),
                         "warm": pick(warm)}
-            print(f"== {sid} ({bench.TOPK_SHAPES[sid]}): spans {res[sid]['spans_ns']} ns")
+            print(f"== {sid} ({bench.TOPK_SHAPES[sid]}, {args.dtype}): spans {res[sid]['spans_ns']} ns")
             for name, a in (("cold", best), ("data in L2, code cold", res[sid]["data_warm"]), ("warm", res[sid]["warm"])):
                 print(f"  {name}:", end="")
                 show(a)
