@@ -50,11 +50,11 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   if [ "${SHARDS:-1}" -gt 1 ]; then
     python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider --collect-only ${KEXPR:+-k "$KEXPR"} 2>/dev/null \
       | grep "::" >"$OUT/test_ids.txt"
+    [ -s "$OUT/test_ids.txt" ] || { echo "no test ids collected (TESTS=${TESTS:-tests} -k '$KEXPR')" | tee -a "$OUT/gpu.log"; exit 1; }
     split -n r/"$SHARDS" "$OUT/test_ids.txt" "$OUT/shard_"
     # NOTES: each shard's CPU references get a share of the cores (one torch thread pool per core each
     # would oversubscribe them several times over and stall every shard)
     threads=$(( $(nproc) / SHARDS > 1 ? $(nproc) / SHARDS : 1 ))
-    [ -s "$OUT/test_ids.txt" ] || { echo "no test ids collected (TESTS=${TESTS:-tests} -k '$KEXPR')" | tee -a "$OUT/gpu.log"; exit 1; }
     for f in "$OUT"/shard_??; do
       mapfile -t ids <"$f"  # one id per line (some hold spaces)
       # NOTES: an empty shard would run pytest with no ids: the whole default test path

@@ -159,11 +159,11 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
   return {result[0], result[1], result[2]};
 }
 
-// The bin of the k-th largest key among 32 bins (a 5-bit digit), searched by warp 0 alone: one load and
-// one warp scan instead of a block-wide search. The caller has synchronised since the counts were
-// written; ends with __syncthreads(); every thread returns the same answer (from `result`, 3 words).
-template <typename BinCount>
+// find_kth_bin over 32 bins (a 5-bit digit), searched by warp 0 alone: one load and one warp scan instead
+// of a block-wide search. The same barriers (kSyncFirst as there) and answer; `result` holds 3 words.
+template <bool kSyncFirst = true, typename BinCount>
 __device__ __forceinline__ KthBin find_kth_bin_warp0(BinCount bin_count, uint32_t k, uint32_t* result) {
+  if constexpr (kSyncFirst) __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
     const uint32_t c = bin_count(lane);

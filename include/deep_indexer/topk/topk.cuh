@@ -521,7 +521,6 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     const uint32_t* h = hist;  // 16-byte aligned: a thread's kBins / kThreads bins in one vector load
     radix::KthBin kb;
     if (L.digit_bits(pass) == 5) {  // bfloat16's second digit: 32 bins, warp 0 alone
-      __syncthreads();
       kb = radix::find_kth_bin_warp0([&](int b) { return h[b]; }, st.k_rem, scalars);
     } else {
       kb = radix::find_kth_bin<kThreads, kBins>([&](int b) { return h[b]; }, st.k_rem, warp_sums, scalars);

@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
           __syncthreads();
           kb = {scalars[0], scalars[1], scalars[2]};
         } else if (kPacked && pass == 1) {  // 32 bins: warp 0 alone
-          kb = radix::find_kth_bin_warp0([&](int b) { return h[b]; }, k_rem, scalars);
+          kb = radix::find_kth_bin_warp0<false>([&](int b) { return h[b]; }, k_rem, scalars);
         } else {
           kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return own[b % kBinsPerThread]; }, k_rem,
                                                            warp_sums, scalars);
