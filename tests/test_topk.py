@@ -64,6 +64,7 @@ def make_rows(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generato
 # window to reach every path on short rows).
 THREADS, CAND_CAP, WINDOW = 512, 8192, 32768
 SAMPLE_MIN = THREADS * 8  # rows longer than this take the threshold sample
+SAMPLE_FLOOR_BELOW = 1024  # a bfloat16 sample's one-pass search starts this many keys below the previous kmin
 
 
 def isqrt32(x: int) -> int:
@@ -116,14 +117,16 @@ def radix_pass(keys: np.ndarray, st: dict, shift: int, bits: int) -> tuple:
 
 
 def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, elem_bytes: int, sorted_: bool,
-                       ctas: int = 1, cap: int = CAND_CAP, window: int = WINDOW, stats: dict | None = None) -> list:
+                       ctas: int = 1, cap: int = CAND_CAP, window: int = WINDOW, stats: dict | None = None,
+                       near: int = 0) -> list:
     """The kernel's algorithm on one row. `buf` holds the keys of the whole allocation (16-byte
     aligned at element 0), the row's first column is element start + lo. Mirrors the vector split
     (mis), the threshold sample, the filter into a buffer of `cap` entries (any order), the
     fallback radix select over the row, the buffer select (bfloat16 with a threshold: one pass over key
     minus threshold first) and the windowed column-order emission. Returns the output columns (relative
-    to lo), in output order; `stats` gets the path taken and the buffer select's form. A smaller `cap`
-    scales the sample's thread count (and SAMPLE_MIN) with it."""
+    to lo), in output order; `stats` gets the path taken, the buffer select's form, the sample's search
+    form and kmin. A smaller `cap` scales the sample's thread count (and SAMPLE_MIN) with it. `near`: the
+    CTA's previous kmin (0: none), where a bfloat16 sample's one-pass search starts."""
     kvec = 16 // elem_bytes
     full_mask = 0xFFFFFFFF if elem_bytes == 4 else 0xFFFF
     n = hi - lo
@@ -147,12 +150,21 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         sk = np.array(sk, dtype=np.int64)
         rank = sample_rank(k, n, len(sv) * kvec, kvec)
         assert 1 <= rank <= len(sk)
-        st = dict(prefix=0, mask=0, greater=0, k_rem=rank)
-        for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
-            above, cnt = radix_pass(sk, st, shift, bits)
-            if d == 0 and (above + cnt) * n <= (cap // 2) * len(sv) * kvec:  # the first digit's edge is enough
-                break
-        kmin = st["prefix"]
+        kmin, sample_search = None, "digits"
+        if elem_bytes == 2 and near > 0:  # one pass over key - floor, bins of one key (0 and 2047 shared)
+            floor = max(near, SAMPLE_FLOOR_BELOW) - SAMPLE_FLOOR_BELOW
+            b, _, _ = kth_bin(np.bincount(np.clip(sk - floor, 0, 2047), minlength=2048), rank)
+            if 0 < b < 2047:
+                kmin, sample_search = floor + b, "floor"
+        if kmin is None:
+            st = dict(prefix=0, mask=0, greater=0, k_rem=rank)
+            for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
+                above, cnt = radix_pass(sk, st, shift, bits)
+                if d == 0 and (above + cnt) * n <= (cap // 2) * len(sv) * kvec:  # the first digit's edge is enough
+                    break
+            kmin = st["prefix"]
+        if stats is not None:
+            stats["sample_search"], stats["kmin"] = sample_search, kmin
         path = "sample"
 
     def filt(kmin_):  # survivors of the whole row (the CTAs' shares together), in some order
@@ -312,6 +324,38 @@ def test_emulation_fallback_on_skewed_sample(dtype, sample_value, every):
     x = skewed_row(n, mis, dtype, sample_value, gen, every)
     stats = _emulate_vs_reference(x, mis, 0, n, 2048, True)
     assert stats["path"] == "sample+fallback"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [512, 2048])
+def test_emulation_sample_search_from_previous_row(dtype, k):
+    # a CTA's rows in turn: a bfloat16 sample searches in one pass from the previous row's kmin and finds
+    # its j-th key itself; a row whose threshold lies ~8 binades or more from the previous one takes the two
+    # digits (as the first row and float32 rows do); every row's result is exact either way
+    gen = torch.Generator().manual_seed(k + 3)
+    n, mis, near = 30000, 3, 0
+    scales = [(1.0, 0.0), (1.5, 0.2), (1.0, 0.0), (2.0 ** 12, 0.0), (2.0 ** 11, 0.0), (1.0, 0.0), (0.5, -3.0)]
+    searches = []
+    for scale, shift in scales:
+        x = (torch.randn(mis + n + 8, generator=gen) * scale + shift).to(dtype)
+        stats = _emulate_vs_reference(x, mis, 0, n, k, False, near=near)
+        assert stats["path"] == "sample", stats
+        keys = reference.topk_keys(x).numpy().astype(np.int64)
+        sv = sample_vectors(n, mis, x.element_size())
+        kvec = 16 // x.element_size()
+        idx = np.concatenate([np.arange(v * kvec, (v + 1) * kvec) for v in sv])
+        sk = np.sort(keys[idx[(idx >= mis) & (idx < mis + n)]])[::-1]  # the sample's valid keys
+        rank = sample_rank(k, n, len(sv) * kvec, kvec)
+        if stats["sample_search"] == "floor":
+            assert stats["kmin"] == sk[rank - 1]  # the j-th key itself
+        else:
+            assert stats["kmin"] <= sk[rank - 1]  # the j-th key's bin edge (one or two digits)
+        searches.append(stats["sample_search"])
+        near = stats["kmin"]
+    if dtype == torch.bfloat16:
+        assert searches == ["digits", "floor", "floor", "digits", "floor", "digits", "digits"], searches
+    else:
+        assert set(searches) == {"digits"}
 
 
 def far_threshold_row(width: int, lo: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -614,6 +658,22 @@ def test_topk_threshold_far_below_kth(k):
     ke = torch.full((m,), n, dtype=torch.int32)
     for dtype in (torch.bfloat16, torch.float32):
         _check(x.to(dtype), k, None, ke, return_values=True)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [512, 2048])
+def test_topk_rows_of_changing_scale(k):
+    # more rows than CTAs, each scaled by its own power of two and shifted: a CTA's bfloat16 sample search,
+    # which starts from its previous row's threshold, meets rows near it, ~12 binades away and across zero
+    gen = torch.Generator().manual_seed(k + 5)
+    m, n = 1500, 12000
+    scale = 2.0 ** torch.randint(-12, 13, (m, 1), generator=gen).float()
+    shift = torch.randint(-2, 3, (m, 1), generator=gen).float() * scale
+    x = torch.randn(m, n, generator=gen) * scale + shift
+    ke = torch.randint(n - 3000, n + 1, (m,), generator=gen, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        _check(x.to(dtype), k, None, ke)
 
 
 @requires_sm90

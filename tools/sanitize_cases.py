@@ -223,6 +223,25 @@ def topk_buffered():
 
 
 @case
+def topk_buffered_many_rows():
+    # more rows than CTAs (clusters): each takes rows in turn, with the survivor counters alternating and
+    # the bfloat16 sample searching from the previous row's threshold (rows of changing scale)
+    import deep_indexer as di
+
+    gen = torch.Generator().manual_seed(2)
+    m, n = 700, 9000
+    x = (torch.randn(m, n, generator=gen) * 2.0 ** torch.randint(-12, 13, (m, 1), generator=gen).float()).cuda()
+    ke = torch.randint(n - 3000, n + 1, (m,), generator=gen, dtype=torch.int32).cuda()
+    for cluster in (1, 2):
+        old = _env(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=cluster, DI_TOPK_WIDE=0)
+        try:
+            di.topk_indices(x.bfloat16(), 512, None, ke)
+            di.topk_indices(x, 2048, None, ke)
+        finally:
+            _restore(old)
+
+
+@case
 def topk_sorted():
     import deep_indexer as di
 

@@ -5,8 +5,9 @@
 // Keys: radix::float_key / bf16_key (order-preserving, NaN lowest).
 // 1. Threshold: a row of more than kSampleMinKeys keys takes a strided sample of 16-byte vectors
 //    and a two-digit radix select of the sample's j-th largest key (TopkLayout::sample_rank):
-//    kmin, usually a little below the row's k-th key. Shorter rows keep every key (kmin = 0).
-//    Every CTA of the cluster computes the same kmin from the same sample.
+//    kmin, usually a little below the row's k-th key (bfloat16: one pass over key - floor first, the
+//    floor set by the CTA's previous kmin). Shorter rows keep every key (kmin = 0). Every CTA of the
+//    cluster computes the same kmin from the same sample.
 // 2. Filter: one read of the row (each CTA its contiguous share); the keys >= kmin go to CTA 0's
 //    buffer as (key, column) pairs (warp-aggregated slots; counted even when the buffer is full).
 // 3. CTA 0: if fewer than k keys or more than the buffer survived, a radix select over the whole
@@ -163,8 +164,8 @@ struct TopkKernel {
   template <class RadixPass>
   __device__ __forceinline__ static uint32_t sample_threshold(const RowSpan<kElemBytes>& row, const int& n,
                                                               const int& num_vecs, const uint4* row_vec,
-                                                              const int& tid, const int& k, RadixPass& radix_pass,
-                                                              Tracer& tr) {
+                                                              const int& tid, const int& k, const uint32_t& near,
+                                                              RadixPass& radix_pass, Tracer& tr) {
     constexpr TopkLayout L{kElemBytes, kSorted};  // NOTES: a local (sample_vecs_per_thread runs at run time)
     // sample vector t of thread tid < kSampleThreads: (tid + t * kSampleThreads) * stride, stride =
     // num_vecs / m_v >= 1; the other threads hold none
@@ -182,6 +183,34 @@ struct TopkKernel {
     }
     tr.mark<0>(static_cast<int>(sample[0].x));
     const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
+    if constexpr (kElemBytes == 2) {
+      // NOTES: bfloat16 with a key `near` the expected answer (the CTA's previous kmin; 0: none): one pass over
+      // key - floor (bins of one key each, floor = near - kSampleFloorBelow; keys at or below the floor share
+      // bin 0, keys 2047 or more above it the last bin) gives the j-th key itself unless it lies in bin 0 or
+      // the last bin, where the two digits follow.
+      if (near > 0u) {
+        constexpr uint32_t kLast = kBins - 1, kBelow = TopkLayout::kSampleFloorBelow;
+        constexpr int kShift = L.digit_shift(0);  // the offset is counted as pass 0's digit
+        const uint32_t floor_key = max(near, kBelow) - kBelow;
+        RadixState so;
+        so.k_rem = j;
+        const radix::KthBin kb = radix_pass(0, so, [&](auto&& add) {
+#pragma unroll
+          for (int t = 0; t < kSampleVecs; ++t) {
+            if (t >= s_v) break;
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              const uint32_t key = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c));
+              add(min(max(key, floor_key) - floor_key, kLast) << kShift, (sample_valid >> (t * kVec + c)) & 1u);
+            }
+          }
+        });
+        if (kb.bin > 0u && kb.bin < kLast) {
+          tr.mark<1>();
+          return floor_key + kb.bin;
+        }
+      }
+    }
     RadixState st;
     st.k_rem = j;
 #pragma unroll 1
@@ -489,15 +518,16 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     hist_next = t;
   };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
-  // [0, 3): find_kth_bin; [4]: survivors of this row (CTA 0's is the cluster's); [kScalarTableRow]: a
-  // varlen row's block-table row (slot mode; written by warp 0 before the emission, read by the stores);
-  // [kScalarSink]: the radix passes' sink for keys that do not count (never read)
+  // [0, 3): find_kth_bin; [kScalarCount + 3 * (row parity)]: survivors of the row (CTA 0's are the cluster's);
+  // [kScalarTableRow]: a varlen row's block-table row (slot mode; written by warp 0 before the emission, read by
+  // the stores); [kScalarSink]: the radix passes' sink for keys that do not count (never read)
   uint32_t* scalars = warp_sums + 2 * kWarps;
-  uint32_t* count = scalars + 4;
+  static_assert(TopkLayout::kScalarCount + 3 == TopkLayout::kScalarCountOdd, "the counters' stride");
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
   uint32_t* cand_col = reinterpret_cast<uint32_t*>(smem + L.cand_col_offset());
   // shared-window addresses
-  const uint32_t cand_key_s = ptx::smem_addr(cand_key), cand_col_s = ptx::smem_addr(cand_col), count_s = ptx::smem_addr(count);
+  const uint32_t cand_key_s = ptx::smem_addr(cand_key), cand_col_s = ptx::smem_addr(cand_col);
+  const uint32_t count0_s = ptx::smem_addr(scalars + TopkLayout::kScalarCount);
   uint32_t* plane_gt = reinterpret_cast<uint32_t*>(smem + L.plane_offset());
   uint32_t* plane_eq = plane_gt + TopkLayout::kWindowWords;
   unsigned long long* sort_buf = reinterpret_cast<unsigned long long*>(smem + L.sort_offset());
@@ -547,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   ptx::grid_dependency_wait();  // PDL: every global read and write after the previous kernel
   const int& k = a.k;  // read from the parameter bank where used (no register for the whole kernel)
   const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
-  if (tid == 0) *count = 0;
+  if (tid == 0) scalars[TopkLayout::kScalarCount] = 0u, scalars[TopkLayout::kScalarCountOdd] = 0u;
   clear_words(hist, 2 * kBins);
   clear_words(plane_gt, 2 * TopkLayout::kWindowWords);
   row_sync();
@@ -562,6 +592,10 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     if (r < a.num_rows) load_row_range(a, r, ks_v, ke_v);
   };
   int ks_next = 0, ke_next = 0;
+  uint32_t near_kmin = 0;  // the last sampled row's kmin (bfloat16: where the next sample's search starts)
+  // NOTES: the rows' survivor counters alternate, so that a row resets the previous row's counter after its
+  // own mid-row barrier (every read of it done; the next write after this row's end barrier)
+  uint32_t odd_row = 0;
   load_range(static_cast<int>(blockIdx.x) / num_ctas, ks_next, ke_next);
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {  // no overflow: rows < 2^31 - 2^20
 #ifdef DI_TRACE_ROW  // with DI_KERNEL_TRACE: the marks of the CTA's row DI_TRACE_ROW (0: its first), from its start
@@ -576,6 +610,8 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
+    uint32_t* count = scalars + TopkLayout::kScalarCount + 3 * odd_row;
+    const uint32_t count_s = count0_s + 12u * odd_row;
 
     // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
     // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
@@ -668,7 +704,10 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     // ---- 1. threshold (every CTA of the cluster computes the same kmin; kmin = 0: every key)
     prefetch(v_begin, v_end);
     uint32_t kmin = 0;
-    if (n > TopkLayout::kSampleMinKeys) kmin = K::sample_threshold(row, n, num_vecs, row_vec, tid, k, radix_pass, tr);
+    if (n > TopkLayout::kSampleMinKeys) {
+      kmin = K::sample_threshold(row, n, num_vecs, row_vec, tid, k, near_kmin, radix_pass, tr);
+      near_kmin = kmin;
+    }
 
     // ---- 2. filter this CTA's share into the buffer and counter of CTA 0 of the cluster
     if constexpr (kCluster)
@@ -679,6 +718,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     tr.mark<2>();
     row_sync();  // every survivor of the cluster is in CTA 0
     tr.mark<3>();
+    if (tid == 0) scalars[TopkLayout::kScalarCount + 3 * (odd_row ^ 1u)] = 0u;
 
     if (rank() == 0) {
       // ---- 3. the selection's threshold
@@ -726,10 +766,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
 
       // ---- padding
       pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
-      __syncthreads();  // every read of the counter and the buffer is done
-      if (tid == 0) *count = 0;
     }
-    row_sync();  // CTA 0's buffer and counter are reused by the next row
+    odd_row ^= 1u;
+    row_sync();  // CTA 0's buffer and the next row's counter are reused by the next row
     tr.mark<6>();
   }
   if (tid == 0) tr.print("topk", rank(), first_ns);
