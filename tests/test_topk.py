@@ -64,7 +64,7 @@ def make_rows(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generato
 # window to reach every path on short rows).
 THREADS, CAND_CAP, WINDOW = 512, 8192, 32768
 SAMPLE_MIN = THREADS * 8  # rows longer than this take the threshold sample
-SAMPLE_FLOOR_BELOW = 1024  # a bfloat16 sample's one-pass search starts this many keys below the previous kmin
+SAMPLE_FLOOR_BELOW = 1024  # the sample's one-pass search starts this many top-16-bit values below the previous kmin
 
 
 def isqrt32(x: int) -> int:
@@ -126,7 +126,7 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
     minus threshold first) and the windowed column-order emission. Returns the output columns (relative
     to lo), in output order; `stats` gets the path taken, the buffer select's form, the sample's search
     form and kmin. A smaller `cap` scales the sample's thread count (and SAMPLE_MIN) with it. `near`: the
-    CTA's previous kmin (0: none), where a bfloat16 sample's one-pass search starts."""
+    CTA's previous kmin (0: none), where the sample's one-pass search starts."""
     kvec = 16 // elem_bytes
     full_mask = 0xFFFFFFFF if elem_bytes == 4 else 0xFFFF
     n = hi - lo
@@ -151,11 +151,12 @@ def emulate_kernel_row(buf: np.ndarray, start: int, lo: int, hi: int, k: int, el
         rank = sample_rank(k, n, len(sv) * kvec, kvec)
         assert 1 <= rank <= len(sk)
         kmin, sample_search = None, "digits"
-        if elem_bytes == 2 and near > 0:  # one pass over key - floor, bins of one key (0 and 2047 shared)
-            floor = max(near, SAMPLE_FLOOR_BELOW) - SAMPLE_FLOOR_BELOW
-            b, _, _ = kth_bin(np.bincount(np.clip(sk - floor, 0, 2047), minlength=2048), rank)
+        if near > 0:  # one pass over the keys' top 16 bits - floor, bins of one value (0 and 2047 shared)
+            top = 8 * elem_bytes - 16
+            floor = max(near >> top, SAMPLE_FLOOR_BELOW) - SAMPLE_FLOOR_BELOW
+            b, _, _ = kth_bin(np.bincount(np.clip((sk >> top) - floor, 0, 2047), minlength=2048), rank)
             if 0 < b < 2047:
-                kmin, sample_search = floor + b, "floor"
+                kmin, sample_search = (floor + b) << top, "floor"
         if kmin is None:
             st = dict(prefix=0, mask=0, greater=0, k_rem=rank)
             for d, (shift, bits) in enumerate(digits(elem_bytes)[:2]):
@@ -329,9 +330,9 @@ def test_emulation_fallback_on_skewed_sample(dtype, sample_value, every):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [512, 2048])
 def test_emulation_sample_search_from_previous_row(dtype, k):
-    # a CTA's rows in turn: a bfloat16 sample searches in one pass from the previous row's kmin and finds
-    # its j-th key itself; a row whose threshold lies ~8 binades or more from the previous one takes the two
-    # digits (as the first row and float32 rows do); every row's result is exact either way
+    # a CTA's rows in turn: the sample searches in one pass from the previous row's kmin and finds its j-th
+    # key's top 16 bits (bfloat16: the key itself); a row whose threshold lies ~8 binades or more from the
+    # previous one takes the digits (as the first row does); every row's result is exact either way
     gen = torch.Generator().manual_seed(k + 3)
     n, mis, near = 30000, 3, 0
     scales = [(1.0, 0.0), (1.5, 0.2), (1.0, 0.0), (2.0 ** 12, 0.0), (2.0 ** 11, 0.0), (1.0, 0.0), (0.5, -3.0)]
@@ -347,15 +348,13 @@ def test_emulation_sample_search_from_previous_row(dtype, k):
         sk = np.sort(keys[idx[(idx >= mis) & (idx < mis + n)]])[::-1]  # the sample's valid keys
         rank = sample_rank(k, n, len(sv) * kvec, kvec)
         if stats["sample_search"] == "floor":
-            assert stats["kmin"] == sk[rank - 1]  # the j-th key itself
+            top = 8 * x.element_size() - 16
+            assert stats["kmin"] == (sk[rank - 1] >> top) << top  # the j-th key's top 16 bits
         else:
             assert stats["kmin"] <= sk[rank - 1]  # the j-th key's bin edge (one or two digits)
         searches.append(stats["sample_search"])
         near = stats["kmin"]
-    if dtype == torch.bfloat16:
-        assert searches == ["digits", "floor", "floor", "digits", "floor", "digits", "digits"], searches
-    else:
-        assert set(searches) == {"digits"}
+    assert searches == ["digits", "floor", "floor", "digits", "floor", "digits", "digits"], searches
 
 
 def far_threshold_row(width: int, lo: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -664,8 +663,8 @@ def test_topk_threshold_far_below_kth(k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [512, 2048])
 def test_topk_rows_of_changing_scale(k):
-    # more rows than CTAs, each scaled by its own power of two and shifted: a CTA's bfloat16 sample search,
-    # which starts from its previous row's threshold, meets rows near it, ~12 binades away and across zero
+    # more rows than CTAs, each scaled by its own power of two and shifted: a CTA's sample search, which
+    # starts from its previous row's threshold, meets rows near it, ~12 binades away and across zero
     gen = torch.Generator().manual_seed(k + 5)
     m, n = 1500, 12000
     scale = 2.0 ** torch.randint(-12, 13, (m, 1), generator=gen).float()

@@ -225,7 +225,7 @@ def topk_buffered():
 @case
 def topk_buffered_many_rows():
     # more rows than CTAs (clusters): each takes rows in turn, with the survivor counters alternating and
-    # the bfloat16 sample searching from the previous row's threshold (rows of changing scale)
+    # the sample searching from the previous row's threshold (rows of changing scale)
     import deep_indexer as di
 
     gen = torch.Generator().manual_seed(2)

@@ -5,9 +5,9 @@
 // Keys: radix::float_key / bf16_key (order-preserving, NaN lowest).
 // 1. Threshold: a row of more than kSampleMinKeys keys takes a strided sample of 16-byte vectors
 //    and a two-digit radix select of the sample's j-th largest key (TopkLayout::sample_rank):
-//    kmin, usually a little below the row's k-th key (bfloat16: one pass over key - floor first, the
-//    floor set by the CTA's previous kmin). Shorter rows keep every key (kmin = 0). Every CTA of the
-//    cluster computes the same kmin from the same sample.
+//    kmin, usually a little below the row's k-th key; one pass over the keys' top 16 bits minus a
+//    floor first, set by the CTA's previous kmin. Shorter rows keep every key (kmin = 0). Every CTA
+//    of the cluster computes the same kmin from the same sample.
 // 2. Filter: one read of the row (each CTA its contiguous share); the keys >= kmin go to CTA 0's
 //    buffer as (key, column) pairs (warp-aggregated slots; counted even when the buffer is full).
 // 3. CTA 0: if fewer than k keys or more than the buffer survived, a radix select over the whole
@@ -183,32 +183,31 @@ struct TopkKernel {
     }
     tr.mark<0>(static_cast<int>(sample[0].x));
     const uint32_t j = TopkLayout::sample_rank(k, n, static_cast<uint32_t>(m_v * kVec), kVec);
-    if constexpr (kElemBytes == 2) {
-      // NOTES: bfloat16 with a key `near` the expected answer (the CTA's previous kmin; 0: none): one pass over
-      // key - floor (bins of one key each, floor = near - kSampleFloorBelow; keys at or below the floor share
-      // bin 0, keys 2047 or more above it the last bin) gives the j-th key itself unless it lies in bin 0 or
-      // the last bin, where the two digits follow.
-      if (near > 0u) {
-        constexpr uint32_t kLast = kBins - 1, kBelow = TopkLayout::kSampleFloorBelow;
-        constexpr int kShift = L.digit_shift(0);  // the offset is counted as pass 0's digit
-        const uint32_t floor_key = max(near, kBelow) - kBelow;
-        RadixState so;
-        so.k_rem = j;
-        const radix::KthBin kb = radix_pass(0, so, [&](auto&& add) {
+    // NOTES: with a key `near` the expected answer (the CTA's previous kmin; 0: none), one pass over the keys'
+    // top 16 bits minus a floor (bins of one value each, floor = near's top bits - kSampleFloorBelow; keys at or
+    // below the floor share bin 0, keys 2047 or more above it the last bin) gives the j-th key's top 16 bits
+    // (bfloat16: the key itself) unless they lie in bin 0 or the last bin, where the digits follow.
+    if (near > 0u) {
+      constexpr int kTop = 8 * kElemBytes - 16;  // the key's top 16 bits: key >> kTop
+      constexpr uint32_t kLast = kBins - 1, kBelow = TopkLayout::kSampleFloorBelow;
+      constexpr int kShift = L.digit_shift(0);  // the offset is counted as pass 0's digit
+      const uint32_t floor_top = max(near >> kTop, kBelow) - kBelow;
+      RadixState so;
+      so.k_rem = j;
+      const radix::KthBin kb = radix_pass(0, so, [&](auto&& add) {
 #pragma unroll
-          for (int t = 0; t < kSampleVecs; ++t) {
-            if (t >= s_v) break;
+        for (int t = 0; t < kSampleVecs; ++t) {
+          if (t >= s_v) break;
 #pragma unroll
-            for (int c = 0; c < kVec; ++c) {
-              const uint32_t key = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c));
-              add(min(max(key, floor_key) - floor_key, kLast) << kShift, (sample_valid >> (t * kVec + c)) & 1u);
-            }
+          for (int c = 0; c < kVec; ++c) {
+            const uint32_t top = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)) >> kTop;
+            add(min(max(top, floor_top) - floor_top, kLast) << kShift, (sample_valid >> (t * kVec + c)) & 1u);
           }
-        });
-        if (kb.bin > 0u && kb.bin < kLast) {
-          tr.mark<1>();
-          return floor_key + kb.bin;
         }
+      });
+      if (kb.bin > 0u && kb.bin < kLast) {
+        tr.mark<1>();
+        return (floor_top + kb.bin) << kTop;
       }
     }
     RadixState st;
@@ -592,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     if (r < a.num_rows) load_row_range(a, r, ks_v, ke_v);
   };
   int ks_next = 0, ke_next = 0;
-  uint32_t near_kmin = 0;  // the last sampled row's kmin (bfloat16: where the next sample's search starts)
+  uint32_t near_kmin = 0;  // the last sampled row's kmin (where the next sample's search starts)
   // NOTES: the rows' survivor counters alternate, so that a row resets the previous row's counter after its
   // own mid-row barrier (every read of it done; the next write after this row's end barrier)
   uint32_t odd_row = 0;

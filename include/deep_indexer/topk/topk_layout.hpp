@@ -73,8 +73,8 @@ struct TopkLayout {
 
   // The sample's first-digit bin edge alone is threshold enough when the keys it keeps, about
   // n * count_ge / m (count_ge: sample keys in or above the bin), are at most half the buffer.
-  // bfloat16 sample: the one-pass search starts this many keys below the previous row's kmin (2047 bins of
-  // one key: about 8 binades either side).
+  // Threshold sample: the one-pass search starts this many values of the keys' top 16 bits below the previous
+  // row's kmin (2047 bins of one value: about 8 binades either side).
   static constexpr uint32_t kSampleFloorBelow = 1024;
   DI_HOST_DEVICE static constexpr bool coarse_sample_enough(uint32_t count_ge, int n, uint32_t m_keys) {
     return static_cast<uint64_t>(count_ge) * static_cast<uint32_t>(n) <= static_cast<uint64_t>(kCandCap / 2) * m_keys;
