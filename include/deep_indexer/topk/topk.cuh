@@ -159,8 +159,8 @@ struct TopkKernel {
   };
 
   // ---- 1. threshold (n > kSampleMinKeys): a strided sample of the row and a radix select of its
-  // j-th largest key (TopkLayout::sample_rank) over one or two digits: kmin. Every CTA of the cluster
-  // computes the same kmin (the same sample).
+  // j-th largest key (TopkLayout::sample_rank), from `near` in one pass or over one or two digits: kmin.
+  // Every CTA of the cluster computes the same kmin (the same sample, the same rows before).
   template <class RadixPass>
   __device__ __forceinline__ static uint32_t sample_threshold(const RowSpan<kElemBytes>& row, const int& n,
                                                               const int& num_vecs, const uint4* row_vec,
@@ -517,11 +517,11 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     hist_next = t;
   };
   uint32_t* warp_sums = reinterpret_cast<uint32_t*>(smem + L.scratch_offset());  // [kWarps]
-  // [0, 3): find_kth_bin; [kScalarCount + 3 * (row parity)]: survivors of the row (CTA 0's are the cluster's);
+  // [0, 3): find_kth_bin; [kScalarCount or kScalarCountOdd, by row parity]: survivors of the row (CTA 0's are the cluster's);
   // [kScalarTableRow]: a varlen row's block-table row (slot mode; written by warp 0 before the emission, read by
   // the stores); [kScalarSink]: the radix passes' sink for keys that do not count (never read)
   uint32_t* scalars = warp_sums + 2 * kWarps;
-  static_assert(TopkLayout::kScalarCount + 3 == TopkLayout::kScalarCountOdd, "the counters' stride");
+  constexpr uint32_t kCountStride = TopkLayout::kScalarCountOdd - TopkLayout::kScalarCount;  // words
   uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem + L.cand_key_offset());
   uint32_t* cand_col = reinterpret_cast<uint32_t*>(smem + L.cand_col_offset());
   // shared-window addresses
@@ -609,8 +609,8 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
-    uint32_t* count = scalars + TopkLayout::kScalarCount + 3 * odd_row;
-    const uint32_t count_s = count0_s + 12u * odd_row;
+    uint32_t* count = scalars + TopkLayout::kScalarCount + kCountStride * odd_row;
+    const uint32_t count_s = count0_s + 4u * kCountStride * odd_row;
 
     // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
     // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
@@ -717,7 +717,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     tr.mark<2>();
     row_sync();  // every survivor of the cluster is in CTA 0
     tr.mark<3>();
-    if (tid == 0) scalars[TopkLayout::kScalarCount + 3 * (odd_row ^ 1u)] = 0u;
+    if (tid == 0) scalars[TopkLayout::kScalarCount + kCountStride * (odd_row ^ 1u)] = 0u;
 
     if (rank() == 0) {
       // ---- 3. the selection's threshold

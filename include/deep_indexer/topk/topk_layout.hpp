@@ -71,11 +71,11 @@ struct TopkLayout {
     return j < cap ? j : cap;
   }
 
-  // The sample's first-digit bin edge alone is threshold enough when the keys it keeps, about
-  // n * count_ge / m (count_ge: sample keys in or above the bin), are at most half the buffer.
   // Threshold sample: the one-pass search starts this many values of the keys' top 16 bits below the previous
   // row's kmin (2047 bins of one value: about 8 binades either side).
   static constexpr uint32_t kSampleFloorBelow = 1024;
+  // The sample's first-digit bin edge alone is threshold enough when the keys it keeps, about
+  // n * count_ge / m (count_ge: sample keys in or above the bin), are at most half the buffer.
   DI_HOST_DEVICE static constexpr bool coarse_sample_enough(uint32_t count_ge, int n, uint32_t m_keys) {
     return static_cast<uint64_t>(count_ge) * static_cast<uint32_t>(n) <= static_cast<uint64_t>(kCandCap / 2) * m_keys;
   }
@@ -85,8 +85,8 @@ struct TopkLayout {
   DI_HOST_DEVICE constexpr unsigned hist_offset() const { return 0; }
   DI_HOST_DEVICE constexpr unsigned scratch_offset() const { return hist_offset() + 2 * kHistBins * 4; }
   static constexpr unsigned kScratchBytes = 2 * kMaxWarps * 4 + 16 * 4;  // warp sums (2 x warps) + row scalars
-  static constexpr int kScalarCount = 4;     // row scalar: the survivor counter of even rows (of odd rows: 7)
-  static constexpr int kScalarCountOdd = 7;
+  static constexpr int kScalarCount = 4;     // row scalar: the survivor counter of even rows
+  static constexpr int kScalarCountOdd = 7;  // row scalar: the survivor counter of odd rows
   static constexpr int kScalarTableRow = 5;  // row scalar: a varlen row's block-table row (slot mode)
   static constexpr int kScalarSink = 6;      // row scalar: where radix passes count the keys they skip
   DI_HOST_DEVICE constexpr unsigned cand_key_offset() const { return scratch_offset() + kScratchBytes; }
