@@ -144,6 +144,13 @@ struct TopkKernel {
   static_assert(L.digit_shift(0) + L.digit_bits(0) == 8 * kElemBytes, "digit 0 is the key's top bits");
   static constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
 
+  // One-pass searches above a known floor: value v >= floor is counted in bin v - floor (one value per bin;
+  // values kLastBin or more above the floor share the last bin), as radix_pass(0, ...)'s digit.
+  static constexpr uint32_t kLastBin = kBins - 1;
+  __device__ __forceinline__ static uint32_t offset_digit(uint32_t v, uint32_t floor) {
+    return min(v - floor, kLastBin) << L.digit_shift(0);
+  }
+
   // A radix select's state: the resolved bits `mask` of the k-th key (`prefix`), the keys above it
   // so far and the rank still wanted among the keys that match the prefix.
   struct RadixState {
@@ -189,8 +196,7 @@ struct TopkKernel {
     // (bfloat16: the key itself) unless they lie in bin 0 or the last bin, where the digits follow.
     if (near > 0u) {
       constexpr int kTop = 8 * kElemBytes - 16;  // the key's top 16 bits: key >> kTop
-      constexpr uint32_t kLast = kBins - 1, kBelow = TopkLayout::kSampleFloorBelow;
-      constexpr int kShift = L.digit_shift(0);  // the offset is counted as pass 0's digit
+      constexpr uint32_t kBelow = TopkLayout::kSampleFloorBelow;
       const uint32_t floor_top = max(near >> kTop, kBelow) - kBelow;
       RadixState so;
       so.k_rem = j;
@@ -201,11 +207,11 @@ struct TopkKernel {
 #pragma unroll
           for (int c = 0; c < kVec; ++c) {
             const uint32_t top = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)) >> kTop;
-            add(min(max(top, floor_top) - floor_top, kLast) << kShift, (sample_valid >> (t * kVec + c)) & 1u);
+            add(offset_digit(max(top, floor_top), floor_top), (sample_valid >> (t * kVec + c)) & 1u);
           }
         }
       });
-      if (kb.bin > 0u && kb.bin < kLast) {
+      if (kb.bin > 0u && kb.bin < kLastBin) {
         tr.mark<1>();
         return (floor_top + kb.bin) << kTop;
       }
@@ -302,19 +308,17 @@ struct TopkKernel {
         if (floor_key > 0u) {
           RadixState so;
           so.k_rem = static_cast<uint32_t>(k);
-          constexpr uint32_t kLast = kBins - 1;
-          constexpr int kShift = L.digit_shift(0);  // the offset is counted as pass 0's digit
           const radix::KthBin kb = radix_pass(0, so, [&](auto&& add) {
 #pragma unroll 2
             for (uint32_t i = tid; i < ns; i += kThreads) {
               const uint32_t key = radix::to_key<kElemBytes>(cand_key[i]);
               cand_key[i] = key;
               DI_TOPK_ASSERT(key >= floor_key);
-              add(min(key - floor_key, kLast) << kShift, true);
+              add(offset_digit(key, floor_key), true);
             }
           });
           converted = true;
-          if (kb.bin < kLast) {
+          if (kb.bin < kLastBin) {
             resolved = true;
             st.prefix = floor_key + kb.bin;
             st.mask = kFullKeyMask;
