@@ -1092,6 +1092,41 @@ def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("form,threads,keys,ctas", [("two", 512, 24, 1), ("two", 512, 16, 1), ("one", 1024, 8, 1),
+                                                    ("one", 1024, 16, 1), ("cluster", 256, 16, 3),
+                                                    ("cluster", 256, 8, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_resident_rows_ending_at_thread_and_warp_edges(monkeypatch, form, threads, keys, ctas, dtype):
+    # threads past a row's end hold no column and skip the per-key steps: rows ending exactly at, one key
+    # before and one key after a thread's, a warp's and a CTA's last key, rows of a single thread's keys
+    # and of none, in one launch, against the reference (ties and NaN rows too)
+    if form == "two" and dtype == torch.float32 and keys > 16:
+        pytest.skip("the two-per-SM form holds at most 16 float32 keys a thread")
+    if form == "two":
+        monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "2")
+    else:
+        monkeypatch.setenv("DI_TOPK_RESIDENT", "1")
+        monkeypatch.setenv("DI_TOPK_RESIDENT_THREADS", str(threads))
+    monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", str(keys))
+    per_cta = threads * keys
+    n_max = ctas * per_cta - 8
+    ends = set()
+    for edge in (keys, 5 * keys, 32 * keys, 3 * 32 * keys, per_cta, per_cta + 32 * keys, n_max):
+        ends.update(e for e in (edge - 1, edge, edge + 1) if 0 < e <= n_max)
+    ends = sorted(ends) + [0, 1]
+    m = len(ends)
+    gen = torch.Generator().manual_seed(threads + keys + ctas)
+    for kind in ("random", "ties", "nan"):
+        x = make_rows(kind, m, n_max, dtype, gen)
+        ke = torch.tensor(ends, dtype=torch.int32)
+        for k in (2048, 300, 7):
+            _check(x, k, None, ke, return_values=True)
+        ks = torch.full((m,), 3, dtype=torch.int32).minimum(ke)
+        _check(x, 1024, ks, ke, index_mode="absolute")
+
+
+@requires_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", [{"DI_TOPK_RESIDENT": "1", "DI_TOPK_RESIDENT_THREADS": "1024"},
                                   {"DI_TOPK_RESIDENT": "1", "DI_TOPK_RESIDENT_THREADS": "512"},
                                   {"DI_TOPK_RESIDENT_CTAS_PER_SM": "2"}, {"DI_TOPK_RESIDENT": "0"}])

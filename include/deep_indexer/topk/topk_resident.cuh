@@ -133,16 +133,36 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     const int n = row.n;
     if (!early) load_vecs(row.vec, row.num_vecs);
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
+    // NOTES: a thread holding no column of the row (whole warps past the end of a row shorter than the CTA's
+    // share) skips every per-key step: its keys are 0, counted nowhere (pass 0 neither adds nor takes them
+    // out) and never selected. A row's end is mostly a uniform branch per warp.
+    const bool has_keys = valid != 0u;
     uint32_t kw[kKeyWords];
 #pragma unroll
-    for (int u = 0; u < kVecs; ++u) {
-      if constexpr (kPacked) {  // a raw word holds keys 2j and 2j + 1 in its halves, as kw[j] does
-        const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+    for (int i = 0; i < kKeyWords; ++i) kw[i] = 0u;
+    if (has_keys) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) kw[u * 4 + c] = radix::bf16_key_pair(w[c]);
-      } else {
+      for (int u = 0; u < kVecs; ++u) {
+        if constexpr (kPacked) {  // a raw word holds keys 2j and 2j + 1 in its halves, as kw[j] does
+          const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) kw[u * kVec + c] = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
+          for (int c = 0; c < 4; ++c) kw[u * 4 + c] = radix::bf16_key_pair(w[c]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) kw[u * kVec + c] = radix::to_key<kElemBytes>(radix::raw_at<kElemBytes>(raw[u], c));
+        }
+      }
+      // NOTES: keys outside the row become 0 (NaN's key): radix pass 0 counts them in bin 0, which
+      // holds NaN alone, and takes them out again; later passes never match them (a chosen bin 0 ends
+      // the selection after pass 0) and the emission masks them by `valid`.
+      if (valid != kAllValid) {  // the thread holding the row's start or end
+#pragma unroll
+        for (int i = 0; i < kKeyWords; ++i) {
+          if constexpr (kPacked)
+            kw[i] &= ((valid >> (2 * i)) & 1u ? 0xFFFFu : 0u) | ((valid >> (2 * i + 1)) & 1u ? 0xFFFF0000u : 0u);
+          else
+            kw[i] = (valid >> i) & 1u ? kw[i] : 0u;
+        }
       }
     }
     // key i (every index is a compile-time constant after unrolling)
@@ -150,18 +170,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
       if constexpr (kPacked) return (i & 1) ? kw[i / 2] >> 16 : kw[i / 2] & 0xFFFFu;
       else return kw[i];
     };
-    // NOTES: keys outside the row become 0 (NaN's key): radix pass 0 counts them in bin 0, which
-    // holds NaN alone, and takes them out again; later passes never match them (a chosen bin 0 ends
-    // the selection after pass 0) and the emission masks them by `valid`.
-    if (valid != kAllValid) {  // the row's ends; threads past them hold no column
-#pragma unroll
-      for (int i = 0; i < kKeyWords; ++i) {
-        if constexpr (kPacked)
-          kw[i] &= ((valid >> (2 * i)) & 1u ? 0xFFFFu : 0u) | ((valid >> (2 * i + 1)) & 1u ? 0xFFFF0000u : 0u);
-        else
-          kw[i] = (valid >> i) & 1u ? kw[i] : 0u;
-      }
-    }
     tr.mark<0>(static_cast<int>(key(0)));
     // NOTES: one CTA per row without ks: the CTA's next row (columns from 0) is asked of L2 while this one is
     // selected, a line per thread, the one of its first vector (a thread's <= 8 vectors start in every line
@@ -190,9 +198,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         uint32_t* h = hist + pass * kHistStride;
         if (pass == 0) {
           static_assert(kDigits.digit_shift(0) + kDigits.digit_bits(0) == 8 * kElemBytes, "digit 0: the top bits");
+          if (has_keys) {
 #pragma unroll
-          for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + (key(i) >> shift), 1u);
-          if (valid != kAllValid) atomicSub(h, static_cast<uint32_t>(kKeysPerThread - __popc(valid)));
+            for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + (key(i) >> shift), 1u);
+            if (valid != kAllValid) atomicSub(h, static_cast<uint32_t>(kKeysPerThread - __popc(valid)));
+          }
         } else {
           // the few keys in the k-th key's bin so far; keys outside the row (0) never match: the bin of
           // pass 0 is not 0 here. The others count into the warp's word past the bins (no branch per key;
@@ -204,10 +214,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
             static_assert(kElemBytes != 4 || kDigits.digit_shift(1) >= 2, "a bin's byte offset from the key");
             const uint32_t sink_bytes = static_cast<uint32_t>(kBins + warp) * 4u;
             const uint32_t below = (1u << shift) - 1u;
+            if (has_keys) {
 #pragma unroll
-            for (int i = 0; i < kKeysPerThread; ++i) {
-              const uint32_t bytes = min(((key(i) ^ prefix) & ~below) >> (shift - 2), sink_bytes);
-              atomicAdd(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(h) + bytes), 1u);
+              for (int i = 0; i < kKeysPerThread; ++i) {
+                const uint32_t bytes = min(((key(i) ^ prefix) & ~below) >> (shift - 2), sink_bytes);
+                atomicAdd(reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(h) + bytes), 1u);
+              }
             }
           } else if constexpr (kPacked) {  // bfloat16 pass 1 (the last, one CTA per row): two keys per step
             // NOTES: the top 11 bits are resolved and the prefix's low 5 are 0: a key is in the bin exactly
@@ -217,17 +229,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
                           "bfloat16: 11 + 5 bits");
             static_assert(32 + kWarps <= kBins, "the sinks lie in the histogram");
             const uint32_t pair_prefix = prefix * 0x10001u, pair_sink = (32u + warp) * 0x10001u;
+            if (has_keys) {
 #pragma unroll
-            for (int j = 0; j < kKeyWords; ++j) {
-              const uint32_t d = __vminu2(kw[j] ^ pair_prefix, pair_sink);
-              atomicAdd(h + (d & 0xFFFFu), 1u);
-              atomicAdd(h + (d >> 16), 1u);
+              for (int j = 0; j < kKeyWords; ++j) {
+                const uint32_t d = __vminu2(kw[j] ^ pair_prefix, pair_sink);
+                atomicAdd(h + (d & 0xFFFFu), 1u);
+                atomicAdd(h + (d >> 16), 1u);
+              }
             }
           } else {
             uint32_t* const sink = h + kBins + warp;
+            if (has_keys) {
 #pragma unroll
-            for (int i = 0; i < kKeysPerThread; ++i)
-              atomicAdd((key(i) & mask) == prefix ? h + ((key(i) >> shift) & digit_mask) : sink, 1u);
+              for (int i = 0; i < kKeysPerThread; ++i)
+                atomicAdd((key(i) & mask) == prefix ? h + ((key(i) >> shift) & digit_mask) : sink, 1u);
+            }
           }
         }
         __syncthreads();  // the histogram is complete
@@ -366,43 +382,45 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
     // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
     uint32_t gt = 0, eq = 0;
-    if constexpr (kPacked) {  // two keys per compare (the halves of kw[j]: keys 2j and 2j + 1)
-      // bit i: key i >= bound (at_least) or <= bound (one VIMNMX.U16x2 per pair, its predicates)
-      auto compare_bits = [&](uint32_t bound, auto at_least) {
-        const uint32_t pair_bound = bound * 0x10001u;
-        uint32_t bits = 0;
+    if (has_keys) {
+      if constexpr (kPacked) {  // two keys per compare (the halves of kw[j]: keys 2j and 2j + 1)
+        // bit i: key i >= bound (at_least) or <= bound (one VIMNMX.U16x2 per pair, its predicates)
+        auto compare_bits = [&](uint32_t bound, auto at_least) {
+          const uint32_t pair_bound = bound * 0x10001u;
+          uint32_t bits = 0;
 #pragma unroll
-        for (int j = 0; j < kKeyWords; ++j) {
-          bool hi, lo;
-          if constexpr (decltype(at_least)::value) __vibmax_u16x2(kw[j], pair_bound, &hi, &lo);
-          else __vibmin_u16x2(kw[j], pair_bound, &hi, &lo);
-          bits |= (lo ? 1u : 0u) << (2 * j) | (hi ? 1u : 0u) << (2 * j + 1);
+          for (int j = 0; j < kKeyWords; ++j) {
+            bool hi, lo;
+            if constexpr (decltype(at_least)::value) __vibmax_u16x2(kw[j], pair_bound, &hi, &lo);
+            else __vibmin_u16x2(kw[j], pair_bound, &hi, &lo);
+            bits |= (lo ? 1u : 0u) << (2 * j) | (hi ? 1u : 0u) << (2 * j + 1);
+          }
+          return bits;
+        };
+        const uint32_t ge = compare_bits(prefix, std::true_type{}) & valid;
+        if (whole) {
+          gt = ge;
+        } else {
+          const uint32_t le = compare_bits(prefix | (~mask & kFullKeyMask), std::false_type{});
+          gt = ge & ~le;
+          eq = ge & le;
         }
-        return bits;
-      };
-      const uint32_t ge = compare_bits(prefix, std::true_type{}) & valid;
-      if (whole) {
-        gt = ge;
+      } else if (whole) {  // one compare per key (most rows)
+#pragma unroll
+        for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key(i) >= prefix) << i;
+        gt &= valid;
       } else {
-        const uint32_t le = compare_bits(prefix | (~mask & kFullKeyMask), std::false_type{});
-        gt = ge & ~le;
-        eq = ge & le;
-      }
-    } else if (whole) {  // one compare per key (most rows)
+        const uint32_t hi = prefix | (~mask & kFullKeyMask);
+        uint32_t ge = 0;
 #pragma unroll
-      for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key(i) >= prefix) << i;
-      gt &= valid;
-    } else {
-      const uint32_t hi = prefix | (~mask & kFullKeyMask);
-      uint32_t ge = 0;
-#pragma unroll
-      for (int i = 0; i < kKeysPerThread; ++i) {
-        ge |= static_cast<uint32_t>(key(i) >= prefix) << i;
-        gt |= static_cast<uint32_t>(key(i) > hi) << i;
+        for (int i = 0; i < kKeysPerThread; ++i) {
+          ge |= static_cast<uint32_t>(key(i) >= prefix) << i;
+          gt |= static_cast<uint32_t>(key(i) > hi) << i;
+        }
+        ge &= valid;
+        gt &= valid;
+        eq = ge & ~gt;
       }
-      ge &= valid;
-      gt &= valid;
-      eq = ge & ~gt;
     }
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
     if (slot_mode && a.indices != nullptr && warp == 0) {  // a varlen row's block-table row, read after the barrier
