@@ -135,8 +135,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
     // NOTES: a thread holding no column of the row (whole warps past the end of a row shorter than the CTA's
     // share) skips every per-key step: its keys are 0, counted nowhere (pass 0 neither adds nor takes them
-    // out) and never selected. A row's end is mostly a uniform branch per warp.
-    const bool has_keys = valid != 0u;
+    // out) and never selected. A row's end is mostly a uniform branch per warp. Not in the 1024-thread
+    // cluster form: it sits at its 64-register cap, and the branches cost it a spill.
+    constexpr bool kSkipPadding = !(kCluster && kThreads == TopkResidentLayout::kMaxThreads);
+    const bool has_keys = !kSkipPadding || valid != 0u;
     uint32_t kw[kKeyWords];
 #pragma unroll
     for (int i = 0; i < kKeyWords; ++i) kw[i] = 0u;
