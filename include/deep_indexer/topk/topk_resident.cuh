@@ -139,9 +139,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     // cluster form: it sits at its 64-register cap, and the branches cost it a spill.
     constexpr bool kSkipPadding = !(kCluster && kThreads == TopkResidentLayout::kMaxThreads);
     const bool has_keys = !kSkipPadding || valid != 0u;
-    uint32_t kw[kKeyWords];
-#pragma unroll
-    for (int i = 0; i < kKeyWords; ++i) kw[i] = 0u;
+    uint32_t kw[kKeyWords] = {};
     if (has_keys) {
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) {
