@@ -664,18 +664,17 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       // buffer of a cluster) it walks its survivors.
       if (!kCluster && end <= static_cast<uint32_t>(kCap)) {
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
-        const uint32_t ka = cand_key_s + 4u * slot, ca = cand_col_s + 4u * slot;
-        uint32_t o = 0;
+        uint32_t ka = cand_key_s + 4u * slot;
+        const uint32_t kc = cand_col_s - cand_key_s;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
           for (int c = 0; c < kVec; ++c) {
-            const uint32_t bit = (bits >> (u * kVec + c)) & 1u;
-            if (bit) {
-              ptx::st_shared_u32(ka + 4u * o, raw_at<kElemBytes>(buf[u], c));
-              ptx::st_shared_u32(ca + 4u * o, static_cast<uint32_t>(col0 + u * 32 * kVec + c));
+            if (bits & (1u << (u * kVec + c))) {
+              ptx::st_shared_u32(ka, raw_at<kElemBytes>(buf[u], c));
+              ptx::st_shared_u32(ka + kc, static_cast<uint32_t>(col0 + u * 32 * kVec + c));
+              ka += 4u;
             }
-            o += bit;
           }
         }
       } else {
