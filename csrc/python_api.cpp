@@ -124,7 +124,7 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       r = TopkResidentRuntime::precompile(p, arch);
     } else if (op == "topk") {
       TopkRuntime::Params p{param(params, "elem_bytes"), param(params, "sorted") != 0, param(params, "cluster") != 0,
-                            param(params, "wide") != 0};
+                            param(params, "wide") != 0, params.contains("packed") && params["packed"].cast<int>() != 0};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkRuntime::precompile(p, arch);

@@ -111,6 +111,8 @@ def variants(
             for dt, srt, cl, wide in itertools.product(dtypes, (0, 1), (0, 1), (0, 1)):
                 if not (srt and cl):  # the cluster form is unsorted only
                     add(op, elem_bytes=_ELEM_BYTES[dt], sorted=srt, cluster=cl, wide=wide)
+                if _ELEM_BYTES[dt] == 2 and not cl:  # bfloat16 rows of at most TopkLayout::kPackedMaxCols columns
+                    add(op, elem_bytes=2, sorted=srt, cluster=0, wide=wide, packed=1)
             # the resident form (unsorted): the forms its heuristic takes (heuristics_sm90.hpp), whole
             # 16-byte vectors per thread up to the register budget (TopkResidentLayout::max_keys_per_thread)
             for dt, (cl, threads, per_sm, most4, most2) in itertools.product(dtypes, _TOPK_RESIDENT_FORMS):

@@ -1032,6 +1032,43 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
     _check(x.bfloat16(), 512, ks, ke, sorted=sorted_)
 
 
+PACKED_KINDS = ("random", "ties", "low_contrast", "small_bins", "neginf", "few")
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", ["0", "1"])
+@pytest.mark.parametrize("wide", ["0", "1"])
+@pytest.mark.parametrize("sorted_", [False, True])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
+def test_topk_packed_survivors(monkeypatch, capfd, packed, wide, sorted_, kind):
+    # bfloat16 survivors kept in one word (key, position from the row's first 16-byte vector) up to 65529
+    # columns, two words above that or with DI_TOPK_PACKED=0. A row stride of 65535 misaligns the rows'
+    # starts (row 1 by 7 elements: its last column sits at position 65535, the largest that fits); rows
+    # kept whole (< 4096 keys), sampled, and falling back to the whole-row select (ties, few: more
+    # survivors than the buffer, some stored by the per-survivor walk).
+    monkeypatch.setenv("DI_TOPK_PACKED", packed)
+    monkeypatch.setenv("DI_TOPK_WIDE", wide)
+    monkeypatch.setenv("DI_TOPK_RESIDENT", "0")
+    monkeypatch.setenv("DI_TOPK_CLUSTER", "1")  # (a few long rows would take clusters, which keep two words)
+    monkeypatch.setenv("DI_JIT_DEBUG", "1")
+    case = PACKED_KINDS.index(kind) * 8 + int(packed) * 4 + int(wide) * 2 + sorted_
+    gen = torch.Generator().manual_seed(case)
+    m = 7 + case  # a launch line of its own for each case (DI_JIT_DEBUG prints a line once per process)
+    for n in (65529, 65530):
+        x = make_rows(kind, m, 65535, torch.bfloat16, gen)[:, :n]
+        x[1, -8:] = 100.0  # the last positions of row 1 are selected
+        ks = torch.tensor([0, 0, 3, 60000, 0, 100, 9] + [5] * (m - 7), dtype=torch.int32)
+        ke = torch.tensor([n, n, n - 1, n, 5000, 3100, n] + [n] * (m - 7), dtype=torch.int32)
+        capfd.readouterr()
+        _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
+        _check(x, 512, ks, ke, sorted=sorted_)
+        lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk rows={m} cols={n} elem_bytes=2" in ln]
+        assert lines, "no launch line for the shape"
+        want = packed == "1" and n == 65529
+        assert all(ln.endswith(", packed") == want for ln in lines), lines
+
+
 def _check_resident_rows(kind, m, n_max, dtype, gen):
     """m rows of up to n_max keys (misaligned starts, the longest row whole, an empty one, one of fewer
     than k keys) through k = 2048 absolute with offsets and values, k = 333, and k = 1024 slots."""

@@ -220,6 +220,7 @@ def _topk(k=256, **forced):
 def topk_buffered():
     _topk(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0)
     _topk(k=100, DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0)
+    _topk(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0, DI_TOPK_PACKED=0)  # bfloat16 survivors in two words
 
 
 @case
@@ -246,7 +247,9 @@ def topk_sorted():
     import deep_indexer as di
 
     x = torch.randn(3, 5000, device="cuda")
-    di.topk_indices(x, 512, None, torch.tensor([5000, 10, 4000], dtype=torch.int32, device="cuda"), sorted=True)
+    ke = torch.tensor([5000, 10, 4000], dtype=torch.int32, device="cuda")
+    di.topk_indices(x, 512, None, ke, sorted=True)
+    di.topk_indices(x.bfloat16(), 512, None, ke, sorted=True)
 
 
 @case

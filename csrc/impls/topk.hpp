@@ -28,9 +28,11 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
     bool sorted;
     bool cluster;    // the form launched with clusters of 2-8 CTAs per row
     bool wide;       // TopkLayout::kWideThreads threads per block (one CTA per SM), else kNumThreads
+    bool packed = false;  // one word per survivor (bfloat16, one CTA per row, TopkLayout::kPackedMaxCols)
     TopkLayout layout() const {
       DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk: elem_bytes must be 4 or 2, got {}", elem_bytes);
       DI_CHECK_ARG(!(sorted && cluster), "topk: the cluster form is unsorted only");
+      DI_CHECK_ARG(!packed || (elem_bytes == 2 && !cluster), "topk: packed survivors need bfloat16 and no cluster");
       return TopkLayout{elem_bytes, sorted};
     }
   };
@@ -38,17 +40,18 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   static const char* kernel_name() { return "topk"; }
   static const char* header() { return "deep_indexer/topk/topk.cuh"; }
   static std::string name(const Params& p) {
-    return fmt::format("topk<{}, {}{}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
-                       p.sorted ? "sorted" : "unsorted", p.cluster ? ", cluster" : "", p.wide ? ", wide" : "");
+    return fmt::format("topk<{}, {}{}{}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
+                       p.sorted ? "sorted" : "unsorted", p.cluster ? ", cluster" : "", p.wide ? ", wide" : "",
+                       p.packed ? ", packed" : "");
   }
   static std::string instantiation(const Params& p) {
-    return fmt::format("&deep_indexer::topk_kernel<{}, {}, {}, {}>", p.elem_bytes, p.sorted ? "true" : "false",
-                       p.cluster ? "true" : "false", threads(p));
+    return fmt::format("&deep_indexer::topk_kernel<{}, {}, {}, {}, {}>", p.elem_bytes, p.sorted ? "true" : "false",
+                       p.cluster ? "true" : "false", threads(p), p.packed ? "true" : "false");
   }
   static unsigned smem_bytes(const Params& p) { return p.layout().smem_bytes(); }
   static int threads(const Params& p) { return p.wide ? TopkLayout::kWideThreads : TopkLayout::kNumThreads; }
 
-  // `p.cluster` and `p.wide` are chosen here (from the launch heuristic).
+  // `p.cluster`, `p.wide` and `p.packed` are chosen here (from the launch heuristic).
   static void launch(Params p, const TopkArgs& args, const jit::DeviceInfo& dev, int num_sms, int device,
                      CUstream stream) {
     if (args.num_rows == 0 || args.k == 0) return;
@@ -59,6 +62,7 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
     const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, num_sms);
     p.cluster = t.cluster > 1;
     p.wide = t.threads == static_cast<unsigned>(TopkLayout::kWideThreads);
+    p.packed = t.packed;
     jit::launch(function(p, device, stream), topk_launch_config(t.grid, t.threads, t.smem, t.cluster), stream, args);
   }
 };

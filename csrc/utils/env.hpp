@@ -53,6 +53,7 @@ constexpr const char* kPagedKvStages = "DI_PAGED_KV_STAGES";    // KV ring depth
 // ---- tuning / test: top-k
 constexpr const char* kTopkCluster = "DI_TOPK_CLUSTER";    // 1, 2, 4, 8: CTAs per row of the buffered kernel (unsorted)
 constexpr const char* kTopkWide = "DI_TOPK_WIDE";          // 0 / 1: buffered kernel's narrow / wide CTAs
+constexpr const char* kTopkPacked = "DI_TOPK_PACKED";      // 0: buffered kernel's two-word survivors where one fits
 constexpr const char* kTopkResident = "DI_TOPK_RESIDENT";  // 0 / 1: resident kernel never / wherever it fits
 constexpr const char* kTopkResidentKeys = "DI_TOPK_RESIDENT_KEYS";        // resident keys per thread
 constexpr const char* kTopkResidentThreads = "DI_TOPK_RESIDENT_THREADS";  // 256, 512, 1024: resident threads per CTA

@@ -9,7 +9,8 @@
 //    floor first, set by the CTA's previous kmin. Shorter rows keep every key (kmin = 0). Every CTA
 //    of the cluster computes the same kmin from the same sample.
 // 2. Filter: one read of the row (each CTA its contiguous share); the keys >= kmin go to CTA 0's
-//    buffer as (key, column) pairs (warp-aggregated slots; counted even when the buffer is full).
+//    buffer as (key, column) pairs (warp-aggregated slots; counted even when the buffer is full), one
+//    word per pair where it fits (kPacked: bfloat16, TopkLayout::kPackedMaxCols, one CTA per row).
 // 3. CTA 0: if fewer than k keys or more than the buffer survived, a radix select over the whole
 //    row (re-reads) finds a threshold whose survivors fit, and the filter runs again (rare: skewed
 //    or low-contrast rows). A radix select over the buffer then gives the k-th key (prefix/mask),
@@ -121,9 +122,10 @@ __device__ __forceinline__ uint32_t ge_bits(const uint4 (&buf)[2], float bound) 
 // NOTES: the helpers the phases share (radix_pass, the filter, clear_words, store) stay lambdas of the
 // kernel, passed by reference: turned into functions, they are inlined at another point of the
 // optimizer's pipeline and the generated code changes.
-template <int kElemBytes, bool kSorted, bool kCluster, int kThreads>
+template <int kElemBytes, bool kSorted, bool kCluster, int kThreads, bool kPacked>
 struct TopkKernel {
   static constexpr TopkLayout L{kElemBytes, kSorted};
+  static_assert(!kPacked || (kElemBytes == 2 && !kCluster), "packed survivors: bfloat16, one CTA per row");
   static_assert(kThreads == TopkLayout::kNumThreads || kThreads == TopkLayout::kWideThreads, "block size");
   static constexpr int kWarps = kThreads / 32;
   static_assert(kWarps <= TopkLayout::kMaxWarps, "warp sums fit the scratch");
@@ -143,6 +145,20 @@ struct TopkKernel {
   static_assert(L.digit_shift(kPasses - 1) == 0 && L.digit_bits(0) <= 11, "digit schedule");
   static_assert(L.digit_shift(0) + L.digit_bits(0) == 8 * kElemBytes, "digit 0 is the key's top bits");
   static constexpr uint32_t kFullKeyMask = kElemBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
+
+  // Survivor i of the buffer: its key (raw bits until the selection converts them in place) and its column
+  // (from the row's lo). kPacked: one word (TopkLayout::kPackedMaxCols), else cand_key[i] and cand_col[i].
+  __device__ __forceinline__ static uint32_t key_at(const uint32_t* cand_key, uint32_t i) {
+    return kPacked ? cand_key[i] >> 16 : cand_key[i];
+  }
+  __device__ __forceinline__ static void set_key(uint32_t* cand_key, uint32_t i, uint32_t key) {
+    if constexpr (kPacked) cand_key[i] = (key << 16) | (cand_key[i] & 0xFFFFu);
+    else cand_key[i] = key;
+  }
+  __device__ __forceinline__ static uint32_t col_at(const uint32_t* cand_key, const uint32_t* cand_col, uint32_t i,
+                                                    int mis) {
+    return kPacked ? (cand_key[i] & 0xFFFFu) - static_cast<uint32_t>(mis) : cand_col[i];
+  }
 
   // One-pass searches above a known floor: value v >= floor is counted in bin v - floor (one value per bin;
   // values kLastBin or more above the floor share the last bin), as radix_pass(0, ...)'s digit.
@@ -311,8 +327,8 @@ struct TopkKernel {
           const radix::KthBin kb = radix_pass(0, so, [&](auto&& add) {
 #pragma unroll 2
             for (uint32_t i = tid; i < ns; i += kThreads) {
-              const uint32_t key = radix::to_key<kElemBytes>(cand_key[i]);
-              cand_key[i] = key;
+              const uint32_t key = radix::to_key<kElemBytes>(key_at(cand_key, i));
+              set_key(cand_key, i, key);
               DI_TOPK_ASSERT(key >= floor_key);
               add(offset_digit(key, floor_key), true);
             }
@@ -333,8 +349,11 @@ struct TopkKernel {
         const radix::KthBin kb = radix_pass(pass, st, [&](auto&& add) {
 #pragma unroll 2
           for (uint32_t i = tid; i < ns; i += kThreads) {
-            uint32_t key = cand_key[i];
-            if (pass == 0 && !converted) cand_key[i] = key = radix::to_key<kElemBytes>(key);
+            uint32_t key = key_at(cand_key, i);
+            if (pass == 0 && !converted) {
+              key = radix::to_key<kElemBytes>(key);
+              set_key(cand_key, i, key);
+            }
             add(key, true);
           }
         });
@@ -345,7 +364,7 @@ struct TopkKernel {
       greater = st.greater;
       take_eq = st.k_rem;
     } else {
-      for (uint32_t i = tid; i < ns; i += kThreads) cand_key[i] = radix::to_key<kElemBytes>(cand_key[i]);
+      for (uint32_t i = tid; i < ns; i += kThreads) set_key(cand_key, i, radix::to_key<kElemBytes>(key_at(cand_key, i)));
       __syncthreads();
     }
     tr.mark<4>();
@@ -389,9 +408,9 @@ struct TopkKernel {
         __syncthreads();
       }
       for (uint32_t i = tid; i < ns; i += kThreads) {
-        const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+        const uint32_t j = col_at(cand_key, cand_col, i, mis) - static_cast<uint32_t>(w0);
         if (j < wn) {
-          const uint32_t mk = cand_key[i] & mask;
+          const uint32_t mk = key_at(cand_key, i) & mask;
           if (mk > prefix || (mk == prefix && whole)) atomicOr(plane_gt + (j >> 5), 1u << (j & 31));
           else if (mk == prefix) atomicOr(plane_eq + (j >> 5), 1u << (j & 31));
         }
@@ -445,9 +464,9 @@ struct TopkKernel {
       }
       __syncthreads();
       for (uint32_t i = tid; i < ns; i += kThreads) {
-        const uint32_t j = cand_col[i] - static_cast<uint32_t>(w0);
+        const uint32_t j = col_at(cand_key, cand_col, i, mis) - static_cast<uint32_t>(w0);
         if (j < wn) {
-          const uint32_t key = cand_key[i], mk = key & mask;
+          const uint32_t key = key_at(cand_key, i), mk = key & mask;
           const bool is_gt = mk > prefix || (mk == prefix && whole);
           if (is_gt || mk == prefix) {
             const uint32_t word = j >> 5, lower = (1u << (j & 31)) - 1u, wp = word_prefix[word];
@@ -494,13 +513,14 @@ struct TopkKernel {
 
 // kCluster: launched with clusters of 2-8 CTAs per row (else one CTA per row, no DSMEM code);
 // unsorted output only. kThreads: TopkLayout::kNumThreads (two CTAs per SM) or kWideThreads (one CTA
-// per SM, for launches of at most one CTA per SM: each row's loops take half the steps).
-template <int kElemBytes, bool kSorted, bool kCluster, int kThreads>
+// per SM, for launches of at most one CTA per SM: each row's loops take half the steps). kPacked: one word
+// per survivor (TopkKernel::key_at / col_at).
+template <int kElemBytes, bool kSorted, bool kCluster, int kThreads, bool kPacked>
 __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) topk_kernel(const TopkArgs a) {
   static_assert(!(kSorted && kCluster), "sorted output runs one CTA per row");
   namespace cg = cooperative_groups;
   using namespace topk_detail;
-  using K = TopkKernel<kElemBytes, kSorted, kCluster, kThreads>;
+  using K = TopkKernel<kElemBytes, kSorted, kCluster, kThreads, kPacked>;
   constexpr TopkLayout L = K::L;
   constexpr int kWarps = K::kWarps;
   constexpr int kVec = K::kVec;
@@ -666,13 +686,22 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         uint32_t ka = cand_key_s + 4u * slot;
         const uint32_t kc = cand_col_s - cand_key_s;
+        // packed: the positions of elements (0, 1) of the lane's first vector in the halves of one word;
+        // a pair's word is merged with the logits word holding the pair by one byte permute
+        const uint32_t pos_pair = static_cast<uint32_t>((base + lane) * kVec) * 0x10001u + 0x10000u;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
           for (int c = 0; c < kVec; ++c) {
             if (bits & (1u << (u * kVec + c))) {
-              ptx::st_shared_u32(ka, raw_at<kElemBytes>(buf[u], c));
-              ptx::st_shared_u32(ka + kc, static_cast<uint32_t>(col0 + u * 32 * kVec + c));
+              if constexpr (kPacked) {
+                const uint32_t w = c / 2 == 0 ? buf[u].x : c / 2 == 1 ? buf[u].y : c / 2 == 2 ? buf[u].z : buf[u].w;
+                ptx::st_shared_u32(ka, __byte_perm(w, pos_pair, (c & 1) ? 0x3276u : 0x1054u) +
+                                           static_cast<uint32_t>(u * 32 * kVec + (c & ~1)));
+              } else {
+                ptx::st_shared_u32(ka, raw_at<kElemBytes>(buf[u], c));
+                ptx::st_shared_u32(ka + kc, static_cast<uint32_t>(col0 + u * 32 * kVec + c));
+              }
               ka += 4u;
             }
           }
@@ -682,8 +711,13 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
           const int b = __ffs(bits) - 1;
           bits &= bits - 1u;
           if (slot < static_cast<uint32_t>(kCap)) {
-            dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
-            dst_col[slot] = static_cast<uint32_t>(col0 + (b / kVec) * 32 * kVec + b % kVec);
+            const uint32_t col = static_cast<uint32_t>(col0 + (b / kVec) * 32 * kVec + b % kVec);
+            if constexpr (kPacked) {
+              dst_key[slot] = (raw_of_pair<kElemBytes>(buf[0], buf[1], b) << 16) | (col + static_cast<uint32_t>(mis));
+            } else {
+              dst_key[slot] = raw_of_pair<kElemBytes>(buf[0], buf[1], b);
+              dst_col[slot] = col;
+            }
           }
           ++slot;
         }

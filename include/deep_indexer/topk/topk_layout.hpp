@@ -18,6 +18,13 @@ struct TopkLayout {
   static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
   // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
   static constexpr int kCandCap = 8192;
+  // NOTES: bfloat16 rows of at most kPackedMaxCols columns keep a survivor in one word: its raw bits (its key
+  // once converted) in the high half, its position from the row's first 16-byte vector (column + the start's
+  // misalignment, at most 7) in the low half, which fits 16 bits.
+  static constexpr int kPackedMaxCols = 65536 - (kVecBytes / 2 - 1);
+  DI_HOST_DEVICE static constexpr bool packed_fits(int elem_bytes, int64_t num_cols) {
+    return elem_bytes == 2 && num_cols <= kPackedMaxCols;
+  }
   // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
   // buffer). n > kNumThreads * 8 gives every sample slot a vector of its own.
   static constexpr int kSampleMinKeys = kNumThreads * 8;
