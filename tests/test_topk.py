@@ -1069,6 +1069,34 @@ def test_topk_packed_survivors(monkeypatch, capfd, packed, wide, sorted_, kind):
         assert all(ln.endswith(", packed") == want for ln in lines), lines
 
 
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("sorted_", [False, True])
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_topk_packed_aligned_rows(monkeypatch, capfd, sorted_, kind):
+    # rows that all start 16-byte aligned (no cu_seq_len_k_start, aligned row stride) keep one word per
+    # survivor up to 65536 columns (the last column at position 65535); a start or a misaligned row stride
+    # at 65536 columns, or 65537 columns, keeps two words
+    monkeypatch.setenv("DI_TOPK_RESIDENT", "0")
+    monkeypatch.setenv("DI_TOPK_CLUSTER", "1")
+    monkeypatch.setenv("DI_JIT_DEBUG", "1")
+    gen = torch.Generator().manual_seed(77 + 2 * sorted_ + (kind == "ties"))
+    base = 60 + 8 * (2 * (kind == "ties") + sorted_)  # a launch line of its own for each case
+    for i, (n, width, with_ks, want) in enumerate(((65536, 65536, False, True), (65536, 65536, True, False),
+                                                   (65536, 65537, False, False), (65537, 65544, False, False))):
+        m = base + i
+        x = make_rows(kind, m, width, torch.bfloat16, gen)[:, :n]
+        x[0, -8:] = 100.0  # the last positions of row 0 are selected
+        ke = torch.tensor([n, n - 1, 40000, 5] + [n - 3] * (m - 4), dtype=torch.int32)
+        ks = torch.zeros(m, dtype=torch.int32) if with_ks else None
+        capfd.readouterr()
+        _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
+        _check(x, 512, ks, ke, sorted=sorted_)
+        lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk rows={m} cols={n} elem_bytes=2" in ln]
+        assert lines, "no launch line for the shape"
+        assert all(ln.endswith(", packed") == want for ln in lines), (n, width, with_ks, lines)
+
+
 def _check_resident_rows(kind, m, n_max, dtype, gen):
     """m rows of up to n_max keys (misaligned starts, the longest row whole, an empty one, one of fewer
     than k keys) through k = 2048 absolute with offsets and values, k = 333, and k = 1024 slots."""

@@ -166,7 +166,8 @@ struct TopkLaunch {
   unsigned grid, cluster, smem, threads;
   bool packed;  // one word per survivor (TopkLayout::packed_fits, one CTA per row)
 };
-inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, int num_sms) {
+// starts_aligned: every row starts on a 16-byte boundary (no cu_seq_len_k_start, aligned base and row stride).
+inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, bool starts_aligned, int num_sms) {
   const int64_t sms = std::max(1, num_sms);
   const int64_t step_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * TopkLayout::kFilterVecs * l.vec();
   int cluster = 1;
@@ -185,7 +186,8 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, i
   const int64_t slots = sms * TopkLayout::ctas_per_sm(static_cast<int>(t.threads));
   const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, slots / cluster));
   t.grid = static_cast<unsigned>(clusters * cluster);
-  t.packed = cluster == 1 && TopkLayout::packed_fits(l.elem_bytes, cols) && env::get_int(env::kTopkPacked, 1) != 0;
+  t.packed = cluster == 1 && TopkLayout::packed_fits(l.elem_bytes, cols, starts_aligned) &&
+             env::get_int(env::kTopkPacked, 1) != 0;
   print_choice([&] {
     return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, {} threads, smem {} B{}", rows,
                        cols, l.elem_bytes, l.sorted, t.grid, cluster, t.threads, t.smem, t.packed ? ", packed" : "");

@@ -52,14 +52,14 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   static int threads(const Params& p) { return p.wide ? TopkLayout::kWideThreads : TopkLayout::kNumThreads; }
 
   // `p.cluster`, `p.wide` and `p.packed` are chosen here (from the launch heuristic).
-  static void launch(Params p, const TopkArgs& args, const jit::DeviceInfo& dev, int num_sms, int device,
-                     CUstream stream) {
+  static void launch(Params p, const TopkArgs& args, bool starts_aligned, const jit::DeviceInfo& dev, int num_sms,
+                     int device, CUstream stream) {
     if (args.num_rows == 0 || args.k == 0) return;
     const TopkLayout l = p.layout();
     DI_CHECK_ARG(l.smem_bytes() <= static_cast<unsigned>(dev.max_smem_per_block_optin),
                  "topk: needs {} B of shared memory per block, the device allows {}", l.smem_bytes(),
                  dev.max_smem_per_block_optin);
-    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, num_sms);
+    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, starts_aligned, num_sms);
     p.cluster = t.cluster > 1;
     p.wide = t.threads == static_cast<unsigned>(TopkLayout::kWideThreads);
     p.packed = t.packed;
@@ -150,7 +150,7 @@ inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const 
         args, device, stream);
     return;
   }
-  TopkRuntime::launch({elem_bytes, sorted, false}, args, dev, num_sms, device, stream);
+  TopkRuntime::launch({elem_bytes, sorted, false}, args, starts_aligned, dev, num_sms, device, stream);
 }
 
 }  // namespace deep_indexer
