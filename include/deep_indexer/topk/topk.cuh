@@ -686,8 +686,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         uint32_t ka = cand_key_s + 4u * slot;
         const uint32_t kc = cand_col_s - cand_key_s;
-        // packed: the positions of elements (0, 1) of the lane's first vector in the halves of one word;
-        // a pair's word is merged with the logits word holding the pair by one byte permute
+        // packed: pos_pair holds the positions of elements 0 and 1 of the lane's first vector in its halves; a
+        // survivor's word is a byte permute of the logits word holding it with pos_pair (its bits high, the
+        // position of element 0 or 1 low) plus its offset from there (no carry: positions < 65536)
         const uint32_t pos_pair = static_cast<uint32_t>((base + lane) * kVec) * 0x10001u + 0x10000u;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
