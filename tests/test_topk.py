@@ -1035,6 +1035,18 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
 PACKED_KINDS = ("random", "ties", "low_contrast", "small_bins", "neginf", "few")
 
 
+def _check_packed_form(capfd, x, ks, ke, sorted_, want):
+    """Both calls of a packed-survivor case against the reference, then the launch line: one word (", packed")
+    exactly when `want`. DI_JIT_DEBUG prints a line once per process: each case needs rows of its own count."""
+    m, n = x.shape
+    capfd.readouterr()
+    _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
+    _check(x, 512, ks, ke, sorted=sorted_)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk rows={m} cols={n} elem_bytes=2" in ln]
+    assert lines, "no launch line for the shape"
+    assert all(ln.endswith(", packed") == want for ln in lines), (n, lines)
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", ["0", "1"])
@@ -1054,19 +1066,13 @@ def test_topk_packed_survivors(monkeypatch, capfd, packed, wide, sorted_, kind):
     monkeypatch.setenv("DI_JIT_DEBUG", "1")
     case = PACKED_KINDS.index(kind) * 8 + int(packed) * 4 + int(wide) * 2 + sorted_
     gen = torch.Generator().manual_seed(case)
-    m = 7 + case  # a launch line of its own for each case (DI_JIT_DEBUG prints a line once per process)
+    m = 7 + case  # a launch line of its own for each case
     for n in (65529, 65530):
         x = make_rows(kind, m, 65535, torch.bfloat16, gen)[:, :n]
         x[1, -8:] = 100.0  # the last positions of row 1 are selected
         ks = torch.tensor([0, 0, 3, 60000, 0, 100, 9] + [5] * (m - 7), dtype=torch.int32)
         ke = torch.tensor([n, n, n - 1, n, 5000, 3100, n] + [n] * (m - 7), dtype=torch.int32)
-        capfd.readouterr()
-        _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
-        _check(x, 512, ks, ke, sorted=sorted_)
-        lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk rows={m} cols={n} elem_bytes=2" in ln]
-        assert lines, "no launch line for the shape"
-        want = packed == "1" and n == 65529
-        assert all(ln.endswith(", packed") == want for ln in lines), lines
+        _check_packed_form(capfd, x, ks, ke, sorted_, want=packed == "1" and n == 65529)
 
 
 @requires_sm90
@@ -1089,12 +1095,7 @@ def test_topk_packed_aligned_rows(monkeypatch, capfd, sorted_, kind):
         x[0, -8:] = 100.0  # the last positions of row 0 are selected
         ke = torch.tensor([n, n - 1, 40000, 5] + [n - 3] * (m - 4), dtype=torch.int32)
         ks = torch.zeros(m, dtype=torch.int32) if with_ks else None
-        capfd.readouterr()
-        _check(x, 2048, ks, ke, sorted=sorted_, index_mode="absolute", return_values=True)
-        _check(x, 512, ks, ke, sorted=sorted_)
-        lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk rows={m} cols={n} elem_bytes=2" in ln]
-        assert lines, "no launch line for the shape"
-        assert all(ln.endswith(", packed") == want for ln in lines), (n, width, with_ks, lines)
+        _check_packed_form(capfd, x, ks, ke, sorted_, want)
 
 
 def _check_resident_rows(kind, m, n_max, dtype, gen):
