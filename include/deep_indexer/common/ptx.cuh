@@ -51,13 +51,27 @@ DI_DEVICE void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 
-// atomicAdd(addr, v) on a 32-bit shared word (shared-window address), for lane 0 alone. NOTES: the
-// PTX address is addr + 4 * %laneid (= addr in lane 0): ptxas cannot prove it warp-uniform, so it
-// does not wrap the atomic in a warp aggregation (vote, scan, shuffles: ~20 instructions per call).
-DI_DEVICE uint32_t atom_add_shared_lane0(uint32_t addr, uint32_t v) {
+// a + b, kept where it is written (volatile: not sunk into the predicated blocks that use it).
+DI_DEVICE uint32_t add_u32(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm volatile("add.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// The shared-window address of a word that only lane 0 updates, in the form atom_add_shared_lane0 takes:
+// addr + 4 * %laneid (= addr in lane 0). NOTES: ptxas cannot prove it warp-uniform, so it does not wrap the
+// atomic in a warp aggregation (vote, scan, shuffles: ~20 instructions per call); computed once and held, it
+// is not rebuilt at every call.
+DI_DEVICE uint32_t lane0_shared_addr(uint32_t addr) {
+  uint32_t a;
+  asm volatile("{\n.reg .u32 l;\nmov.u32 l, %%laneid;\nmad.lo.u32 %0, l, 4, %1;\n}" : "=r"(a) : "r"(addr));
+  return a;
+}
+
+// atomicAdd on a 32-bit shared word, for lane 0 alone; `addr_lane` from lane0_shared_addr.
+DI_DEVICE uint32_t atom_add_shared_lane0(uint32_t addr_lane, uint32_t v) {
   uint32_t old;
-  asm volatile("{\n.reg .u32 l, a;\nmov.u32 l, %%laneid;\nmad.lo.u32 a, l, 4, %1;\n"
-               "atom.shared.add.u32 %0, [a], %2;\n}" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+  asm volatile("atom.shared.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr_lane), "r"(v) : "memory");
   return old;
 }
 

@@ -128,31 +128,45 @@ struct KthBin {
 // holds kNumThreads / 32 words; `result` 3 words. Starts (unless kSyncFirst is false: the caller
 // synchronised since the counts were written) and ends with __syncthreads(); every thread returns
 // the same answer.
+// NOTES: each warp finds from the warps' totals which warp holds the k-th key's bin; only that warp
+// scans its lanes' counts.
 template <int kNumThreads, int kBins, bool kSyncFirst = true, typename BinCount>
 __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, uint32_t* warp_sums,
                                                uint32_t* result) {
   static_assert(kBins % kNumThreads == 0, "whole bins per thread");
   constexpr int kPer = kBins / kNumThreads;
   constexpr int kWarps = kNumThreads / 32;
+  static_assert(kWarps <= 32, "one warp total per lane");
   if constexpr (kSyncFirst) __syncthreads();
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   uint32_t c[kPer], own = 0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) own += (c[i] = bin_count(t * kPer + i));
-  const uint32_t incl = warp_suffix_sum(own);
-  if (lane == 0) warp_sums[warp] = incl;
+  const uint32_t warp_total = __reduce_add_sync(kFullMask, own);
+  if (lane == 0) warp_sums[warp] = warp_total;
   __syncthreads();
-  uint32_t above = incl - own + sum_of_warps_above<kWarps>(warp_sums);
-  if (above < k && k <= above + own) {  // one thread: the k-th key's bin is one of its own
+  // lane l: the keys in warps >= l (lanes >= kWarps hold none, so log2(kWarps) steps cover them)
+  uint32_t from_warp = lane < kWarps ? warp_sums[lane] : 0u;
+  const uint32_t warp_total_l = from_warp;
 #pragma unroll
-    for (int i = kPer - 1; i >= 0; --i) {
-      if (k <= above + c[i]) {
-        result[0] = t * kPer + i;
-        result[1] = above;
-        result[2] = c[i];
-        break;
+  for (int off = 1; off < kWarps; off <<= 1) from_warp = add_shifted<true>(from_warp, off);
+  // those sums fall with the lane: the warp holding the k-th key is the last lane whose sum reaches k
+  const int holder = 31 - __clz(__ballot_sync(kFullMask, from_warp >= k));
+  if (warp == holder) {
+    uint32_t above = __shfl_sync(kFullMask, from_warp - warp_total_l, holder);  // keys in warps above
+    const uint32_t incl = warp_suffix_sum(own);
+    above += incl - own;
+    if (above < k && k <= above + own) {  // one thread: the k-th key's bin is one of its own
+#pragma unroll
+      for (int i = kPer - 1; i >= 0; --i) {
+        if (k <= above + c[i]) {
+          result[0] = t * kPer + i;
+          result[1] = above;
+          result[2] = c[i];
+          break;
+        }
+        above += c[i];
       }
-      above += c[i];
     }
   }
   __syncthreads();

@@ -220,10 +220,23 @@ struct TopkKernel {
 #pragma unroll
         for (int t = 0; t < kSampleVecs; ++t) {
           if (t >= s_v) break;
+          if constexpr (kElemBytes == 2) {
+            // NOTES: two keys per word: each half is raised to the floor, so the subtraction borrows
+            // across no half, and each half's bin is min(key - floor, kLastBin), as offset_digit's
+            const uint32_t floor2 = floor_top * 0x10001u, last2 = kLastBin * 0x10001u;
+            const uint32_t wd[4] = {sample[t].x, sample[t].y, sample[t].z, sample[t].w};
 #pragma unroll
-          for (int c = 0; c < kVec; ++c) {
-            const uint32_t top = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)) >> kTop;
-            add(offset_digit(max(top, floor_top), floor_top), (sample_valid >> (t * kVec + c)) & 1u);
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t d = __vminu2(__vmaxu2(radix::bf16_key_pair(wd[i]), floor2) - floor2, last2);
+              add((d & 0xFFFFu) << L.digit_shift(0), (sample_valid >> (t * kVec + 2 * i)) & 1u);
+              add((d >> 16) << L.digit_shift(0), (sample_valid >> (t * kVec + 2 * i + 1)) & 1u);
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              const uint32_t top = radix::to_key<kElemBytes>(raw_at<kElemBytes>(sample[t], c)) >> kTop;
+              add(offset_digit(max(top, floor_top), floor_top), (sample_valid >> (t * kVec + c)) & 1u);
+            }
           }
         }
       });
@@ -634,7 +647,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);
     uint32_t* count = scalars + TopkLayout::kScalarCount + kCountStride * odd_row;
-    const uint32_t count_s = count0_s + 4u * kCountStride * odd_row;
+    const uint32_t count_lane_s = ptx::lane0_shared_addr(count0_s + 4u * kCountStride * odd_row);  // the row's counter
 
     // The filter over vectors [vb0, vb1): `prefetch` issues its first step's loads (before the
     // threshold is known), `filter` appends the raw bits and columns of the keys >= kmin (kmin = 0:
@@ -673,7 +686,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       uint32_t end = 0;
       if (lane == 0) {
         if constexpr (kCluster) end = atomicAdd(dst_count, suffix) + suffix;
-        else end = ptx::atom_add_shared_lane0(count_s, suffix) + suffix;
+        else end = ptx::atom_add_shared_lane0(count_lane_s, suffix) + suffix;
         DI_TOPK_ASSERT(kCluster || dst_count == count);  // one CTA: the filter's counter is `count`
       }
       end = __shfl_sync(radix::kFullMask, end, 0);
@@ -686,19 +699,23 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
         DI_TOPK_ASSERT(dst_key == cand_key && dst_col == cand_col);  // the CTA's own buffer
         uint32_t ka = cand_key_s + 4u * slot;
         const uint32_t kc = cand_col_s - cand_key_s;
-        // packed: pos_pair holds the positions of elements 0 and 1 of the lane's first vector in its halves; a
-        // survivor's word is a byte permute of the logits word holding it with pos_pair (its bits high, the
-        // position of element 0 or 1 low) plus its offset from there (no carry: positions < 65536)
+        // packed: pos_pair holds the positions of elements 0 and 1 of the lane's first vector in its halves, pos_w
+        // those of the word's two elements (pos_pair plus the word's offset, added once per word ahead of the
+        // predicated stores; no carry: positions < 65536); a survivor's word is a byte permute of the logits word
+        // holding it with pos_w (its bits high, its position low)
         const uint32_t pos_pair = static_cast<uint32_t>((base + lane) * kVec) * 0x10001u + 0x10000u;
+        uint32_t pos_w = 0;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
           for (int c = 0; c < kVec; ++c) {
+            if constexpr (kPacked) {
+              if (c % 2 == 0) pos_w = ptx::add_u32(pos_pair, static_cast<uint32_t>(u * 32 * kVec + c) * 0x10001u);
+            }
             if (bits & (1u << (u * kVec + c))) {
               if constexpr (kPacked) {
                 const uint32_t w = c / 2 == 0 ? buf[u].x : c / 2 == 1 ? buf[u].y : c / 2 == 2 ? buf[u].z : buf[u].w;
-                ptx::st_shared_u32(ka, __byte_perm(w, pos_pair, (c & 1) ? 0x3276u : 0x1054u) +
-                                           static_cast<uint32_t>(u * 32 * kVec + (c & ~1)));
+                ptx::st_shared_u32(ka, __byte_perm(w, pos_w, (c & 1) ? 0x3276u : 0x1054u));
               } else {
                 ptx::st_shared_u32(ka, raw_at<kElemBytes>(buf[u], c));
                 ptx::st_shared_u32(ka + kc, static_cast<uint32_t>(col0 + u * 32 * kVec + c));
