@@ -96,16 +96,9 @@ __device__ __forceinline__ uint32_t warp_prefix_sum(uint32_t v) {
   return v;
 }
 
-// Sum of `v` over the warps above this one (w > warp), once every warp's lane 0 has written its
-// total to warp_sums[w] and the block has synchronised: one load and a shuffle scan, no loop.
-template <int kWarps>
-__device__ __forceinline__ uint32_t sum_of_warps_above(const uint32_t* warp_sums) {
-  static_assert(kWarps <= 32, "one warp sum per lane");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t suffix = warp_suffix_sum(lane < kWarps ? warp_sums[lane] : 0u);  // lanes >= l
-  return warp + 1 < 32 ? __shfl_sync(kFullMask, suffix, (warp + 1) & 31) : 0u;
-}
-// Likewise over the warps below this one (w < warp); `total` gets every warp's sum.
+// Sum of `v` over the warps below this one (w < warp), once every warp's lane 0 (or any one lane) has
+// written its total to warp_sums[w] and the block has synchronised; `total` gets every warp's sum. One
+// load and a shuffle scan, no loop.
 template <int kWarps>
 __device__ __forceinline__ uint32_t sum_of_warps_below(const uint32_t* warp_sums, uint32_t& total) {
   static_assert(kWarps <= 32, "one warp sum per lane");

@@ -657,25 +657,32 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     constexpr uint32_t kVecMask = (1u << kVec) - 1u;
     static_assert(kUnroll == 2, "raw_of_pair and ge_bits read a step of two vectors");
     uint4 buf_a[kUnroll], buf_b[kUnroll];
+    // NOTES: inside the filter's loop vb1 >= 1 (a step began below it), so a lane past vb1 loads vector vb1 - 1
+    // of the row instead (no predicate, no fill; its pass bits are zero); `prefetch` may see an empty range.
     auto load_step = [&](uint4 (&buf)[kUnroll], int base, int vb1) {
 #pragma unroll
+      for (int u = 0; u < kUnroll; ++u) buf[u] = __ldg(row_vec + min(base + u * 32 + lane, vb1 - 1));
+    };
+    auto prefetch = [&](int vb0, int vb1) {
+#pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int v = base + u * 32 + lane;
-        buf[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
+        const int v = vb0 + warp * 32 * kUnroll + u * 32 + lane;
+        buf_a[u] = v < vb1 ? __ldg(row_vec + v) : make_uint4(0u, 0u, 0u, 0u);
       }
     };
-    auto prefetch = [&](int vb0, int vb1) { load_step(buf_a, vb0 + warp * 32 * kUnroll, vb1); };
     auto filter_step = [&](const uint4 (&buf)[kUnroll], int base, int vb1, bool all, float bound,
                            uint32_t* dst_count, uint32_t* dst_key, uint32_t* dst_col) {
       // warp-uniform: every vector of the step is in [vb0, vb1) and a whole interior vector of the row
       const bool interior = base > 0 && base + 32 * kUnroll <= vb1 && base + 32 * kUnroll < num_vecs;
-      uint32_t bits = 0;
+      uint32_t bits = (1u << (kUnroll * kVec)) - 1u;
+      if (!interior) {
+        bits = 0;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = base + u * 32 + lane;
-        uint32_t pass = kVecMask;
-        if (!interior) pass = v >= vb1 ? 0u : v > 0 && v < num_vecs - 1 ? kVecMask : row.valid_bits(v);
-        bits |= pass << (u * kVec);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = base + u * 32 + lane;
+          const uint32_t pass = v >= vb1 ? 0u : v > 0 && v < num_vecs - 1 ? kVecMask : row.valid_bits(v);
+          bits |= pass << (u * kVec);
+        }
       }
       if (!all) bits &= ge_bits<kElemBytes>(buf, bound);
       if (!__any_sync(radix::kFullMask, bits != 0u)) return;
