@@ -36,6 +36,8 @@ int param(const py::dict& p, const char* key) {
   DI_CHECK_ARG(p.contains(key), "precompile: missing parameter '{}'", key);
   return p[key].cast<int>();
 }
+// An optional parameter: `fallback` when absent.
+int param_or(const py::dict& p, const char* key, int fallback) { return p.contains(key) ? p[key].cast<int>() : fallback; }
 
 // The ops precompile_variant compiles, in the order deep_indexer.jit enumerates them.
 constexpr const char* kPrecompileOps[] = {
@@ -103,9 +105,9 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       PagedMqaLogitsRuntime::Params p{param(params, "next_n"),   param(params, "num_heads"),
                                       param(params, "head_dim"), param(params, "block_kv"),
                                       param(params, "elem_bytes"), param(params, "context_lens_2d") != 0,
-                                      params.contains("varlen") && params["varlen"].cast<int>() != 0,
-                                      params.contains("q_fp4") && params["q_fp4"].cast<int>() != 0,
-                                      params.contains("kv_fp4") && params["kv_fp4"].cast<int>() != 0};
+                                      param_or(params, "varlen", 0) != 0,
+                                      param_or(params, "q_fp4", 0) != 0,
+                                      param_or(params, "kv_fp4", 0) != 0};
       DI_CHECK_ARG(!p.varlen || p.next_n == 1, "precompile: paged_mqa_logits varlen needs next_n = 1");
       p.layout();  // validates
       py::gil_scoped_release release;
@@ -115,16 +117,16 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       DI_CHECK_ARG(p.next_n >= 1 && p.next_n <= kMaxPagedNextN, "precompile: next_n must be in 1..{}", kMaxPagedNextN);
       py::gil_scoped_release release;
       r = PagedMqaMetadataRuntime::precompile(p, arch);
-    } else if (op == "topk" && params.contains("resident") && params["resident"].cast<int>() != 0) {
+    } else if (op == "topk" && param_or(params, "resident", 0) != 0) {
       TopkResidentRuntime::Params p{param(params, "elem_bytes"), param(params, "keys_per_thread"),
                                     param(params, "cluster") != 0, param(params, "threads"),
-                                    params.contains("ctas_per_sm") ? params["ctas_per_sm"].cast<int>() : 1};
+                                    param_or(params, "ctas_per_sm", 1)};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkResidentRuntime::precompile(p, arch);
     } else if (op == "topk") {
       TopkRuntime::Params p{param(params, "elem_bytes"), param(params, "sorted") != 0, param(params, "cluster") != 0,
-                            param(params, "wide") != 0, params.contains("packed") && params["packed"].cast<int>() != 0};
+                            param(params, "wide") != 0, param_or(params, "packed", 0) != 0};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TopkRuntime::precompile(p, arch);
@@ -140,20 +142,20 @@ py::dict precompile_variant(const std::string& op, const py::dict& params, const
       r = TrainingLogitsStatsRuntime::precompile(p, arch);
     } else if (op == "training_target") {
       TrainingTargetRuntime::Params p{param(params, "head_dim"), param(params, "cluster"),
-                                      params.contains("lse") && params["lse"].cast<int>() != 0};
+                                      param_or(params, "lse", 0) != 0};
       p.layout();  // validates
       py::gil_scoped_release release;
       r = TrainingTargetRuntime::precompile(p, arch);
     } else if (op == "training_indexer_dk") {
       TrainingIndexerDkRuntime::Params p{param(params, "head_dim"), param(params, "loss") != 0,
-                                         params.contains("mask") && params["mask"].cast<int>() != 0};
+                                         param_or(params, "mask", 0) != 0};
       training_indexer_bwd_layout(p.head_dim);  // validates
       py::gil_scoped_release release;
       r = TrainingIndexerDkRuntime::precompile(p, arch);
     } else if (op == "training_indexer_dq") {
       TrainingIndexerDqRuntime::Params p{param(params, "head_dim"),
-                                         params.contains("masked") && params["masked"].cast<int>() != 0,
-                                         params.contains("bf16_out") && params["bf16_out"].cast<int>() != 0};
+                                         param_or(params, "masked", 0) != 0,
+                                         param_or(params, "bf16_out", 0) != 0};
       training_indexer_bwd_layout(p.head_dim);  // validates
       py::gil_scoped_release release;
       r = TrainingIndexerDqRuntime::precompile(p, arch);

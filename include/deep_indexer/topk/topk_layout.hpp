@@ -22,9 +22,10 @@ struct TopkLayout {
   // once converted) in the high half, its position from the row's first 16-byte vector (column + the start's
   // misalignment, at most 7) in the low half, which fits 16 bits; rows that all start 16-byte aligned (no
   // misalignment) fit up to 65536 columns.
-  static constexpr int kPackedMaxCols = 65536 - (kVecBytes / 2 - 1);
+  static constexpr int kPackedPositions = 65536;  // positions a 16-bit half holds
+  static constexpr int kPackedMaxCols = kPackedPositions - (kVecBytes / 2 - 1);
   DI_HOST_DEVICE static constexpr bool packed_fits(int elem_bytes, int64_t num_cols, bool starts_aligned) {
-    return elem_bytes == 2 && num_cols <= (starts_aligned ? 65536 : kPackedMaxCols);
+    return elem_bytes == 2 && num_cols <= (starts_aligned ? kPackedPositions : kPackedMaxCols);
   }
   // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
   // buffer). n > kNumThreads * 8 gives every sample slot a vector of its own.
