@@ -117,8 +117,6 @@ def variants(
             # 16-byte vectors per thread up to the register budget (TopkResidentLayout::max_keys_per_thread)
             for dt, (cl, threads, per_sm, most4, most2) in itertools.product(dtypes, _TOPK_RESIDENT_FORMS):
                 vec = 16 // _ELEM_BYTES[dt]
-                if per_sm == 2 and dt == "float32":
-                    continue  # the two-CTA form is the default for bfloat16 rows only (float32: forced, compiled on use)
                 two = {"ctas_per_sm": 2} if per_sm == 2 else {}  # (one CTA per SM: as before)
                 for kpt in range(vec, (most4 if _ELEM_BYTES[dt] == 4 else most2) + 1, vec):
                     add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads,

@@ -1140,12 +1140,13 @@ def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.bfloat16, "8"),
+@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.float32, "24"), (torch.bfloat16, "8"),
                                         (torch.bfloat16, "16"), (torch.bfloat16, "24"), (torch.bfloat16, "32")])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
 @pytest.mark.parametrize("m", [3, 300])
 def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):
-    # the resident form with two 512-thread CTAs per SM (bfloat16 keys packed two per register): rows
+    # the resident form with two 512-thread CTAs per SM (bfloat16 keys packed two per register; float32 up
+    # to its register budget of 24 keys a thread): rows
     # up to one CTA's keys, more rows than two per SM (grid-stride), misaligned starts, empty rows, rows
     # of fewer than k keys, every index mode
     monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "2")
@@ -1166,8 +1167,6 @@ def test_topk_resident_rows_ending_at_thread_and_warp_edges(monkeypatch, form, t
     # threads past a row's end hold no column and skip the per-key steps: rows ending exactly at, one key
     # before and one key after a thread's, a warp's and a CTA's last key, rows of a single thread's keys
     # and of none, in one launch, against the reference (ties and NaN rows too)
-    if form == "two" and dtype == torch.float32 and keys > 16:
-        pytest.skip("the two-per-SM form holds at most 16 float32 keys a thread")
     if form == "two":
         monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "2")
     else:

@@ -198,10 +198,12 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
 // Resident top-k (topk_resident.cuh), unsorted output: CTAs of 256, 512 or 1024 threads (one per SM) hold
 // whole rows in registers, keys_per_thread each (whole 16-byte vectors, up to the register budget
 // TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
-// - Two 512-thread CTAs per SM, one row each (bfloat16 keys two per register, up to 16K keys a row), for
-//   bfloat16 rows when there are at most two per SM: both rows' chains of dependent steps run at once
-//   instead of one after the other (DeepSeek-V4 decode rows: 256 x ~8K), and with fewer rows than SMs
-//   half the warps of one 1024-thread CTA take each block-wide step (64 x ~8K: 9.7 -> 9.0 us, H200).
+// - Two 512-thread CTAs per SM, one row each (bfloat16 keys two per register, up to 16K keys a row; float32
+//   up to 12K), when there are at most two rows per SM: both rows' chains of dependent steps run at once
+//   instead of one after the other (DeepSeek-V4 decode rows: 256 x ~8K; float32 K-V4F 14.5 -> 13.0 us,
+//   K-D5 15.9 -> 15.1, H200), and for bfloat16 with fewer rows than SMs half the warps of one 1024-thread
+//   CTA take each block-wide step (64 x ~8K: 9.7 -> 9.0 us, H200; float32 rows there stay on one CTA
+//   of 1024 threads, which was faster: 9.5 vs 10.0 us).
 // - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it. Also
 //   for more rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of more than
 //   4K keys where k >= 1024; not for k = 512 (the buffered kernel's filter keeps few keys there and wins).
@@ -251,7 +253,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   int kpt = 0, threads = 0;
   // two CTAs per SM (512 threads, one row each)
   constexpr int kMostKeys = TopkResidentLayout::kMaxKeysPerThread;
-  const bool two_default = per_sm == 0 && forced != 1 && elem_bytes == 2 && rows <= 2 * sms;
+  const bool two_default = per_sm == 0 && forced != 1 && rows <= 2 * sms && (elem_bytes == 2 || rows > sms);
   if (per_sm == 2 || two_default)
     for (int c = vec; c <= kMostKeys; c += vec)
       if (kpt == 0 && fits(c, 512, false, 2) && ctas(c, 512) == 1) kpt = c, threads = 512, t.ctas_per_sm = 2;

@@ -117,7 +117,8 @@ struct KthBin {
 
 // Block-wide: the bin b of [0, kBins) with above(b) < k <= above(b) + count(b), where above(b)
 // = sum of count over bins > b and count(b) is `bin_count(b)` (e.g. a shared-memory histogram,
-// or the sum of a cluster's histograms). Requires 1 <= k <= the sum of all counts. `warp_sums`
+// or the sum of a cluster's histograms; read twice for the bins of the thread holding the k-th key's bin,
+// the same both times). Requires 1 <= k <= the sum of all counts. `warp_sums`
 // holds kNumThreads / 32 words; `result` 3 words. Starts (unless kSyncFirst is false: the caller
 // synchronised since the counts were written) and ends with __syncthreads(); every thread returns
 // the same answer.
@@ -132,9 +133,9 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
   static_assert(kWarps <= 32, "one warp total per lane");
   if constexpr (kSyncFirst) __syncthreads();
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  uint32_t c[kPer], own = 0;
+  uint32_t own = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) own += (c[i] = bin_count(t * kPer + i));
+  for (int i = 0; i < kPer; ++i) own += bin_count(t * kPer + i);
   const uint32_t warp_total = __reduce_add_sync(kFullMask, own);
   if (lane == 0) warp_sums[warp] = warp_total;
   __syncthreads();
@@ -152,13 +153,14 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
     if (above < k && k <= above + own) {  // one thread: the k-th key's bin is one of its own
 #pragma unroll
       for (int i = kPer - 1; i >= 0; --i) {
-        if (k <= above + c[i]) {
+        const uint32_t c = bin_count(t * kPer + i);  // read again: no registers held over the scans
+        if (k <= above + c) {
           result[0] = t * kPer + i;
           result[1] = above;
-          result[2] = c[i];
+          result[2] = c;
           break;
         }
-        above += c[i];
+        above += c;
       }
     }
   }

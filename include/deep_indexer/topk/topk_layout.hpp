@@ -126,14 +126,16 @@ struct TopkResidentLayout {
   static constexpr int kScalarLowerAbove = 5;
   static constexpr int kScalarLowerEqual = 6;
   // Register budget (65536 / (threads * ctas_per_sm) registers per thread): the keys a thread may hold, as
-  // measured without spills (1024 threads: 16 keys alone, 8 with the cluster exchange's state). Two CTAs
-  // per SM halve it; bfloat16 keys packed() two per register double it. At most kMaxKeysPerThread (a bit
-  // per key in a word; 31 unpacked).
+  // measured without spills at 64 registers (1024 threads or two 512-thread CTAs per SM): 16 words of packed
+  // bfloat16 keys; float32 keys 24 at 512 threads, 20 at 1024 (more warps' state); 8 keys with the cluster
+  // exchange's state. Fewer threads per SM raise it in proportion. At most kMaxKeysPerThread (a bit per key
+  // in a word; 31 unpacked).
   static constexpr int kMaxKeysPerThread = 32;
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
                                                           int ctas_per_sm = 1) {
     const bool two_keys_a_word = TopkResidentLayout{elem_bytes, 0, threads, ctas_per_sm, cluster}.packed();
-    const int budget = (cluster ? 8 : 16) * kMaxThreads / threads / ctas_per_sm * (two_keys_a_word ? 2 : 1);
+    const int at_64_registers = cluster ? 8 : two_keys_a_word ? 2 * 16 : threads == kMaxThreads ? 20 : 24;
+    const int budget = at_64_registers * kMaxThreads / threads / ctas_per_sm;
     const int most = two_keys_a_word ? kMaxKeysPerThread : kMaxKeysPerThread - 1;
     return budget < most ? budget : most;
   }

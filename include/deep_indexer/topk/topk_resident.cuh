@@ -95,23 +95,27 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   }
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
-  // the first `passes` histograms (words past the bins included) to zero, in unrolled predicated steps
-  auto clear_hists = [&](int passes) {
-    constexpr int kClearSteps = (kPasses * kHistStride / 4 + kThreads - 1) / kThreads;
+  // histogram `pass` (words past the bins included) to zero, in unrolled predicated steps
+  // NOTES: a row's pass p + 1 histogram is cleared after pass p's counts (the barrier that completes them
+  // orders the clears too, and the previous row's reads of it ended with a barrier); pass 0's at the row's
+  // end: no register for the passes a row ran
+  auto clear_hist = [&](int pass) {
+    constexpr int kClearSteps = (kHistStride / 4 + kThreads - 1) / kThreads;
 #pragma unroll
     for (int j = 0; j < kClearSteps; ++j) {
       const int i = tid + j * kThreads;
-      if (i < passes * (kHistStride / 4)) reinterpret_cast<uint4*>(hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (i < kHistStride / 4) reinterpret_cast<uint4*>(hist + pass * kHistStride)[i] = make_uint4(0u, 0u, 0u, 0u);
     }
   };
-  clear_hists(kPasses);
+  clear_hist(0);
   __syncthreads();
   // PDL: every global read and write after the previous kernel (the shared-memory set-up above overlaps
   // its tail)
   ptx::grid_dependency_wait();
   tr.mark<7>();
 
-  const int num_clusters = static_cast<int>(gridDim.x) / num_ctas;
+  // NOTES: a special register (re-read where used; no division, no register held over a row)
+  const int num_clusters = kCluster ? static_cast<int>(__clusterGridDimInClusters().x) : static_cast<int>(gridDim.x);
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
@@ -180,21 +184,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
       if (v0 < next.num_vecs) ptx::prefetch_l2(next.vec + v0);
     }
 
-    // ---- 1. selection: the resolved bits `mask` of the k-th key (`prefix`); `take_eq` keys equal
-    // to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
-    uint32_t prefix = 0, mask = 0, take_eq = 0;
+    // ---- 1. selection: the k-th key's resolved bits (`prefix`: the digits of the passes run); `take_eq`
+    // keys equal to it are taken; `whole`: every key matching the prefix is taken (also when n <= k: all are)
+    uint32_t prefix = 0, take_eq = 0;
     // cluster, warp 0: this lane's share of the lower CTAs' keys above the k-th key's bin, and in it
     uint32_t low_above = 0, low_equal = 0;
     bool whole = true;
-    int passes = 0;  // histograms used (cleared at the row's end)
     if (n > a.k) {
       uint32_t k_rem = static_cast<uint32_t>(a.k);
       whole = false;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
-        if (whole || mask == kFullKeyMask) break;  // uniform over the cluster: every CTA found the same bin
+        // NOTES: bin 0 of pass 0 holds NaN keys alone, all 0 (radix::float_key / bf16_key): a prefix of 0
+        // after it is resolved (its keys are all equal), and the later passes would count the keys outside
+        // the row (0) in it. Uniform over the cluster: every CTA found the same bin.
+        if (whole || (pass > 0 && prefix == 0u)) break;
         const int shift = kDigits.digit_shift(pass);
         const uint32_t digit_mask = (1u << kDigits.digit_bits(pass)) - 1u;
+        // the bits the earlier passes resolved (read from pass 1 on)
+        const uint32_t mask = pass == 0 ? 0u : kFullKeyMask & ~((1u << kDigits.digit_shift(pass - 1)) - 1u);
         uint32_t* h = hist + pass * kHistStride;
         if (pass == 0) {
           static_assert(kDigits.digit_shift(0) + kDigits.digit_bits(0) == 8 * kElemBytes, "digit 0: the top bits");
@@ -237,6 +245,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
                 atomicAdd(h + (d >> 16), 1u);
               }
             }
+          } else if constexpr (kElemBytes == 4 && !kCluster) {  // float32 pass 2 (the last), one CTA per row
+            // NOTES: the top 22 bits are resolved and the prefix's low 10 are 0: a key is in the bin exactly when
+            // key ^ prefix < 1024, and that is its digit; the others count into bins 1024 and up (one min per
+            // key, with the warp's word past the bins; fewer live values than a select of two addresses), which
+            // the search reads as 0
+            static_assert(kDigits.digit_shift(2) == 0 && kDigits.digit_bits(2) == 10 && kPasses == 3,
+                          "float32: 11 + 11 + 10 bits");
+            const uint32_t sink_bin = static_cast<uint32_t>(kBins + warp);
+            if (has_keys) {
+#pragma unroll
+              for (int i = 0; i < kKeysPerThread; ++i) atomicAdd(h + min(key(i) ^ prefix, sink_bin), 1u);
+            }
           } else {
             uint32_t* const sink = h + kBins + warp;
             if (has_keys) {
@@ -246,24 +266,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
             }
           }
         }
+        if (pass + 1 < kPasses) clear_hist(pass + 1);
         __syncthreads();  // the histogram is complete
-        uint32_t own[kBinsPerThread];  // this thread's bins [kBinsPerThread * tid, kBinsPerThread * (tid + 1))
-        if constexpr (kBinsPerThread == 2) {
-          const uint2 w = reinterpret_cast<const uint2*>(h)[tid];
-          own[0] = w.x;
-          own[1] = w.y;
-        } else {
-#pragma unroll
-          for (int j = 0; j < kBinsPerThread / 4; ++j) {
-            const uint4 w = reinterpret_cast<const uint4*>(h)[tid * (kBinsPerThread / 4) + j];
-            own[4 * j] = w.x;
-            own[4 * j + 1] = w.y;
-            own[4 * j + 2] = w.z;
-            own[4 * j + 3] = w.w;
-          }
-        }
         radix::KthBin kb;
         if constexpr (kCluster) {
+          uint32_t own[kBinsPerThread];  // this thread's bins [kBinsPerThread * tid, kBinsPerThread * (tid + 1))
+          if constexpr (kBinsPerThread == 2) {
+            const uint2 w = reinterpret_cast<const uint2*>(h)[tid];
+            own[0] = w.x;
+            own[1] = w.y;
+          } else {
+#pragma unroll
+            for (int j = 0; j < kBinsPerThread / 4; ++j) {
+              const uint4 w = reinterpret_cast<const uint4*>(h)[tid * (kBinsPerThread / 4) + j];
+              own[4 * j] = w.x;
+              own[4 * j + 1] = w.y;
+              own[4 * j + 2] = w.z;
+              own[4 * j + 3] = w.w;
+            }
+          }
           // NOTES: two levels, pushed: the kLanesPerGroup consecutive lanes that hold a group of 64 bins sum
           // it, and lane i of them sends the total to CTA i; warp 0 of each CTA finds the k_rem-th key's
           // group g, sends its own 64 bins of g to every CTA and finds the bin in their sums. Every CTA
@@ -353,16 +374,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         } else if (kPacked && pass == 1) {  // 32 bins: warp 0 alone
           kb = radix::find_kth_bin_warp0<false>([&](int b) { return h[b]; }, k_rem, scalars);
         } else {
-          kb = radix::find_kth_bin<kThreads, kBins, false>([&](int b) { return own[b % kBinsPerThread]; }, k_rem,
-                                                           warp_sums, scalars);
+          // float32 pass 2 (one CTA): its 10-bit digit's bins alone (keys outside the bin may lie in the others)
+          const bool ten_bits = kElemBytes == 4 && pass == 2;
+          kb = radix::find_kth_bin<kThreads, kBins, false>(
+              [&](int b) { return ten_bits && b >= (1 << kDigits.digit_bits(2)) ? 0u : h[b]; }, k_rem, warp_sums, scalars);
         }
         prefix |= kb.bin << shift;
-        mask |= digit_mask << shift;
         k_rem -= kb.above;
         whole = k_rem == kb.count;
-        // NOTES: bin 0 of pass 0 holds NaN keys alone, all 0 (radix::float_key / bf16_key): resolved
-        if (pass == 0 && kb.bin == 0) mask = kFullKeyMask;
-        passes = pass + 1;
         if (pass == 0) tr.mark<1>();
         if (pass == 1) tr.mark<2>();
       }
@@ -380,7 +399,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     tr.mark<4>();
 
     // ---- 2. emission: bit i of gt / eq: key i is above the k-th key (taken) / equal to it. The
-    // bin's keys lie in [prefix, hi]; with `whole` they are all taken.
+    // bin's keys lie in [prefix, hi]; with `whole` they are all taken. Without it, either every pass ran
+    // (the last digit ends at bit 0: hi = prefix) or pass 0 chose bin 0, whose keys are all 0 (NaN).
+    static_assert(kDigits.digit_shift(kPasses - 1) == 0, "the last digit: the key's lowest bits");
+    const uint32_t hi = prefix != 0u ? prefix : (1u << kDigits.digit_shift(0)) - 1u;
     uint32_t gt = 0, eq = 0;
     if (has_keys) {
       if constexpr (kPacked) {  // two keys per compare (the halves of kw[j]: keys 2j and 2j + 1)
@@ -401,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         if (whole) {
           gt = ge;
         } else {
-          const uint32_t le = compare_bits(prefix | (~mask & kFullKeyMask), std::false_type{});
+          const uint32_t le = compare_bits(hi, std::false_type{});
           gt = ge & ~le;
           eq = ge & le;
         }
@@ -410,7 +432,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         for (int i = 0; i < kKeysPerThread; ++i) gt |= static_cast<uint32_t>(key(i) >= prefix) << i;
         gt &= valid;
       } else {
-        const uint32_t hi = prefix | (~mask & kFullKeyMask);
         uint32_t ge = 0;
 #pragma unroll
         for (int i = 0; i < kKeysPerThread; ++i) {
@@ -477,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
-    clear_hists(passes);
+    clear_hist(0);
     __syncthreads();  // the clears, warp sums and scalars before the next row
     tr.mark<6>();
   }
