@@ -199,11 +199,12 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
 // whole rows in registers, keys_per_thread each (whole 16-byte vectors, up to the register budget
 // TopkResidentLayout::max_keys_per_thread); C = the row's vectors over a CTA's.
 // - Two 512-thread CTAs per SM, one row each (bfloat16 keys two per register, up to 16K keys a row; float32
-//   up to 12K), when there are at most two rows per SM: both rows' chains of dependent steps run at once
-//   instead of one after the other (DeepSeek-V4 decode rows: 256 x ~8K; float32 K-V4F 14.5 -> 13.0 us,
-//   K-D5 15.9 -> 15.1, H200), and for bfloat16 with fewer rows than SMs half the warps of one 1024-thread
-//   CTA take each block-wide step (64 x ~8K: 9.7 -> 9.0 us, H200; float32 rows there stay on one CTA
-//   of 1024 threads, which was faster: 9.5 vs 10.0 us).
+//   up to 12K): with more rows than SMs both rows' chains of dependent steps run at once instead of one
+//   after the other (DeepSeek-V4 decode rows: 256 x ~8K; float32 K-V4F 14.5 -> 13.0 us, K-D5 15.9 -> 15.1,
+//   H200; past 2 x SMs rows, CTAs take rows in turn: 1024 x ~8K bfloat16 k = 512 31.6 -> 26.7 us against
+//   the buffered kernel), and for bfloat16 with fewer rows than SMs half the warps of one 1024-thread CTA
+//   take each block-wide step (64 x ~8K: 9.7 -> 9.0 us, H200; float32 rows there stay on one CTA of 1024
+//   threads, which was faster: 9.5 vs 10.0 us).
 // - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it. Also
 //   for more rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of more than
 //   4K keys where k >= 1024; not for k = 512 (the buffered kernel's filter keeps few keys there and wins).
@@ -251,9 +252,15 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     return fits(kpt, threads, cluster, 1) && (forced_threads == 0 || forced_threads == threads);
   };
   int kpt = 0, threads = 0;
-  // two CTAs per SM (512 threads, one row each)
+  // two CTAs per SM (512 threads, one row each): bfloat16 at any row count; float32 for more rows than SMs, and
+  // past 2 x SMs rows at k >= 1024 (where one 1024-thread CTA per row takes the rows in turn) only where that
+  // form's waves of rows take longer: a float32 wave of the two-CTA form measured ~1.85 of its waves (H200,
+  // rows of ~8K keys, k = 2048, two-CTA / one-CTA: 384 rows 23.2 / 20.6 us, 528 rows 24.6 / 25.9, 1024 rows
+  // 41.7 / 45.5)
   constexpr int kMostKeys = TopkResidentLayout::kMaxKeysPerThread;
-  const bool two_default = per_sm == 0 && forced != 1 && rows <= 2 * sms && (elem_bytes == 2 || rows > sms);
+  const int64_t waves_one = (rows + sms - 1) / sms, waves_two = (rows + 2 * sms - 1) / (2 * sms);
+  const bool fp32_two = rows > sms && (rows <= 2 * sms || k < 1024 || 37 * waves_two < 20 * waves_one);
+  const bool two_default = per_sm == 0 && forced != 1 && (elem_bytes == 2 || fp32_two);
   if (per_sm == 2 || two_default)
     for (int c = vec; c <= kMostKeys; c += vec)
       if (kpt == 0 && fits(c, 512, false, 2) && ctas(c, 512) == 1) kpt = c, threads = 512, t.ctas_per_sm = 2;
