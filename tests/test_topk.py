@@ -1140,8 +1140,9 @@ def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.float32, "24"), (torch.bfloat16, "8"),
-                                        (torch.bfloat16, "16"), (torch.bfloat16, "24"), (torch.bfloat16, "32")])
+@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.float32, "24"),
+                                        (torch.bfloat16, "8"), (torch.bfloat16, "16"), (torch.bfloat16, "24"),
+                                        (torch.bfloat16, "32")])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
 @pytest.mark.parametrize("m", [3, 300])
 def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):

@@ -376,8 +376,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         } else {
           // float32 pass 2 (one CTA): its 10-bit digit's bins alone (keys outside the bin may lie in the others)
           const bool ten_bits = kElemBytes == 4 && pass == 2;
-          kb = radix::find_kth_bin<kThreads, kBins, false>(
-              [&](int b) { return ten_bits && b >= (1 << kDigits.digit_bits(2)) ? 0u : h[b]; }, k_rem, warp_sums, scalars);
+          auto bin_count = [&](int b) { return ten_bits && b >= (1 << kDigits.digit_bits(2)) ? 0u : h[b]; };
+          kb = radix::find_kth_bin<kThreads, kBins, false>(bin_count, k_rem, warp_sums, scalars);
         }
         prefix |= kb.bin << shift;
         k_rem -= kb.above;
