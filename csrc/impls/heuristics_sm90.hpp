@@ -258,8 +258,10 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   // rows of ~8K keys, k = 2048, two-CTA / one-CTA: 384 rows 23.2 / 20.6 us, 528 rows 24.6 / 25.9, 1024 rows
   // 41.7 / 45.5)
   constexpr int kMostKeys = TopkResidentLayout::kMaxKeysPerThread;
+  constexpr int64_t kTwoCtaWaveCost = 185, kOneCtaWaveCost = 100;  // a float32 row wave of each form, relative
   const int64_t waves_one = (rows + sms - 1) / sms, waves_two = (rows + 2 * sms - 1) / (2 * sms);
-  const bool fp32_two = rows > sms && (rows <= 2 * sms || k < 1024 || 37 * waves_two < 20 * waves_one);
+  const bool fp32_two =
+      rows > sms && (rows <= 2 * sms || k < 1024 || kTwoCtaWaveCost * waves_two < kOneCtaWaveCost * waves_one);
   const bool two_default = per_sm == 0 && forced != 1 && (elem_bytes == 2 || fp32_two);
   if (per_sm == 2 || two_default)
     for (int c = vec; c <= kMostKeys; c += vec)
