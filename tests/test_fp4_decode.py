@@ -384,6 +384,20 @@ def test_gpu_decode_fp4_configs(form, H, D):
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("next_n,D", [(5, 64), (5, 128), (8, 64), (8, 128)])
+def test_gpu_decode_fp4_forced_split_relu(form, next_n, D, monkeypatch):
+    """The tensor-core linear half of relu forced (DI_PAGED_SPLIT_RELU=1) at H = 16 and next_n 5 / 8, where the
+    pieces' columns leave the head weights in shared memory; 4 SMs, so that CTAs switch sequences."""
+    monkeypatch.setenv("DI_PAGED_SPLIT_RELU", "1")
+    q, cache, w, ctx, table, max_ctx = make_decode(9, next_n, 16, D, 64, form, seed=next_n * 10 + D + len(form))
+    ref = _ref(q, cache, w, ctx, table, max_ctx)
+    got = run_decode(q, cache, w, ctx, table, max_ctx, True, F32, num_sms=4)
+    check(got, ref, True, F32, f"{form} next_n={next_n} D={D} split relu forced")
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("H,D,block_kv", [(64, 128, 64), (32, 64, 32)])
 def test_gpu_decode_fp4_varlen(form, H, D, block_kv):
     runs = [1, 3, 2, 7, 1, 1, 4, 2, 5, 1, 40]

@@ -142,11 +142,12 @@ struct PagedMqaLogitsLayout {
   }
   constexpr DI_HOST_DEVICE int q_box_rows() const { return n_total() / q_num_boxes(); }
   // Head weights live in registers (n_total() / 4 per thread) for small N when they fit next to the
-  // accumulators with kMathRegsOther to spare, otherwise they are read from shared memory (ptxas
-  // spilled multi-chunk shapes, N > 192, that passed the register count alone).
+  // accumulators (the split relu's pieces columns included) with kMathRegsOther to spare, otherwise they
+  // are read from shared memory (ptxas spilled multi-chunk shapes, N > 192, that passed the register count
+  // alone, and the forced split relu at next_n = 8, H = 16 when its pieces were not counted).
   static constexpr int kMathRegsOther = 40;  // addresses, loop state, partial sums (from ptxas reports)
   constexpr DI_HOST_DEVICE bool weights_in_regs() const {
-    return n_total() <= 192 && chunk_cols() / 2 + n_total() / 4 + kMathRegsOther <= math_regs();
+    return n_total() <= 192 && mma_cols() / 2 + n_total() / 4 + kMathRegsOther <= math_regs();
   }
 
   // Two tiles in flight per math WG (double-buffered accumulators): the epilogue of tile k runs
