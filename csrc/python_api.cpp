@@ -76,7 +76,7 @@ py::dict variant_space() {
   // without clusters at most default_one_cta_keys).
   py::list forms;
   for (const auto& [cluster, threads, per_sm] :
-       {std::tuple{false, 1024, 1}, {true, 256, 1}, {true, 512, 1}, {true, 1024, 1}, {false, 512, 2}}) {
+       {std::tuple{false, 1024, 1}, {true, 256, 1}, {true, 512, 1}, {true, 1024, 1}, {false, 512, 2}, {false, 256, 4}}) {
     auto most = [&](int elem_bytes) {
       const int budget = TopkResidentLayout::max_keys_per_thread(threads, cluster, elem_bytes, per_sm);
       return !cluster && per_sm == 1 ? std::min(budget, TopkResidentLayout::default_one_cta_keys(threads)) : budget;

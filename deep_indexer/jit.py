@@ -117,10 +117,10 @@ def variants(
             # 16-byte vectors per thread up to the register budget (TopkResidentLayout::max_keys_per_thread)
             for dt, (cl, threads, per_sm, most4, most2) in itertools.product(dtypes, _TOPK_RESIDENT_FORMS):
                 vec = 16 // _ELEM_BYTES[dt]
-                two = {"ctas_per_sm": 2} if per_sm == 2 else {}  # (one CTA per SM: as before)
+                many = {"ctas_per_sm": per_sm} if per_sm > 1 else {}  # (one CTA per SM: as before)
                 for kpt in range(vec, (most4 if _ELEM_BYTES[dt] == 4 else most2) + 1, vec):
                     add(op, elem_bytes=_ELEM_BYTES[dt], resident=1, keys_per_thread=kpt, cluster=cl, threads=threads,
-                        **two)
+                        **many)
         elif op in ("training_logits", "training_logits_stats"):
             dims = [d for d in (head_dims or TRAINING_HEAD_DIMS) if d in TRAINING_HEAD_DIMS]
             for h, d in itertools.product(hs, dims):

@@ -1160,6 +1160,23 @@ def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.float32, "20"),
+                                        (torch.bfloat16, "8"), (torch.bfloat16, "16"), (torch.bfloat16, "32")])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
+@pytest.mark.parametrize("m", [3, 600])
+def test_topk_resident_four_per_sm(monkeypatch, dtype, keys, kind, m):
+    # the resident form with four 256-thread CTAs per SM (forced): rows up to one CTA's keys, more rows than
+    # four per SM (grid-stride), misaligned starts, empty rows, rows of fewer than k keys, every index mode
+    monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "4")
+    monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", keys)
+    per_cta = 256 * int(keys)
+    gen = torch.Generator().manual_seed(int(keys) + m + len(kind) + 4)
+    for n_max in (per_cta - 8, per_cta // 2 + 3):
+        _check_resident_rows(kind, m, n_max, dtype, gen)
+
+
+@requires_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("form,threads,keys,ctas", [("two", 512, 24, 1), ("two", 512, 16, 1), ("one", 1024, 8, 1),
                                                     ("one", 1024, 16, 1), ("cluster", 256, 16, 3),
                                                     ("cluster", 256, 8, 5)])
@@ -1222,11 +1239,13 @@ def test_topk_bf16_every_bit_pattern(monkeypatch, form):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 32768, 256), (1, 32768, 2048), (8, 40000, 2048), (40, 25000, 1024),
                                    (64, 8000, 512), (200, 3000, 2048), (200, 8000, 2048), (256, 8000, 512),
-                                   (128, 42000, 2048), (100, 20000, 512), (500, 6000, 1024), (1100, 6000, 2048)])
+                                   (128, 42000, 2048), (100, 20000, 512), (500, 6000, 1024), (1100, 6000, 2048),
+                                   (600, 4000, 512), (1000, 5000, 768), (700, 3000, 1024), (700, 3000, 2048)])
 def test_topk_default_choice(monkeypatch, dtype, m, n, k):
     # the heuristic's own choice (no forcing): one row over a cluster, a cluster per row where the device
     # runs them all at once, more rows than that (buffered), one CTA per row at k < 1024, rows > SMs
-    # (short rows: buffered; rows of 6-8K keys: several rows per CTA at k >= 1024, buffered at k = 512), rows <= SMs
+    # (short rows: buffered; rows of 6-8K keys: several rows per CTA at k >= 1024, buffered at k = 512; past
+    # 2 x SMs rows at k <= 1024: four CTAs per SM where they hold the rows), rows <= SMs
     # too long for one CTA's registers whose clusters do not all fit at once (buffered)
     monkeypatch.delenv("DI_TOPK_RESIDENT", raising=False)
     monkeypatch.delenv("DI_TOPK_RESIDENT_KEYS", raising=False)

@@ -287,6 +287,22 @@ def topk_resident_two_per_sm():
 
 
 @case
+def topk_resident_four_per_sm():
+    import deep_indexer as di
+
+    old = _env(DI_TOPK_RESIDENT_CTAS_PER_SM=4)
+    try:
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(5, 8196, generator=gen)[:, 1:8193].cuda()
+        ks = torch.tensor([0, 3, 100, 7, 0], dtype=torch.int32, device="cuda")
+        ke = torch.tensor([8192, 8191, 300, 7, 4000], dtype=torch.int32, device="cuda")
+        di.topk_indices(x.bfloat16(), 512, ks, ke, index_mode="absolute", return_values=True)  # 32 keys a thread
+        di.topk_indices(x[:, :5000].contiguous(), 2048, ks, ke.clamp(max=5000))  # float32, 20 keys a thread
+    finally:
+        _restore(old)
+
+
+@case
 def topk_resident_packed():
     # the one-CTA bfloat16 forms (keys two per register): 1024 threads x 16 and x 32 keys, misaligned rows
     import deep_indexer as di

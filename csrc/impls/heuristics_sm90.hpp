@@ -205,6 +205,8 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
 //   the buffered kernel), and for bfloat16 with fewer rows than SMs half the warps of one 1024-thread CTA
 //   take each block-wide step (64 x ~8K: 9.7 -> 9.0 us, H200; float32 rows there stay on one CTA of 1024
 //   threads, which was faster: 9.5 vs 10.0 us).
+// - Four 256-thread CTAs per SM, one row each (bfloat16 up to 8K keys, float32 up to 5K), past 2 x SMs rows at
+//   k <= 1024: four rows' chains at once (causal 4096 x 4K bfloat16, k = 512: 60.1 -> 38.5 us, H200).
 // - One CTA per row (C = 1) when rows <= SMs: 1024 threads, the fewest keys per thread that hold it. Also
 //   for more rows (a CTA takes them in turn, asking L2 for its next row while it selects one) of more than
 //   4K keys where k >= 1024; not for k = 512 (the buffered kernel's filter keeps few keys there and wins).
@@ -220,8 +222,8 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
 // `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
 // are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
 // hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS / DI_TOPK_RESIDENT_THREADS (256, 512, 1024)
-// force the keys per thread / the threads per CTA; DI_TOPK_RESIDENT_CTAS_PER_SM=2 / 1 the two-CTA form
-// wherever one CTA holds a row / never.
+// force the keys per thread / the threads per CTA; DI_TOPK_RESIDENT_CTAS_PER_SM=4 / 2 the four- / two-CTA form
+// wherever one CTA holds a row, 1 neither.
 struct TopkResidentLaunch {
   bool use = false;
   int keys_per_thread = 8;
@@ -236,7 +238,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const int forced = env::get_int(env::kTopkResident, -1);
   const int forced_keys = env::get_int(env::kTopkResidentKeys, 0);
   const int forced_threads = env::get_int(env::kTopkResidentThreads, 0);
-  const int per_sm = env::get_int(env::kTopkResidentCtasPerSm, 0);  // 2: the two-CTA form wherever it fits, 1: never
+  const int per_sm = env::get_int(env::kTopkResidentCtasPerSm, 0);  // 4 / 2: that form wherever it fits, 1: neither
   if (sorted || forced == 0 || rows <= 0 || (forced != 1 && per_sm != 2 && k < 256)) return t;
   const int64_t sms = std::max(1, num_sms);
   const int vec = TopkLayout::kVecBytes / elem_bytes;
@@ -263,6 +265,16 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const bool fp32_two =
       rows > sms && (rows <= 2 * sms || k < 1024 || kTwoCtaWaveCost * waves_two < kOneCtaWaveCost * waves_one);
   const bool two_default = per_sm == 0 && forced != 1 && (elem_bytes == 2 || fp32_two);
+  // four 256-thread CTAs per SM (one row each; bfloat16 rows of up to 8K keys, float32 up to 5K): past 2 x SMs
+  // rows at k <= 1024, four rows' chains at once per SM (H200, four / two CTAs per SM, us: causal 4096 x 4K
+  // rows bfloat16 k = 512 38.5 / 60.1, k = 1024 50.8 / 62.3, float32 42.9 / 64.5 and 51.8 / 65.2; 1024 x
+  // ~6K bfloat16 k = 1024 20.8 / 23.0); at k = 2048 it lost (4096 x 4K bfloat16 92.0 / 86.9, 528 x ~6K
+  // 21.2 / 17.2), as did 2 x SMs rows (264 x ~6K bfloat16, k = 512: 9.3 / 9.0)
+  constexpr int kFourCtaMostK = 1024;
+  const bool four_default = per_sm == 0 && forced != 1 && rows > 2 * sms && k <= kFourCtaMostK;
+  if (per_sm == 4 || four_default)
+    for (int c = vec; c <= kMostKeys; c += vec)
+      if (kpt == 0 && fits(c, 256, false, 4) && ctas(c, 256) == 1) kpt = c, threads = 256, t.ctas_per_sm = 4;
   if (per_sm == 2 || two_default)
     for (int c = vec; c <= kMostKeys; c += vec)
       if (kpt == 0 && fits(c, 512, false, 2) && ctas(c, 512) == 1) kpt = c, threads = 512, t.ctas_per_sm = 2;

@@ -74,14 +74,14 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
     int keys_per_thread;  // whole 16-byte vectors: a multiple of 4 (float32) or 8 (bfloat16)
     bool cluster;         // launched with clusters of 2-8 CTAs per row
     int threads;          // 256, 512 or 1024 per CTA
-    int ctas_per_sm = 1;  // 2: two CTAs (rows) per SM, one CTA per row
+    int ctas_per_sm = 1;  // 2 or 4: CTAs (rows) per SM, one CTA per row
     TopkResidentLayout layout() const {
       DI_CHECK_ARG(elem_bytes == 4 || elem_bytes == 2, "topk_resident: elem_bytes must be 4 or 2, got {}", elem_bytes);
       DI_CHECK_ARG(threads == 256 || threads == 512 || threads == 1024,
                    "topk_resident: threads must be 256, 512 or 1024, got {}", threads);
       const int vec = TopkLayout::kVecBytes / elem_bytes;
-      DI_CHECK_ARG(ctas_per_sm == 1 || (ctas_per_sm == 2 && !cluster),
-                   "topk_resident: ctas_per_sm must be 1, or 2 without clusters, got {}", ctas_per_sm);
+      DI_CHECK_ARG(ctas_per_sm == 1 || ((ctas_per_sm == 2 || (ctas_per_sm == 4 && threads == 256)) && !cluster),
+                   "topk_resident: ctas_per_sm must be 1, 2 or 4 (256 threads) without clusters, got {}", ctas_per_sm);
       const int most = TopkResidentLayout::max_keys_per_thread(threads, cluster, elem_bytes, ctas_per_sm);
       DI_CHECK_ARG(keys_per_thread >= vec && keys_per_thread % vec == 0 && keys_per_thread <= most,
                    "topk_resident: keys_per_thread must be a multiple of {} up to {} ({} threads{}), got {}", vec, most,
@@ -94,7 +94,7 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
   static const char* header() { return "deep_indexer/topk/topk_resident.cuh"; }
   static std::string name(const Params& p) {
     return fmt::format("topk_resident<{}, {} keys, {} threads{}{}>", p.elem_bytes == 4 ? "float32" : "bfloat16",
-                       p.keys_per_thread, p.threads, p.cluster ? ", cluster" : "", p.ctas_per_sm == 2 ? ", 2 per SM" : "");
+                       p.keys_per_thread, p.threads, p.cluster ? ", cluster" : "", p.ctas_per_sm >= 2 ? fmt::format(", {} per SM", p.ctas_per_sm) : std::string());
   }
   static std::string instantiation(const Params& p) {
     return fmt::format("&deep_indexer::topk_resident_kernel<{}, {}, {}, {}, {}>", p.elem_bytes, p.keys_per_thread,

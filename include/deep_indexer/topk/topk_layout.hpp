@@ -127,14 +127,14 @@ struct TopkResidentLayout {
   static constexpr int kScalarLowerEqual = 6;
   // Register budget (65536 / (threads * ctas_per_sm) registers per thread): the keys a thread may hold, as
   // measured without spills at 64 registers (1024 threads or two 512-thread CTAs per SM): 16 words of packed
-  // bfloat16 keys; float32 keys 24 at 512 threads, 20 at 1024 (more warps' state); 8 keys with the cluster
+  // bfloat16 keys; float32 keys 24 at 512 threads, 20 at 1024 or 256 (four per SM); 8 keys with the cluster
   // exchange's state. Fewer threads per SM raise it in proportion. At most kMaxKeysPerThread (a bit per key
   // in a word; 31 unpacked).
   static constexpr int kMaxKeysPerThread = 32;
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
                                                           int ctas_per_sm = 1) {
     const bool two_keys_a_word = TopkResidentLayout{elem_bytes, 0, threads, ctas_per_sm, cluster}.packed();
-    const int at_64_registers = cluster ? 8 : two_keys_a_word ? 2 * 16 : threads == kMaxThreads ? 20 : 24;
+    const int at_64_registers = cluster ? 8 : two_keys_a_word ? 2 * 16 : threads == 512 ? 24 : 20;
     const int budget = at_64_registers * kMaxThreads / threads / ctas_per_sm;
     const int most = two_keys_a_word ? kMaxKeysPerThread : kMaxKeysPerThread - 1;
     return budget < most ? budget : most;
@@ -147,7 +147,7 @@ struct TopkResidentLayout {
   int elem_bytes;        // 4: float32, 2: bfloat16
   int keys_per_thread;   // whole 16-byte vectors per thread, <= max_keys_per_thread (a bit per key)
   int threads;           // 256, 512 or 1024
-  int ctas_per_sm = 1;   // 1: one CTA per SM (launch_smem_bytes pads it); 2: two rows per SM at once (one CTA per row)
+  int ctas_per_sm = 1;   // 1: one CTA per SM (launch_smem_bytes pads it); 2 (512 threads) or 4 (256): rows per SM at once
   bool cluster = false;  // a cluster of CTAs per row
 
   // bfloat16 keys two per 32-bit register, worked on two at a time (every form without clusters)
@@ -180,7 +180,7 @@ struct TopkResidentLayout {
   // (64 registers per thread at 512 threads) fit two CTAs in an SM's register file.
   static constexpr unsigned kOneCtaPerSmBytes = 116 * 1024;
   DI_HOST_DEVICE constexpr unsigned launch_smem_bytes() const {
-    return ctas_per_sm == 2 || smem_bytes() > kOneCtaPerSmBytes ? smem_bytes() : kOneCtaPerSmBytes;
+    return ctas_per_sm >= 2 || smem_bytes() > kOneCtaPerSmBytes ? smem_bytes() : kOneCtaPerSmBytes;
   }
 };
 

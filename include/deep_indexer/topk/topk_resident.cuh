@@ -57,7 +57,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   constexpr int kBinsPerThread = kBins / kThreads;
   static_assert(kBins % kThreads == 0 && kBinsPerThread % 2 == 0 && kBinsPerThread <= 8, "2, 4 or 8 bins per thread");
   static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
-  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && !kCluster), "two CTAs per SM: one CTA per row");
+  static_assert(kCtasPerSm == 1 || ((kCtasPerSm == 2 || (kCtasPerSm == 4 && kThreads == 256)) && !kCluster),
+                "two (512 threads) or four (256) CTAs per SM: one CTA per row");
   static_assert(kKeysPerThread <= TopkResidentLayout::max_keys_per_thread(kThreads, kCluster, kElemBytes, kCtasPerSm),
                 "the register budget");
   constexpr bool kPacked = L.packed();  // key i in the 16-bit half i % 2 of word i / 2
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     int ks_r, ke_r;
     load_row_range(a, r, ks_r, ke_r);
     // early: the same lo (0), mis and vectors
-    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r, std::bool_constant<kCtasPerSm == 2>{});
+    const RowSpan<kElemBytes> row(a, r, ks_r, ke_r, std::bool_constant<kCtasPerSm >= 2>{});
     const int n = row.n;
     if (!early) load_vecs(row.vec, row.num_vecs);
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
@@ -374,7 +375,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         } else if (kPacked && pass == 1) {  // 32 bins: warp 0 alone
           kb = radix::find_kth_bin_warp0<false>([&](int b) { return h[b]; }, k_rem, scalars);
         } else {
-          // float32 pass 2 (one CTA): its 10-bit digit's bins alone (keys outside the bin may lie in the others)
+          // float32 pass 2 (one CTA): its 10-bit digit's bins alone (keys outside the bin may lie in the others).
+          // NOTES: a search over 1024 bins (a find_kth_bin of its own) spills the 24-key 512-thread form
           const bool ten_bits = kElemBytes == 4 && pass == 2;
           auto bin_count = [&](int b) { return ten_bits && b >= (1 << kDigits.digit_bits(2)) ? 0u : h[b]; };
           kb = radix::find_kth_bin<kThreads, kBins, false>(bin_count, k_rem, warp_sums, scalars);
