@@ -1100,7 +1100,8 @@ def test_topk_packed_aligned_rows(monkeypatch, capfd, sorted_, kind):
 
 def _check_resident_rows(kind, m, n_max, dtype, gen):
     """m rows of up to n_max keys (misaligned starts, the longest row whole, an empty one, one of fewer
-    than k keys) through k = 2048 absolute with offsets and values, k = 333, and k = 1024 slots."""
+    than k keys) through k = 2048 absolute with offsets (CTAs of 256 or 512 threads stage these entries in shared
+    memory), k = 333 with values, and k = 1024 slots."""
     x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
     ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
     ke = torch.randint(n_max // 2, n_max + 5, (m,), generator=gen, dtype=torch.int32)
@@ -1108,8 +1109,8 @@ def _check_resident_rows(kind, m, n_max, dtype, gen):
     ke[1 % m] = ks[1 % m]  # empty
     ke[2 % m] = ks[2 % m] + 100  # fewer keys than k
     off = torch.randint(-1000, 1000, (m,), generator=gen, dtype=torch.int32)
-    _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off, return_values=True)
-    _check(x, 333, ks, ke)
+    _check(x, 2048, ks, ke, index_mode="absolute", row_offset=off)
+    _check(x, 333, ks, ke, return_values=True)
     ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
     bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
     _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)

@@ -280,6 +280,7 @@ def topk_resident_two_per_sm():
         ke = torch.tensor([12000, 11999, 300, 7, 6000], dtype=torch.int32, device="cuda")
         di.topk_indices(x.bfloat16(), 512, ks, ke, index_mode="absolute", return_values=True)  # 24 keys a thread
         di.topk_indices(x[:, :6000].contiguous(), 512, ks, ke.clamp(max=6000))  # float32, 12 keys a thread
+        di.topk_indices(x.bfloat16(), 2048, ks, ke)  # entries staged in shared memory (4 or more a thread)
         ties = torch.randint(0, 64, (5, 12000), generator=gen).float().cuda()  # float32, 24 keys, every pass
         di.topk_indices(ties, 2048, ks, ke, return_values=True)
     finally:

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   constexpr int kBins = TopkResidentLayout::kHistBins;
   constexpr int kGroups = TopkResidentLayout::kGroups;
   constexpr int kHistStride = TopkResidentLayout::kHistStride;
-  static_assert(kHistStride % 4 == 0, "histograms cleared in 16-byte words");
+  static_assert(kHistStride % 4 == 0, "histograms 16-byte aligned");
   constexpr int kVec = L.vec();
   constexpr int kVecs = L.vecs_per_thread();
   constexpr int kPasses = L.num_passes();
@@ -96,16 +96,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   }
   bool cluster_ready = !kCluster;
   uint32_t phases = 0;  // bit i: the parity mbar[i] waits for next
-  // histogram `pass` (words past the bins included) to zero, in unrolled predicated steps
+  // histogram `pass`'s bins to zero: whole vectors for every thread, no predicate (the sinks past the bins
+  // are never read)
   // NOTES: a row's pass p + 1 histogram is cleared after pass p's counts (the barrier that completes them
   // orders the clears too, and the previous row's reads of it ended with a barrier); pass 0's at the row's
   // end: no register for the passes a row ran
   auto clear_hist = [&](int pass) {
-    constexpr int kClearSteps = (kHistStride / 4 + kThreads - 1) / kThreads;
+    uint32_t* const h = hist + pass * kHistStride;
+    if constexpr (kBins / kThreads >= 4) {
+      static_assert(kBins % (4 * kThreads) == 0, "whole 16-byte steps");
 #pragma unroll
-    for (int j = 0; j < kClearSteps; ++j) {
-      const int i = tid + j * kThreads;
-      if (i < kHistStride / 4) reinterpret_cast<uint4*>(hist + pass * kHistStride)[i] = make_uint4(0u, 0u, 0u, 0u);
+      for (int j = 0; j < kBins / (4 * kThreads); ++j) reinterpret_cast<uint4*>(h)[tid + j * kThreads] = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      static_assert(kBins == 2 * kThreads, "one 8-byte step");
+      reinterpret_cast<uint2*>(h)[tid] = make_uint2(0u, 0u);
     }
   };
   clear_hist(0);
@@ -481,14 +485,34 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     while (static_cast<uint32_t>(__popc(eq_taken)) > room) eq_taken &= ~(0x80000000u >> __clz(eq_taken));  // rare
     uint32_t sel = gt | eq_taken;
     const int base = static_cast<int>(g + min(e, take_eq));
-    if (!slot_mode && a.out_values == nullptr) {  // the column plus a constant
+    // NOTES: where a thread stores 4 or more entries on average, the entries are staged in pass 1's histogram
+    // (read again only after the next row's pass 0 clears it) and stored in coalesced runs: a thread's own
+    // run of stores touches a sector per entry. Entry p sits at p ^ (p / 32 % 32): a thread's run is
+    // consecutive, and without the swizzle lanes whose runs start a multiple of 32 words apart hit one bank.
+    constexpr bool kCanStage = !kCluster && 4 * kThreads <= TopkLayout::kMaxK;
+    static_assert(TopkLayout::kMaxK <= kBins, "a row's entries fit a histogram");
+    const bool plain = !slot_mode && a.out_values == nullptr;  // the column plus a constant
+    const bool staged = kCanStage && plain && total >= 4u * kThreads;
+    if (plain) {
       const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
       const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
-      int* dst = out_row + base;  // advanced per store (no index arithmetic per store)
       const uint32_t c0 = static_cast<uint32_t>(col0) + add;
-      while (sel != 0u) {
-        *dst++ = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
-        sel &= sel - 1u;
+      if (staged) {
+        for (uint32_t p = static_cast<uint32_t>(base); sel != 0u; ++p) {
+          hist[kHistStride + (p ^ ((p >> 5) & 31u))] = c0 + static_cast<uint32_t>(__ffs(sel) - 1);
+          sel &= sel - 1u;
+        }
+        __syncthreads();
+        // NOTES: not unrolled: the unrolled steps' addresses were hoisted out of the row loop and spilled
+#pragma unroll 1
+        for (uint32_t p = tid; p < static_cast<uint32_t>(a.k); p += kThreads)
+          out_row[p] = p < total ? static_cast<int>(hist[kHistStride + (p ^ ((p >> 5) & 31u))]) : -1;
+      } else {
+        int* dst = out_row + base;  // advanced per store (no index arithmetic per store)
+        while (sel != 0u) {
+          *dst++ = static_cast<int>(c0 + static_cast<uint32_t>(__ffs(sel) - 1));
+          sel &= sel - 1u;
+        }
       }
     } else {
       for (int j = 0; sel != 0u; ++j) {
@@ -496,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         sel &= sel - 1u;
       }
     }
-    if (rank == 0) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
+    if (rank == 0 && !staged) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.
