@@ -1139,39 +1139,29 @@ def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
         _check_resident_rows(kind, m, n_max, dtype, gen)
 
 
-@requires_sm90
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.float32, "24"),
-                                        (torch.bfloat16, "8"), (torch.bfloat16, "16"), (torch.bfloat16, "24"),
-                                        (torch.bfloat16, "32")])
-@pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
-@pytest.mark.parametrize("m", [3, 300])
-def test_topk_resident_two_per_sm(monkeypatch, dtype, keys, kind, m):
-    # the resident form with two 512-thread CTAs per SM (bfloat16 keys packed two per register; float32 up
-    # to its register budget of 24 keys a thread): rows
-    # up to one CTA's keys, more rows than two per SM (grid-stride), misaligned starts, empty rows, rows
-    # of fewer than k keys, every index mode
-    monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "2")
-    monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", keys)
-    per_cta = 512 * int(keys)
-    gen = torch.Generator().manual_seed(int(keys) + m + len(kind))
-    for n_max in (per_cta - 8, per_cta // 2 + 3):
-        _check_resident_rows(kind, m, n_max, dtype, gen)
+# (CTAs per SM, dtype, keys per thread) of the forms with several CTAs per SM: 512 threads for two, 256 for four
+PER_SM_FORMS = [("2", torch.float32, "4"), ("2", torch.float32, "12"), ("2", torch.float32, "24"),
+                ("2", torch.bfloat16, "8"), ("2", torch.bfloat16, "16"), ("2", torch.bfloat16, "24"),
+                ("2", torch.bfloat16, "32"), ("4", torch.float32, "4"), ("4", torch.float32, "12"),
+                ("4", torch.float32, "20"), ("4", torch.bfloat16, "8"), ("4", torch.bfloat16, "16"),
+                ("4", torch.bfloat16, "32")]
 
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,keys", [(torch.float32, "4"), (torch.float32, "12"), (torch.float32, "20"),
-                                        (torch.bfloat16, "8"), (torch.bfloat16, "16"), (torch.bfloat16, "32")])
+@pytest.mark.parametrize("per_sm,dtype,keys", PER_SM_FORMS)
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
-@pytest.mark.parametrize("m", [3, 600])
-def test_topk_resident_four_per_sm(monkeypatch, dtype, keys, kind, m):
-    # the resident form with four 256-thread CTAs per SM (forced): rows up to one CTA's keys, more rows than
-    # four per SM (grid-stride), misaligned starts, empty rows, rows of fewer than k keys, every index mode
-    monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "4")
+@pytest.mark.parametrize("many", [False, True])
+def test_topk_resident_per_sm(monkeypatch, per_sm, dtype, keys, kind, many):
+    # the resident forms with two 512-thread or four 256-thread CTAs per SM (forced; bfloat16 keys packed two
+    # per register, float32 up to its register budget: 24 keys a thread at 512 threads, 20 at 256): rows up to
+    # one CTA's keys, 3 rows or more rows than CTAs per SM (grid-stride), misaligned starts, empty rows, rows of
+    # fewer than k keys, every index mode
+    monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", per_sm)
     monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", keys)
-    per_cta = 256 * int(keys)
-    gen = torch.Generator().manual_seed(int(keys) + m + len(kind) + 4)
+    per_cta = 1024 // int(per_sm) * int(keys)
+    m = 150 * int(per_sm) if many else 3
+    gen = torch.Generator().manual_seed(int(keys) + m + len(kind) + (4 if per_sm == "4" else 0))
     for n_max in (per_cta - 8, per_cta // 2 + 3):
         _check_resident_rows(kind, m, n_max, dtype, gen)
 

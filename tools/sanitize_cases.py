@@ -268,39 +268,43 @@ def topk_resident():
     _topk(DI_TOPK_RESIDENT=1, DI_TOPK_RESIDENT_THREADS=256, DI_TOPK_RESIDENT_KEYS=16)
 
 
+def _resident_per_sm(per_sm: int, seed: int, n: int, calls):
+    """Five rows of up to n float32 keys (misaligned, an empty and a short range) through `calls(x, ks, ke, n)`
+    with DI_TOPK_RESIDENT_CTAS_PER_SM=per_sm."""
+    old = _env(DI_TOPK_RESIDENT_CTAS_PER_SM=per_sm)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(5, n + 4, generator=gen)[:, 1:n + 1].cuda()
+        ks = torch.tensor([0, 3, 100, 7, 0], dtype=torch.int32, device="cuda")
+        ke = torch.tensor([n, n - 1, 300, 7, n // 2], dtype=torch.int32, device="cuda")
+        calls(x, ks, ke, gen)
+    finally:
+        _restore(old)
+
+
 @case
 def topk_resident_two_per_sm():
     import deep_indexer as di
 
-    old = _env(DI_TOPK_RESIDENT_CTAS_PER_SM=2)
-    try:
-        gen = torch.Generator().manual_seed(2)
-        x = torch.randn(5, 12004, generator=gen)[:, 1:12001].cuda()
-        ks = torch.tensor([0, 3, 100, 7, 0], dtype=torch.int32, device="cuda")
-        ke = torch.tensor([12000, 11999, 300, 7, 6000], dtype=torch.int32, device="cuda")
+    def calls(x, ks, ke, gen):
         di.topk_indices(x.bfloat16(), 512, ks, ke, index_mode="absolute", return_values=True)  # 24 keys a thread
         di.topk_indices(x[:, :6000].contiguous(), 512, ks, ke.clamp(max=6000))  # float32, 12 keys a thread
         di.topk_indices(x.bfloat16(), 2048, ks, ke)  # entries staged in shared memory (4 or more a thread)
-        ties = torch.randint(0, 64, (5, 12000), generator=gen).float().cuda()  # float32, 24 keys, every pass
+        ties = torch.randint(0, 64, tuple(x.shape), generator=gen).float().cuda()  # float32, 24 keys, every pass
         di.topk_indices(ties, 2048, ks, ke, return_values=True)
-    finally:
-        _restore(old)
+
+    _resident_per_sm(2, 2, 12000, calls)
 
 
 @case
 def topk_resident_four_per_sm():
     import deep_indexer as di
 
-    old = _env(DI_TOPK_RESIDENT_CTAS_PER_SM=4)
-    try:
-        gen = torch.Generator().manual_seed(4)
-        x = torch.randn(5, 8196, generator=gen)[:, 1:8193].cuda()
-        ks = torch.tensor([0, 3, 100, 7, 0], dtype=torch.int32, device="cuda")
-        ke = torch.tensor([8192, 8191, 300, 7, 4000], dtype=torch.int32, device="cuda")
+    def calls(x, ks, ke, gen):
         di.topk_indices(x.bfloat16(), 512, ks, ke, index_mode="absolute", return_values=True)  # 32 keys a thread
         di.topk_indices(x[:, :5000].contiguous(), 2048, ks, ke.clamp(max=5000))  # float32, 20 keys a thread
-    finally:
-        _restore(old)
+
+    _resident_per_sm(4, 4, 8192, calls)
 
 
 @case
