@@ -239,7 +239,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const int forced_keys = env::get_int(env::kTopkResidentKeys, 0);
   const int forced_threads = env::get_int(env::kTopkResidentThreads, 0);
   const int per_sm = env::get_int(env::kTopkResidentCtasPerSm, 0);  // 4 / 2: that form wherever it fits, 1: neither
-  if (sorted || forced == 0 || rows <= 0 || (forced != 1 && per_sm != 2 && k < 256)) return t;
+  if (sorted || forced == 0 || rows <= 0 || (forced != 1 && per_sm < 2 && k < 256)) return t;
   const int64_t sms = std::max(1, num_sms);
   const int vec = TopkLayout::kVecBytes / elem_bytes;
   auto ctas = [&](int kpt, int threads) {  // CTAs per row
@@ -272,12 +272,12 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   // 21.2 / 17.2), as did 2 x SMs rows (264 x ~6K bfloat16, k = 512: 9.3 / 9.0)
   constexpr int kFourCtaMostK = 1024;
   const bool four_default = per_sm == 0 && forced != 1 && rows > 2 * sms && k <= kFourCtaMostK;
-  if (per_sm == 4 || four_default)
+  auto several_per_sm = [&](int n, int per) {  // `per` CTAs of n threads per SM: the fewest keys that hold a row
     for (int c = vec; c <= kMostKeys; c += vec)
-      if (kpt == 0 && fits(c, 256, false, 4) && ctas(c, 256) == 1) kpt = c, threads = 256, t.ctas_per_sm = 4;
-  if (per_sm == 2 || two_default)
-    for (int c = vec; c <= kMostKeys; c += vec)
-      if (kpt == 0 && fits(c, 512, false, 2) && ctas(c, 512) == 1) kpt = c, threads = 512, t.ctas_per_sm = 2;
+      if (kpt == 0 && fits(c, n, false, per) && ctas(c, n) == 1) kpt = c, threads = n, t.ctas_per_sm = static_cast<unsigned>(per);
+  };
+  if (per_sm == 4 || four_default) several_per_sm(256, 4);
+  if (per_sm == 2 || two_default) several_per_sm(512, 2);
   // one CTA per row (1024 threads unless forced); any number of rows per CTA for rows of > 4K keys at k >= 1024.
   // Unless forced, at most the 16 registers of keys per thread (at 1024 threads) this choice was measured with.
   const int one_cta = forced_threads == 256 || forced_threads == 512 ? forced_threads : TopkResidentLayout::kMaxThreads;

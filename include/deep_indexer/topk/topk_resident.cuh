@@ -493,20 +493,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     static_assert(TopkLayout::kMaxK <= kBins, "a row's entries fit a histogram");
     const bool plain = !slot_mode && a.out_values == nullptr;  // the column plus a constant
     const bool staged = kCanStage && plain && total >= 4u * kThreads;
+    auto staged_entry = [&](uint32_t p) -> uint32_t& { return hist[kHistStride + (p ^ ((p >> 5) & 31u))]; };
     if (plain) {
       const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
       const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
       const uint32_t c0 = static_cast<uint32_t>(col0) + add;
       if (staged) {
         for (uint32_t p = static_cast<uint32_t>(base); sel != 0u; ++p) {
-          hist[kHistStride + (p ^ ((p >> 5) & 31u))] = c0 + static_cast<uint32_t>(__ffs(sel) - 1);
+          staged_entry(p) = c0 + static_cast<uint32_t>(__ffs(sel) - 1);
           sel &= sel - 1u;
         }
         __syncthreads();
         // NOTES: not unrolled: the unrolled steps' addresses were hoisted out of the row loop and spilled
 #pragma unroll 1
         for (uint32_t p = tid; p < static_cast<uint32_t>(a.k); p += kThreads)
-          out_row[p] = p < total ? static_cast<int>(hist[kHistStride + (p ^ ((p >> 5) & 31u))]) : -1;
+          out_row[p] = p < total ? static_cast<int>(staged_entry(p)) : -1;
       } else {
         int* dst = out_row + base;  // advanced per store (no index arithmetic per store)
         while (sel != 0u) {
