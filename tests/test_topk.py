@@ -1080,21 +1080,25 @@ def test_topk_packed_survivors(monkeypatch, capfd, packed, wide, sorted_, kind):
 @pytest.mark.parametrize("sorted_", [False, True])
 @pytest.mark.parametrize("kind", ["random", "ties"])
 def test_topk_packed_aligned_rows(monkeypatch, capfd, sorted_, kind):
-    # rows that all start 16-byte aligned (no cu_seq_len_k_start, aligned row stride) keep one word per
-    # survivor up to 65536 columns (the last column at position 65535); a start or a misaligned row stride
-    # at 65536 columns, or 65537 columns, keeps two words
+    # rows whose column 0 is 16-byte aligned (aligned base and row stride) keep one word per survivor up to
+    # 65536 columns, with or without cu_seq_len_k_start (a start's misalignment is at most the columns before
+    # it: the last column sits at position 65535); a misaligned row stride at 65536 columns, or 65537 columns,
+    # keeps two words
     monkeypatch.setenv("DI_TOPK_RESIDENT", "0")
     monkeypatch.setenv("DI_TOPK_CLUSTER", "1")
     monkeypatch.setenv("DI_JIT_DEBUG", "1")
     gen = torch.Generator().manual_seed(77 + 2 * sorted_ + (kind == "ties"))
     base = 60 + 8 * (2 * (kind == "ties") + sorted_)  # a launch line of its own for each case
-    for i, (n, width, with_ks, want) in enumerate(((65536, 65536, False, True), (65536, 65536, True, False),
-                                                   (65536, 65537, False, False), (65537, 65544, False, False))):
+    for i, (n, width, with_ks, want) in enumerate(((65536, 65536, False, True), (65536, 65536, True, True),
+                                                   (65536, 65537, False, False), (65536, 65537, True, False),
+                                                   (65537, 65544, False, False))):
         m = base + i
         x = make_rows(kind, m, width, torch.bfloat16, gen)[:, :n]
-        x[0, -8:] = 100.0  # the last positions of row 0 are selected
-        ke = torch.tensor([n, n - 1, 40000, 5] + [n - 3] * (m - 4), dtype=torch.int32)
-        ks = torch.zeros(m, dtype=torch.int32) if with_ks else None
+        x[:2, -8:] = 100.0  # the last positions of rows 0 and 1 are selected
+        ke = torch.tensor([n, n, n - 1, 40000, 5] + [n - 3] * (m - 5), dtype=torch.int32)
+        # starts 0, 7 (the row's end at position 65535), then every misalignment
+        ks = torch.tensor([0, 7, 9] + torch.randint(0, 64, (m - 3,), generator=gen).tolist(),
+                          dtype=torch.int32).minimum(ke) if with_ks else None
         _check_packed_form(capfd, x, ks, ke, sorted_, want)
 
 
@@ -1164,6 +1168,47 @@ def test_topk_resident_per_sm(monkeypatch, per_sm, dtype, keys, kind, many):
     gen = torch.Generator().manual_seed(int(keys) + m + len(kind) + (4 if per_sm == "4" else 0))
     for n_max in (per_cta - 8, per_cta // 2 + 3):
         _check_resident_rows(kind, m, n_max, dtype, gen)
+
+
+FULL_ROW_FORMS = [("4", 256, torch.bfloat16, 32), ("4", 256, torch.float32, 20), ("2", 512, torch.bfloat16, 32),
+                  ("2", 512, torch.float32, 24), ("1", 1024, torch.bfloat16, 16), ("1", 1024, torch.float32, 8)]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_sm,threads,dtype,keys", FULL_ROW_FORMS)
+def test_topk_resident_full_rows_from_any_start(monkeypatch, capfd, per_sm, threads, dtype, keys):
+    # rows whose column 0 is 16-byte aligned span at most the vectors of their columns, whatever their start
+    # (cu_seq_len_k_start): rows of exactly one CTA's keys, from every misalignment to the last column, take
+    # one CTA of that form; with a misaligned row stride a start may need one vector more, and it is not taken
+    if per_sm == "1":
+        monkeypatch.setenv("DI_TOPK_RESIDENT", "1")
+        monkeypatch.setenv("DI_TOPK_RESIDENT_THREADS", str(threads))
+    else:
+        monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", per_sm)
+    monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", str(keys))
+    monkeypatch.setenv("DI_JIT_DEBUG", "1")
+    n = threads * keys
+    vec = 16 // torch.tensor([], dtype=dtype).element_size()
+    case = FULL_ROW_FORMS.index((per_sm, threads, dtype, keys))
+    gen = torch.Generator().manual_seed(500 + case)
+    for aligned in (True, False):
+        m = 41 + 2 * case + (not aligned)  # a launch line of its own for each case
+        x = make_rows("random", m, n + 1, dtype, gen)
+        # row stride n (aligned) or n + 1 (rows past the first misaligned)
+        x = x[:, :n].contiguous() if aligned else x[:, 1:]
+        ks = torch.tensor([0, vec - 1, 1, n - 5, n] + torch.randint(0, 4 * vec, (m - 5,), generator=gen).tolist(),
+                          dtype=torch.int32)
+        ke = torch.full((m,), n, dtype=torch.int32)
+        ke[5] = ks[5] + 700  # a row of fewer than 2048 keys
+        capfd.readouterr()
+        _check_once(x, 2048, ks, ke, index_mode="absolute")
+        _check_once(x, 512, ks, ke, return_values=True)
+        vecs = n // vec + (not aligned)
+        lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk resident rows={m} vecs={vecs} " in ln]
+        assert len(lines) == 2, lines
+        form = f"cluster 1, {threads} threads x {keys} keys, {per_sm} per SM"
+        assert all((form in ln) == aligned for ln in lines), (aligned, lines)
 
 
 @requires_sm90

@@ -221,6 +221,17 @@ def topk_buffered():
     _topk(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0)
     _topk(k=100, DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0)
     _topk(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0, DI_TOPK_PACKED=0)  # bfloat16 survivors in two words
+    # aligned rows of 65536 columns from misaligned starts: survivors in one word, the last at position 65535
+    import deep_indexer as di
+
+    old = _env(DI_TOPK_RESIDENT=0, DI_TOPK_CLUSTER=1, DI_TOPK_WIDE=0)
+    try:
+        x = torch.randn(3, 65536, generator=torch.Generator().manual_seed(5)).cuda().bfloat16()
+        x[:, -4:] = 100.0
+        ks = torch.tensor([7, 1, 0], dtype=torch.int32, device="cuda")
+        di.topk_indices(x, 2048, ks, torch.full_like(ks, 65536), index_mode="absolute", return_values=True)
+    finally:
+        _restore(old)
 
 
 @case
@@ -303,6 +314,8 @@ def topk_resident_four_per_sm():
     def calls(x, ks, ke, gen):
         di.topk_indices(x.bfloat16(), 512, ks, ke, index_mode="absolute", return_values=True)  # 32 keys a thread
         di.topk_indices(x[:, :5000].contiguous(), 2048, ks, ke.clamp(max=5000))  # float32, 20 keys a thread
+        # aligned rows of exactly one CTA's keys from misaligned starts to the last column
+        di.topk_indices(x.bfloat16().contiguous(), 512, ks % 8 + 1, torch.full_like(ke, x.shape[1]))
 
     _resident_per_sm(4, 4, 8192, calls)
 

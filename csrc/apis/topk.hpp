@@ -123,9 +123,9 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   args.out_stride = idx.stride(0);
   args.out_values = return_values ? vals.data_ptr() : nullptr;
   args.values_stride = return_values ? vals.stride(0) : 0;
-  const bool starts_aligned = !ks.has_value() && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
-                             (logits.stride(0) * logits.element_size()) % 16 == 0;
-  launch_topk(static_cast<int>(logits.element_size()), sorted, starts_aligned, args, *d.info, d.num_sms, d.device,
+  const bool rows_aligned = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
+                            (logits.stride(0) * logits.element_size()) % 16 == 0;
+  launch_topk(static_cast<int>(logits.element_size()), sorted, rows_aligned, args, *d.info, d.num_sms, d.device,
               d.stream);
   return result;
 }

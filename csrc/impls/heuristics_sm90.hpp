@@ -166,8 +166,8 @@ struct TopkLaunch {
   unsigned grid, cluster, smem, threads;
   bool packed;  // one word per survivor (TopkLayout::packed_fits, one CTA per row)
 };
-// starts_aligned: every row starts on a 16-byte boundary (no cu_seq_len_k_start, aligned base and row stride).
-inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, bool starts_aligned, int num_sms) {
+// rows_aligned: every row's column 0 sits on a 16-byte boundary (aligned base and row stride).
+inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, bool rows_aligned, int num_sms) {
   const int64_t sms = std::max(1, num_sms);
   const int64_t step_keys = static_cast<int64_t>(TopkLayout::kNumThreads) * TopkLayout::kFilterVecs * l.vec();
   int cluster = 1;
@@ -186,7 +186,7 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
   const int64_t slots = sms * TopkLayout::ctas_per_sm(static_cast<int>(t.threads));
   const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, slots / cluster));
   t.grid = static_cast<unsigned>(clusters * cluster);
-  t.packed = cluster == 1 && TopkLayout::packed_fits(l.elem_bytes, cols, starts_aligned) &&
+  t.packed = cluster == 1 && TopkLayout::packed_fits(l.elem_bytes, cols, rows_aligned) &&
              env::get_int(env::kTopkPacked, 1) != 0;
   print_choice([&] {
     return fmt::format("topk rows={} cols={} elem_bytes={} sorted={}: grid {}, cluster {}, {} threads, smem {} B{}", rows,
@@ -219,8 +219,8 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
 // step (scans, searches, barriers) costs the SM issue slots per warp, so fewer threads with more keys
 // each pay where the per-key work is small against them (clusters); for one CTA per row the thread
 // count makes no difference and 1024 threads are kept.
-// `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' starts
-// are not known to be 16-byte aligned). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
+// `vecs`: the most 16-byte vectors a row spans (one more than its columns need where the rows' column 0 is
+// not known to be 16-byte aligned; launch_topk). DI_TOPK_RESIDENT (0, 1) turns it off / on wherever C <= 8 CTAs
 // hold the rows (any row count and k); DI_TOPK_RESIDENT_KEYS / DI_TOPK_RESIDENT_THREADS (256, 512, 1024)
 // force the keys per thread / the threads per CTA; DI_TOPK_RESIDENT_CTAS_PER_SM=4 / 2 the four- / two-CTA form
 // wherever one CTA holds a row, 1 neither.

@@ -52,14 +52,14 @@ struct TopkRuntime : jit::KernelRuntime<TopkRuntime> {
   static int threads(const Params& p) { return p.wide ? TopkLayout::kWideThreads : TopkLayout::kNumThreads; }
 
   // `p.cluster`, `p.wide` and `p.packed` are chosen here (from the launch heuristic).
-  static void launch(Params p, const TopkArgs& args, bool starts_aligned, const jit::DeviceInfo& dev, int num_sms,
+  static void launch(Params p, const TopkArgs& args, bool rows_aligned, const jit::DeviceInfo& dev, int num_sms,
                      int device, CUstream stream) {
     if (args.num_rows == 0 || args.k == 0) return;
     const TopkLayout l = p.layout();
     DI_CHECK_ARG(l.smem_bytes() <= static_cast<unsigned>(dev.max_smem_per_block_optin),
                  "topk: needs {} B of shared memory per block, the device allows {}", l.smem_bytes(),
                  dev.max_smem_per_block_optin);
-    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, starts_aligned, num_sms);
+    const sm90::TopkLaunch t = sm90::topk_launch(l, args.num_rows, args.num_cols, rows_aligned, num_sms);
     p.cluster = t.cluster > 1;
     p.wide = t.threads == static_cast<unsigned>(TopkLayout::kWideThreads);
     p.packed = t.packed;
@@ -133,12 +133,15 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
 };
 
 // topk_indices' launch: the resident form where the heuristic takes it, else the buffered kernel.
-// `starts_aligned`: every row's first valid column is 16-byte aligned (no ks, aligned base and stride).
-inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const TopkArgs& args, const jit::DeviceInfo& dev,
+// `rows_aligned`: every row's column 0 is 16-byte aligned (aligned base and row stride).
+// NOTES: then a row's vectors, from the one holding its first valid column lo (lo % vec columns before it)
+// to its end (<= num_cols), lie within the ceil(num_cols / vec) vectors of columns [0, num_cols), whatever
+// lo is; otherwise a row may span one more.
+inline void launch_topk(int elem_bytes, bool sorted, bool rows_aligned, const TopkArgs& args, const jit::DeviceInfo& dev,
                         int num_sms, int device, CUstream stream) {
   if (args.num_rows == 0 || args.k == 0) return;
   const int vec = TopkLayout::kVecBytes / elem_bytes;
-  const int64_t vecs = (static_cast<int64_t>(args.num_cols) + vec - 1) / vec + (starts_aligned ? 0 : 1);
+  const int64_t vecs = (static_cast<int64_t>(args.num_cols) + vec - 1) / vec + (rows_aligned ? 0 : 1);
   const sm90::TopkResidentLaunch t =
       sm90::topk_resident_launch(elem_bytes, sorted, args.num_rows, vecs, args.k, num_sms,
                                  [&](int kpt, int threads, int64_t c) {
@@ -150,7 +153,7 @@ inline void launch_topk(int elem_bytes, bool sorted, bool starts_aligned, const 
         args, device, stream);
     return;
   }
-  TopkRuntime::launch({elem_bytes, sorted, false}, args, starts_aligned, dev, num_sms, device, stream);
+  TopkRuntime::launch({elem_bytes, sorted, false}, args, rows_aligned, dev, num_sms, device, stream);
 }
 
 }  // namespace deep_indexer

@@ -20,12 +20,13 @@ struct TopkLayout {
   static constexpr int kCandCap = 8192;
   // NOTES: bfloat16 rows of at most kPackedMaxCols columns keep a survivor in one word: its raw bits (its key
   // once converted) in the high half, its position from the row's first 16-byte vector (column + the start's
-  // misalignment, at most 7) in the low half, which fits 16 bits; rows that all start 16-byte aligned (no
-  // misalignment) fit up to 65536 columns.
+  // misalignment, at most 7) in the low half, which fits 16 bits. Where every row's column 0 is 16-byte
+  // aligned, a position is below the row's end (column + start % 8 <= num_cols - 1, whatever the start),
+  // so rows fit up to 65536 columns.
   static constexpr int kPackedPositions = 65536;  // positions a 16-bit half holds
   static constexpr int kPackedMaxCols = kPackedPositions - (kVecBytes / 2 - 1);
-  DI_HOST_DEVICE static constexpr bool packed_fits(int elem_bytes, int64_t num_cols, bool starts_aligned) {
-    return elem_bytes == 2 && num_cols <= (starts_aligned ? kPackedPositions : kPackedMaxCols);
+  DI_HOST_DEVICE static constexpr bool packed_fits(int elem_bytes, int64_t num_cols, bool rows_aligned) {
+    return elem_bytes == 2 && num_cols <= (rows_aligned ? kPackedPositions : kPackedMaxCols);
   }
   // Rows longer than this take the threshold sample; shorter ones keep every key (they fit the
   // buffer). n > kNumThreads * 8 gives every sample slot a vector of its own.
