@@ -283,7 +283,8 @@ def topk_indices(logits, k, cu_seq_len_k_start, cu_seq_len_k_end, context_lens, 
                  block_size, row_offset, return_values, out, out_values, indices):
     """Exact, deterministic top-k column indices of every row of `logits` (see docs/topk.md).
 
-    logits: [M, N] float32/bfloat16, stride(1) == 1 (rows may be padded). Row ranges: either
+    logits: [M, N] float32/bfloat16, stride(1) == 1 (rows may be padded; rows that start 16-byte aligned,
+    as the ops' logits do, are fastest, whatever ks). Row ranges: either
     ks/ke int32 [M // next_n] (ks None = 0; row (g, i) = row g * next_n + i covers
     max(ks[g], 0) <= j < min(ke[g] - next_n + i + 1, N)), or context_lens int32 [B] (M = B * next_n;
     row (b, i) covers j < ctx[b] - next_n + i + 1) or [B, next_n] (row (b, i) covers j < ctx[b, i]).
