@@ -80,7 +80,7 @@ struct TopkResidentRuntime : jit::KernelRuntime<TopkResidentRuntime> {
       DI_CHECK_ARG(threads == 256 || threads == 512 || threads == 1024,
                    "topk_resident: threads must be 256, 512 or 1024, got {}", threads);
       const int vec = TopkLayout::kVecBytes / elem_bytes;
-      DI_CHECK_ARG(ctas_per_sm == 1 || ((ctas_per_sm == 2 || (ctas_per_sm == 4 && threads == 256)) && !cluster),
+      DI_CHECK_ARG(TopkResidentLayout::ctas_per_sm_supported(ctas_per_sm, threads, cluster),
                    "topk_resident: ctas_per_sm must be 1, 2 or 4 (256 threads) without clusters, got {}", ctas_per_sm);
       const int most = TopkResidentLayout::max_keys_per_thread(threads, cluster, elem_bytes, ctas_per_sm);
       DI_CHECK_ARG(keys_per_thread >= vec && keys_per_thread % vec == 0 && keys_per_thread <= most,

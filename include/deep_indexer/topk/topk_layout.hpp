@@ -132,6 +132,10 @@ struct TopkResidentLayout {
   // exchange's state. Fewer threads per SM raise it in proportion. At most kMaxKeysPerThread (a bit per key
   // in a word; 31 unpacked).
   static constexpr int kMaxKeysPerThread = 32;
+  // CTAs per SM: one (any form), or two (512 threads) or four (256) without clusters, one CTA per row
+  DI_HOST_DEVICE static constexpr bool ctas_per_sm_supported(int ctas_per_sm, int threads, bool cluster) {
+    return ctas_per_sm == 1 || ((ctas_per_sm == 2 || (ctas_per_sm == 4 && threads == 256)) && !cluster);
+  }
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
                                                           int ctas_per_sm = 1) {
     const bool two_keys_a_word = TopkResidentLayout{elem_bytes, 0, threads, ctas_per_sm, cluster}.packed();

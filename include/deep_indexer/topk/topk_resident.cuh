@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   constexpr int kBinsPerThread = kBins / kThreads;
   static_assert(kBins % kThreads == 0 && kBinsPerThread % 2 == 0 && kBinsPerThread <= 8, "2, 4 or 8 bins per thread");
   static_assert(kThreads * kKeysPerThread < 65536, "a CTA's (above, equal) counts are packed in 16 bits each");
-  static_assert(kCtasPerSm == 1 || ((kCtasPerSm == 2 || (kCtasPerSm == 4 && kThreads == 256)) && !kCluster),
+  static_assert(TopkResidentLayout::ctas_per_sm_supported(kCtasPerSm, kThreads, kCluster),
                 "two (512 threads) or four (256) CTAs per SM: one CTA per row");
   static_assert(kKeysPerThread <= TopkResidentLayout::max_keys_per_thread(kThreads, kCluster, kElemBytes, kCtasPerSm),
                 "the register budget");
