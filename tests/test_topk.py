@@ -725,11 +725,14 @@ def test_topk_decode_grouping_and_modes(next_n, two_d, mode):
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("runs", [[1] * 7, [2, 5, 1, 3], [40, 1, 70, 3]], ids=["ones", "mixed", "long_runs"])
-@pytest.mark.parametrize("cluster", ["0", "4"])
+@pytest.mark.parametrize("cluster", ["0", "4", "two_per_sm"])
 def test_topk_varlen_slot(monkeypatch, runs, cluster):
     # a row's block-table row is the first row of its run of equal ids (runs longer than the 32-id look-back
-    # window too); the other rows of the table hold garbage that must not be read
-    if cluster != "0":
+    # window too); the other rows of the table hold garbage that must not be read. two_per_sm: the resident
+    # form of two 512-thread CTAs per SM, whose k = 2048 entries are mapped when staged in shared memory
+    if cluster == "two_per_sm":
+        monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", "2")
+    elif cluster != "0":
         monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
     gen = torch.Generator().manual_seed(len(runs))
     m, n, bs = sum(runs), 9000, 32
@@ -1104,8 +1107,8 @@ def test_topk_packed_aligned_rows(monkeypatch, capfd, sorted_, kind):
 
 def _check_resident_rows(kind, m, n_max, dtype, gen):
     """m rows of up to n_max keys (misaligned starts, the longest row whole, an empty one, one of fewer
-    than k keys) through k = 2048 absolute with offsets (CTAs of 256 or 512 threads stage these entries in shared
-    memory), k = 333 with values, and k = 1024 slots."""
+    than k keys) through k = 2048 absolute with offsets, k = 333 with values, and k = 1024 and 2048 slots (CTAs
+    of 256 or 512 threads stage the k = 2048 entries in shared memory), also through blocks of 4 columns."""
     x = make_rows(kind, m, n_max + 8, dtype, gen)[:, 1:n_max + 1]
     ks = torch.randint(0, 40, (m,), generator=gen, dtype=torch.int32)
     ke = torch.randint(n_max // 2, n_max + 5, (m,), generator=gen, dtype=torch.int32)
@@ -1118,6 +1121,10 @@ def _check_resident_rows(kind, m, n_max, dtype, gen):
     ctx = torch.randint(1, n_max + 1, (m,), generator=gen, dtype=torch.int32)
     bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
     _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
+    _check(x, 2048, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
+    # blocks of 4 columns: a CTA's columns span more table entries than shared memory holds (the rest from global)
+    bt4 = torch.randperm(m * ((n_max + 3) // 4), generator=gen).to(torch.int32).view(m, -1)
+    _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt4, block_size=4)
 
 
 @requires_sm90

@@ -212,6 +212,9 @@ def _topk(k=256, **forced):
         ke = torch.tensor([n, n - 1, 300, 7, 12000], dtype=torch.int32, device="cuda")
         di.topk_indices(x, k, ks, ke, return_values=True)
         di.topk_indices(x.bfloat16(), k, ks, ke, index_mode="absolute")
+        # slot entries through a table of 64-column blocks (a short one: columns past it give -1)
+        bt = torch.randperm(m * 700, generator=gen).to(torch.int32).view(m, 700)[:, :500].cuda()
+        di.topk_indices(x, k, context_lens=ke, index_mode="slot", block_table=bt, block_size=64)
     finally:
         _restore(old)
 
@@ -303,6 +306,11 @@ def topk_resident_two_per_sm():
         di.topk_indices(x.bfloat16(), 2048, ks, ke)  # entries staged in shared memory (4 or more a thread)
         ties = torch.randint(0, 64, tuple(x.shape), generator=gen).float().cuda()  # float32, 24 keys, every pass
         di.topk_indices(ties, 2048, ks, ke, return_values=True)
+        # slot entries staged: mapped through the block table (a short one: columns past it give -1)
+        bt = torch.randperm(5 * 200, generator=gen).to(torch.int32).view(5, 200)[:, :150].cuda()
+        di.topk_indices(x, 2048, context_lens=ke, index_mode="slot", block_table=bt, block_size=64)
+        bt4 = torch.randperm(5 * 3000, generator=gen).to(torch.int32).view(5, 3000).cuda()  # more than shared memory holds
+        di.topk_indices(x, 1024, context_lens=ke, index_mode="slot", block_table=bt4, block_size=4)
 
     _resident_per_sm(2, 2, 12000, calls)
 

@@ -151,16 +151,19 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
     const uint32_t incl = warp_suffix_sum(own);
     above += incl - own;
     if (above < k && k <= above + own) {  // one thread: the k-th key's bin is one of its own
+      // NOTES: bins in rising order: `below` falls to the keys above bin i, and the first bin it leaves under
+      // k holds the k-th key (scanned downward instead, the 24-key float32 two-CTA form spills a register)
+      uint32_t below = above + own;
 #pragma unroll
-      for (int i = kPer - 1; i >= 0; --i) {
+      for (int i = 0; i < kPer; ++i) {
         const uint32_t c = bin_count(t * kPer + i);  // read again: no registers held over the scans
-        if (k <= above + c) {
+        below -= c;
+        if (k > below) {
           result[0] = t * kPer + i;
-          result[1] = above;
+          result[1] = below;
           result[2] = c;
           break;
         }
-        above += c;
       }
     }
   }

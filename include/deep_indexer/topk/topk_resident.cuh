@@ -141,6 +141,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     const RowSpan<kElemBytes> row(a, r, ks_r, ke_r, std::bool_constant<kCtasPerSm >= 2>{});
     const int n = row.n;
     if (!early) load_vecs(row.vec, row.num_vecs);
+    if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot) && a.indices == nullptr)
+      prefetch_table_row(a, r / a.table_next_n, ke_r);
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
     // NOTES: a thread holding no column of the row (whole warps past the end of a row shorter than the CTA's
     // share) skips every per-key step: its keys are 0, counted nowhere (pass 0 neither adds nor takes them
@@ -485,14 +487,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     while (static_cast<uint32_t>(__popc(eq_taken)) > room) eq_taken &= ~(0x80000000u >> __clz(eq_taken));  // rare
     uint32_t sel = gt | eq_taken;
     const int base = static_cast<int>(g + min(e, take_eq));
-    // NOTES: where a thread stores 4 or more entries on average, the entries are staged in pass 1's histogram
-    // (read again only after the next row's pass 0 clears it) and stored in coalesced runs: a thread's own
-    // run of stores touches a sector per entry. Entry p sits at p ^ (p / 32 % 32): a thread's run is
-    // consecutive, and without the swizzle lanes whose runs start a multiple of 32 words apart hit one bank.
+    // NOTES: where a thread stores 4 or more entries on average (and no values), the entries are staged in pass
+    // 1's histogram (read again only after the next row's pass 0 clears it; slot entries mapped through the block
+    // table first) and stored in coalesced runs: a thread's own run of stores touches a sector per entry. Entry
+    // p sits at p ^ (p / 32 % 32): a thread's run is consecutive, and without the swizzle lanes whose runs start
+    // a multiple of 32 words apart hit one bank.
     constexpr bool kCanStage = !kCluster && 4 * kThreads <= TopkLayout::kMaxK;
     static_assert(TopkLayout::kMaxK <= kBins, "a row's entries fit a histogram");
     const bool plain = !slot_mode && a.out_values == nullptr;  // the column plus a constant
     const bool staged = kCanStage && plain && total >= 4u * kThreads;
+    const bool staged_slots = kCanStage && slot_mode && a.out_values == nullptr && total >= 4u * kThreads;
     auto staged_entry = [&](uint32_t p) -> uint32_t& { return hist[kHistStride + (p ^ ((p >> 5) & 31u))]; };
     if (plain) {
       const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
@@ -515,13 +519,26 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
           sel &= sel - 1u;
         }
       }
+    } else if (staged_slots) {
+      SlotCursor cursor(a, seq);
+      for (uint32_t p = static_cast<uint32_t>(base); sel != 0u; ++p) {
+        staged_entry(p) = static_cast<uint32_t>(cursor.map(a, col0 + __ffs(sel) - 1, offset));
+        sel &= sel - 1u;
+      }
+      __syncthreads();
+#pragma unroll 1
+      for (uint32_t p = tid; p < static_cast<uint32_t>(a.k); p += kThreads)
+        out_row[p] = p < total ? static_cast<int>(staged_entry(p)) : -1;
     } else {
+      SlotCursor cursor(a, seq);  // slot mode
       for (int j = 0; sel != 0u; ++j) {
-        store_index<kElemBytes>(a, out_row, r, row.lo, seq, offset, base + j, col0 + __ffs(sel) - 1);
+        const int c = col0 + __ffs(sel) - 1;
+        store_entry<kElemBytes>(a, out_row, r, row.lo, base + j, c,
+                                slot_mode ? cursor.map(a, c, offset) : entry_index(a, row.lo, seq, offset, c));
         sel &= sel - 1u;
       }
     }
-    if (rank == 0 && !staged) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
+    if (rank == 0 && !staged && !staged_slots) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     tr.mark<5>();
     // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
     // ended with a barrier.

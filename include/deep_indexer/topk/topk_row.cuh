@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <deep_indexer/common/ptx.cuh>
 #include <deep_indexer/topk/topk_layout.hpp>
 
 namespace deep_indexer {
@@ -64,12 +65,9 @@ struct RowSpan {
   }
 };
 
-// Writes column j of row r (relative to lo) as output entry `pos` of `out_row` (row r of the output,
-// computed once per row) in the requested index convention, and its value when asked. seq: the row's
-// block-table row (slot mode).
-template <int kElemBytes>
-__device__ __forceinline__ void store_index(const TopkArgs& a, int* out_row, int r, int lo, int64_t seq, uint32_t offset,
-                                            int pos, int j) {
+// Column j of a row (relative to lo) in the requested index convention, plus the row's offset (-1 stays -1).
+// seq: the row's block-table row (slot mode).
+__device__ __forceinline__ int entry_index(const TopkArgs& a, int lo, int64_t seq, uint32_t offset, int j) {
   int idx = j;
   if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
     idx = lo + j;
@@ -78,7 +76,52 @@ __device__ __forceinline__ void store_index(const TopkArgs& a, int* out_row, int
     idx = blk < a.table_cols ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
                              : -1;
   }
-  if (idx != -1) idx = static_cast<int>(static_cast<uint32_t>(idx) + offset);
+  return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
+}
+
+// Slot mode, one thread's selected columns in rising order (the resident kernel's keys of a thread are
+// consecutive columns): each column's block and offset follow from the previous one's, and a block's table entry
+// is read once, instead of a division and a load per column (entry_index).
+struct SlotCursor {
+  const int* table_row;  // the row's block-table row
+  int col = -1;          // the last column mapped (relative to lo); -1: none yet
+  int blk = 0, off = 0;  // its block and its offset in it
+  int id = 0;            // the block's table entry
+  __device__ __forceinline__ SlotCursor(const TopkArgs& a, int64_t seq) : table_row(a.block_table + seq * a.table_stride) {}
+  // column j (>= 0, above the last one) in slot form, plus the row's offset (-1 past the table, as entry_index)
+  __device__ __forceinline__ int map(const TopkArgs& a, int j, uint32_t offset) {
+    if (col < 0) {
+      blk = j / a.block_size;
+      off = j - blk * a.block_size;
+      if (blk < a.table_cols) id = __ldg(table_row + blk);
+    } else {
+      off += j - col;
+      if (off >= a.block_size) {
+        do {
+          off -= a.block_size;
+          ++blk;
+        } while (off >= a.block_size);
+        if (blk < a.table_cols) id = __ldg(table_row + blk);
+      }
+    }
+    col = j;
+    const int idx = blk < a.table_cols ? id * a.block_size + off : -1;
+    return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
+  }
+};
+
+// Slot mode: the lines of block-table row `seq` that columns [0, cols) map through asked of L2 (the table is
+// read again at the emission), a 128-byte line (32 entries) per thread from entry 32 x tid.
+__device__ __forceinline__ void prefetch_table_row(const TopkArgs& a, int64_t seq, int cols) {
+  const int first = static_cast<int>(threadIdx.x) * 32;
+  if (first < a.table_cols && static_cast<int64_t>(first) * a.block_size < cols)
+    ptx::prefetch_l2(a.block_table + seq * a.table_stride + first);
+}
+
+// Writes entry `idx` (column j of row r, relative to lo, in the output's convention) as output entry `pos` of
+// `out_row` (row r of the output, computed once per row), and its value when asked.
+template <int kElemBytes>
+__device__ __forceinline__ void store_entry(const TopkArgs& a, int* out_row, int r, int lo, int pos, int j, int idx) {
   out_row[pos] = idx;
   if (a.out_values != nullptr) {
     const int64_t src = static_cast<int64_t>(r) * a.row_stride + lo + j;
