@@ -141,8 +141,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     const RowSpan<kElemBytes> row(a, r, ks_r, ke_r, std::bool_constant<kCtasPerSm >= 2>{});
     const int n = row.n;
     if (!early) load_vecs(row.vec, row.num_vecs);
-    if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot) && a.indices == nullptr)
-      prefetch_table_row(a, r / a.table_next_n, ke_r);
     const uint32_t valid = row.valid_bits(v0, kKeysPerThread);  // the thread's keys are consecutive columns
     // NOTES: a thread holding no column of the row (whole warps past the end of a row shorter than the CTA's
     // share) skips every per-key step: its keys are 0, counted nowhere (pass 0 neither adds nor takes them

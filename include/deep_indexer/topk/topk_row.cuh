@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <deep_indexer/common/ptx.cuh>
 #include <deep_indexer/topk/topk_layout.hpp>
 
 namespace deep_indexer {
@@ -109,14 +108,6 @@ struct SlotCursor {
     return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
   }
 };
-
-// Slot mode: the lines of block-table row `seq` that columns [0, cols) map through asked of L2 (the table is
-// read again at the emission), a 128-byte line (32 entries) per thread from entry 32 x tid.
-__device__ __forceinline__ void prefetch_table_row(const TopkArgs& a, int64_t seq, int cols) {
-  const int first = static_cast<int>(threadIdx.x) * 32;
-  if (first < a.table_cols && static_cast<int64_t>(first) * a.block_size < cols)
-    ptx::prefetch_l2(a.block_table + seq * a.table_stride + first);
-}
 
 // Writes entry `idx` (column j of row r, relative to lo, in the output's convention) as output entry `pos` of
 // `out_row` (row r of the output, computed once per row), and its value when asked.
