@@ -1122,7 +1122,7 @@ def _check_resident_rows(kind, m, n_max, dtype, gen):
     bt = torch.randperm(m * ((n_max + 63) // 64), generator=gen).to(torch.int32).view(m, -1)
     _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
     _check(x, 2048, None, None, context_lens=ctx, index_mode="slot", block_table=bt, block_size=64)
-    # blocks of 4 columns: a CTA's columns span more table entries than shared memory holds (the rest from global)
+    # blocks of 4 columns: a thread's consecutive columns cross several blocks (the slot cursor steps over them)
     bt4 = torch.randperm(m * ((n_max + 3) // 4), generator=gen).to(torch.int32).view(m, -1)
     _check(x, 1024, None, None, context_lens=ctx, index_mode="slot", block_table=bt4, block_size=4)
 

@@ -309,7 +309,7 @@ def topk_resident_two_per_sm():
         # slot entries staged: mapped through the block table (a short one: columns past it give -1)
         bt = torch.randperm(5 * 200, generator=gen).to(torch.int32).view(5, 200)[:, :150].cuda()
         di.topk_indices(x, 2048, context_lens=ke, index_mode="slot", block_table=bt, block_size=64)
-        bt4 = torch.randperm(5 * 3000, generator=gen).to(torch.int32).view(5, 3000).cuda()  # more than shared memory holds
+        bt4 = torch.randperm(5 * 3000, generator=gen).to(torch.int32).view(5, 3000).cuda()  # a thread's columns span blocks
         di.topk_indices(x, 1024, context_lens=ke, index_mode="slot", block_table=bt4, block_size=4)
 
     _resident_per_sm(2, 2, 12000, calls)
