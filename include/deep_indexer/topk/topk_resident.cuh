@@ -496,6 +496,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     const bool staged = kCanStage && plain && total >= 4u * kThreads;
     const bool staged_slots = kCanStage && slot_mode && a.out_values == nullptr && total >= 4u * kThreads;
     auto staged_entry = [&](uint32_t p) -> uint32_t& { return hist[kHistStride + (p ^ ((p >> 5) & 31u))]; };
+    auto store_staged = [&]() {  // every thread's entries staged: the row's k entries, -1 past `total`
+      __syncthreads();
+      // NOTES: not unrolled: the unrolled steps' addresses were hoisted out of the row loop and spilled
+#pragma unroll 1
+      for (uint32_t p = tid; p < static_cast<uint32_t>(a.k); p += kThreads)
+        out_row[p] = p < total ? static_cast<int>(staged_entry(p)) : -1;
+    };
     if (plain) {
       const bool absolute = a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute);
       const uint32_t add = (absolute ? static_cast<uint32_t>(row.lo) : 0u) + offset;
@@ -505,11 +512,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
           staged_entry(p) = c0 + static_cast<uint32_t>(__ffs(sel) - 1);
           sel &= sel - 1u;
         }
-        __syncthreads();
-        // NOTES: not unrolled: the unrolled steps' addresses were hoisted out of the row loop and spilled
-#pragma unroll 1
-        for (uint32_t p = tid; p < static_cast<uint32_t>(a.k); p += kThreads)
-          out_row[p] = p < total ? static_cast<int>(staged_entry(p)) : -1;
+        store_staged();
       } else {
         int* dst = out_row + base;  // advanced per store (no index arithmetic per store)
         while (sel != 0u) {
@@ -523,10 +526,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
         staged_entry(p) = static_cast<uint32_t>(cursor.map(a, col0 + __ffs(sel) - 1, offset));
         sel &= sel - 1u;
       }
-      __syncthreads();
-#pragma unroll 1
-      for (uint32_t p = tid; p < static_cast<uint32_t>(a.k); p += kThreads)
-        out_row[p] = p < total ? static_cast<int>(staged_entry(p)) : -1;
+      store_staged();
     } else {
       SlotCursor cursor(a, seq);  // slot mode
       for (int j = 0; sel != 0u; ++j) {

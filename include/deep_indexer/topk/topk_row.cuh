@@ -64,6 +64,11 @@ struct RowSpan {
   }
 };
 
+// An entry plus the row's offset (-1 stays -1; int32 arithmetic wraps).
+__device__ __forceinline__ int plus_offset(int idx, uint32_t offset) {
+  return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
+}
+
 // Column j of a row (relative to lo) in the requested index convention, plus the row's offset (-1 stays -1).
 // seq: the row's block-table row (slot mode).
 __device__ __forceinline__ int entry_index(const TopkArgs& a, int lo, int64_t seq, uint32_t offset, int j) {
@@ -75,7 +80,7 @@ __device__ __forceinline__ int entry_index(const TopkArgs& a, int lo, int64_t se
     idx = blk < a.table_cols ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
                              : -1;
   }
-  return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
+  return plus_offset(idx, offset);
 }
 
 // Slot mode, one thread's selected columns in rising order (the resident kernel's keys of a thread are
@@ -104,8 +109,7 @@ struct SlotCursor {
       }
     }
     col = j;
-    const int idx = blk < a.table_cols ? id * a.block_size + off : -1;
-    return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
+    return plus_offset(blk < a.table_cols ? id * a.block_size + off : -1, offset);
   }
 };
 
