@@ -705,21 +705,24 @@ def test_topk_many_rows_random_ranges(k):
 @pytest.mark.parametrize("next_n", [1, 2, 4])
 @pytest.mark.parametrize("two_d", [False, True])
 @pytest.mark.parametrize("mode", ["relative", "absolute", "slot"])
-def test_topk_decode_grouping_and_modes(next_n, two_d, mode):
+def test_topk_decode_grouping_and_modes(monkeypatch, next_n, two_d, mode):
     gen = torch.Generator().manual_seed(next_n * 10 + two_d)
-    B, max_len, bs = 9, 5000, 64
+    B, max_len = 9, 5000
     ctx = torch.randint(0, max_len + 1, (B,), generator=gen, dtype=torch.int32)
     ctx[0] = 0
     ctx[1] = max_len
     if two_d:
         ctx = (ctx[:, None] - torch.randint(0, 3, (B, next_n), generator=gen, dtype=torch.int32)).clamp_min(0)
     x = make_rows("ties", B * next_n, max_len, torch.float32, gen)
-    nblk = (max_len + bs - 1) // bs
-    bt = torch.randperm(B * nblk, generator=gen).to(torch.int32).reshape(B, nblk)
     kw = dict(context_lens=ctx, next_n=next_n, index_mode=mode, row_offset=torch.randint(0, 1000, (B * next_n,), generator=gen, dtype=torch.int32))
-    if mode == "slot":
-        kw.update(block_table=bt[:, : nblk - 3], block_size=bs)  # short table: columns past it give -1
-    _check(x, 512, None, None, **kw)
+    if mode != "slot":
+        _check(x, 512, None, None, **kw)
+    for bs in (64, 48) if mode == "slot" else ():  # a power of two (a column's block by a shift) and not
+        nblk = (max_len + bs - 1) // bs
+        bt = torch.randperm(B * nblk, generator=gen).to(torch.int32).reshape(B, nblk)
+        for resident in ("1", "0"):  # the resident kernel's cursor and the buffered kernel's per-entry mapping
+            monkeypatch.setenv("DI_TOPK_RESIDENT", resident)
+            _check(x, 512, None, None, block_table=bt[:, : nblk - 3], block_size=bs, **kw)  # short table: -1 past it
 
 
 @requires_sm90

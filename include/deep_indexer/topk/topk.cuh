@@ -809,7 +809,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
           K::emit_windows(sel, total, n, mis, row_vec, cand_key, cand_col, plane_gt, plane_eq, warp_sums, hist,
                           hist_next, sort_buf, tid, lane, warp, clear_words);
       if (slot_mode)
-        seq = a.indices != nullptr ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : r / a.table_next_n;
+        seq = a.indices != nullptr ? static_cast<int64_t>(scalars[TopkLayout::kScalarTableRow]) : table_row_of(a, r);
       if constexpr (!kSorted) {
         // every position is staged: each emit is followed by the window loop's closing barrier
         for (int p = tid; p < static_cast<int>(total); p += kThreads) {

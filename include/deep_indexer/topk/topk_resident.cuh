@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     tr.mark<3>();
     const int64_t seq = !slot_mode ? 0
                         : a.indices != nullptr ? static_cast<int64_t>(scalars[TopkResidentLayout::kScalarTableRow])
-                                               : r / a.table_next_n;
+                                               : table_row_of(a, r);
     const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
     const int col0 = v0 * kVec - row.mis;  // the column of key 0 (relative to lo)
     int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;

@@ -64,6 +64,16 @@ struct RowSpan {
   }
 };
 
+// Slot mode: row r's block-table row (table_next_n rows per sequence; no division for one).
+__device__ __forceinline__ int64_t table_row_of(const TopkArgs& a, int r) {
+  return a.table_next_n == 1 ? r : r / a.table_next_n;
+}
+// Column j's (>= 0) block: a shift for a power-of-two block size (a uniform branch), else a division.
+__device__ __forceinline__ int block_of(const TopkArgs& a, int j) {
+  const int bs = a.block_size;
+  return (bs & (bs - 1)) == 0 ? j >> (__ffs(bs) - 1) : j / bs;
+}
+
 // An entry plus the row's offset (-1 stays -1; int32 arithmetic wraps).
 __device__ __forceinline__ int plus_offset(int idx, uint32_t offset) {
   return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
@@ -76,7 +86,7 @@ __device__ __forceinline__ int entry_index(const TopkArgs& a, int lo, int64_t se
   if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
     idx = lo + j;
   } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
-    const int blk = j / a.block_size;
+    const int blk = block_of(a, j);
     idx = blk < a.table_cols ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
                              : -1;
   }
@@ -95,7 +105,7 @@ struct SlotCursor {
   // column j (>= 0, above the last one) in slot form, plus the row's offset (-1 past the table, as entry_index)
   __device__ __forceinline__ int map(const TopkArgs& a, int j, uint32_t offset) {
     if (col < 0) {
-      blk = j / a.block_size;
+      blk = block_of(a, j);
       off = j - blk * a.block_size;
       if (blk < a.table_cols) id = __ldg(table_row + blk);
     } else {
