@@ -118,6 +118,7 @@ inline std::vector<at::Tensor> topk_indices(const at::Tensor& logits, int64_t k,
   args.table_stride = block_table.has_value() ? block_table->stride(0) : 0;
   args.table_cols = block_table.has_value() ? static_cast<int>(block_table->size(1)) : 0;
   args.block_size = static_cast<int>(block_size);
+  args.block_shift = block_size >= 1 && (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(block_size) : -1;
   args.row_offset = row_offset.has_value() ? row_offset->data_ptr<int>() : nullptr;
   args.out = idx.data_ptr<int>();
   args.out_stride = idx.stride(0);

@@ -407,6 +407,8 @@ struct PipelineState {
 // ---------------------------------------------------------------- global memory
 // The 128-byte line of `p` asked of L2 (no data returned, no register).
 DI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+// The 128-byte line of `p` asked of the SM's L1 (no data returned, no register).
+DI_DEVICE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
 DI_DEVICE void st_global_v4(void* ptr, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)

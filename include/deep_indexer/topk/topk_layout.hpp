@@ -215,6 +215,7 @@ struct TopkArgs {
   int64_t out_stride;
   void* out_values;       // may be null; logits dtype
   int64_t values_stride;
+  int block_shift;         // slot mode: log2(block_size) when it is a power of two, else -1
 };
 
 }  // namespace deep_indexer

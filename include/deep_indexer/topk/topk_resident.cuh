@@ -125,6 +125,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
     const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
+#ifndef DI_TOPK_TABLE_L1
+#define DI_TOPK_TABLE_L1 1
+#endif
+    // NOTES: slot mode without varlen: the lines of the table entries of the CTA's columns (a superset: its
+    // vectors' columns, whatever the row's range) are asked of L1 by the last warp before any register is
+    // loaded, so that the emission's cursor reads wait on L1, not L2 or DRAM
+    if (DI_TOPK_TABLE_L1 && a.index_mode == static_cast<int>(TopkIndexMode::kSlot) && a.indices == nullptr &&
+        warp == kWarps - 1) {
+      const int c_lo = rank * kThreads * kKeysPerThread;
+      prefetch_table_l1(a, table_row_of(a, r), max(c_lo - kVec, 0), min(c_lo + kThreads * kKeysPerThread, a.num_cols),
+                        lane);
+    }
     uint4 raw[kVecs];
     auto load_vecs = [&](const uint4* vp, int nv) {
 #pragma unroll

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <deep_indexer/common/ptx.cuh>
 #include <deep_indexer/topk/topk_layout.hpp>
 
 namespace deep_indexer {
@@ -68,10 +69,9 @@ struct RowSpan {
 __device__ __forceinline__ int64_t table_row_of(const TopkArgs& a, int r) {
   return a.table_next_n == 1 ? r : r / a.table_next_n;
 }
-// Column j's (>= 0) block: a shift for a power-of-two block size (a uniform branch), else a division.
+// Column j's (>= 0) block: a shift for a power-of-two block size (`block_shift`, set by the host), else a division.
 __device__ __forceinline__ int block_of(const TopkArgs& a, int j) {
-  const int bs = a.block_size;
-  return (bs & (bs - 1)) == 0 ? j >> (__ffs(bs) - 1) : j / bs;
+  return a.block_shift >= 0 ? j >> a.block_shift : j / a.block_size;
 }
 
 // An entry plus the row's offset (-1 stays -1; int32 arithmetic wraps).
@@ -79,30 +79,16 @@ __device__ __forceinline__ int plus_offset(int idx, uint32_t offset) {
   return idx != -1 ? static_cast<int>(static_cast<uint32_t>(idx) + offset) : -1;
 }
 
-// Column j of a row (relative to lo) in the requested index convention, plus the row's offset (-1 stays -1).
-// seq: the row's block-table row (slot mode).
-__device__ __forceinline__ int entry_index(const TopkArgs& a, int lo, int64_t seq, uint32_t offset, int j) {
-  int idx = j;
-  if (a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute)) {
-    idx = lo + j;
-  } else if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) {
-    const int blk = block_of(a, j);
-    idx = blk < a.table_cols ? __ldg(a.block_table + seq * a.table_stride + blk) * a.block_size + (j - blk * a.block_size)
-                             : -1;
-  }
-  return plus_offset(idx, offset);
-}
-
 // Slot mode, one thread's selected columns in rising order (the resident kernel's keys of a thread are
 // consecutive columns): each column's block and offset follow from the previous one's, and a block's table entry
-// is read once, instead of a division and a load per column (entry_index).
+// is read once, instead of a division and a load per column.
 struct SlotCursor {
   const int* table_row;  // the row's block-table row
   int col = -1;          // the last column mapped (relative to lo); -1: none yet
   int blk = 0, off = 0;  // its block and its offset in it
   int id = 0;            // the block's table entry
   __device__ __forceinline__ SlotCursor(const TopkArgs& a, int64_t seq) : table_row(a.block_table + seq * a.table_stride) {}
-  // column j (>= 0, above the last one) in slot form, plus the row's offset (-1 past the table, as entry_index)
+  // column j (>= 0, above the last one) in slot form, plus the row's offset (-1 past the table)
   __device__ __forceinline__ int map(const TopkArgs& a, int j, uint32_t offset) {
     if (col < 0) {
       blk = block_of(a, j);
@@ -122,6 +108,26 @@ struct SlotCursor {
     return plus_offset(blk < a.table_cols ? id * a.block_size + off : -1, offset);
   }
 };
+
+// Column j of a row (relative to lo) in the requested index convention, plus the row's offset (-1 stays -1).
+// seq: the row's block-table row (slot mode).
+__device__ __forceinline__ int entry_index(const TopkArgs& a, int lo, int64_t seq, uint32_t offset, int j) {
+  if (a.index_mode == static_cast<int>(TopkIndexMode::kSlot)) return SlotCursor(a, seq).map(a, j, offset);
+  return plus_offset(a.index_mode == static_cast<int>(TopkIndexMode::kAbsolute) ? lo + j : j, offset);
+}
+
+// Slot mode: asks L1 for the 128-byte lines of table row `seq` that hold the entries of columns [j0, j1)
+// (relative to lo, j0 >= 0), line i by lane i (i < 32: more lines take turns), so that the emission's table
+// reads, which its stores wait for, find them there. Called by one warp.
+__device__ __forceinline__ void prefetch_table_l1(const TopkArgs& a, int64_t seq, int j0, int j1, int lane) {
+  if (j1 <= j0) return;
+  const int b0 = block_of(a, j0), b1 = min(block_of(a, j1 - 1) + 1, a.table_cols);  // entries [b0, b1)
+  if (b0 >= b1) return;
+  const int* row = a.block_table + seq * a.table_stride;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row + b0) & ~uintptr_t{127};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row + b1);  // every line asked holds an entry of [b0, b1)
+  for (uintptr_t p = first + 128u * lane; p < end; p += 32u * 128u) ptx::prefetch_l1(reinterpret_cast<const void*>(p));
+}
 
 // Writes entry `idx` (column j of row r, relative to lo, in the output's convention) as output entry `pos` of
 // `out_row` (row r of the output, computed once per row), and its value when asked.
