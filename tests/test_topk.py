@@ -1169,8 +1169,8 @@ PER_SM_FORMS = [("2", torch.float32, "4"), ("2", torch.float32, "12"), ("2", tor
 def test_topk_resident_per_sm(monkeypatch, per_sm, dtype, keys, kind, many):
     # the resident forms with two 512-thread or four 256-thread CTAs per SM (forced; bfloat16 keys packed two
     # per register, float32 up to its register budget: 24 keys a thread at 512 threads, 20 at 256): rows up to
-    # one CTA's keys, 3 rows or more rows than CTAs per SM (grid-stride), misaligned starts, empty rows, rows of
-    # fewer than k keys, every index mode
+    # one CTA's keys, 3 rows or more rows than the SMs hold CTAs at once (a CTA per row, dealt by the hardware),
+    # misaligned starts, empty rows, rows of fewer than k keys, every index mode
     monkeypatch.setenv("DI_TOPK_RESIDENT_CTAS_PER_SM", per_sm)
     monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", keys)
     per_cta = 1024 // int(per_sm) * int(keys)
@@ -1178,6 +1178,27 @@ def test_topk_resident_per_sm(monkeypatch, per_sm, dtype, keys, kind, many):
     gen = torch.Generator().manual_seed(int(keys) + m + len(kind) + (4 if per_sm == "4" else 0))
     for n_max in (per_cta - 8, per_cta // 2 + 3):
         _check_resident_rows(kind, m, n_max, dtype, gen)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_max,per_sm", [(4000, 4), (10000, 2)])
+def test_topk_resident_several_per_sm_launch_a_cta_per_row(monkeypatch, capfd, dtype, n_max, per_sm):
+    # by default, past 2 x SMs rows of at most 4K (10K) keys at k = 512 take the four- (two-) CTA form with one
+    # CTA per row (the grid as large as the rows: the hardware deals them), and the results stay exact
+    monkeypatch.setenv("DI_JIT_DEBUG", "1")
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    m = 4 * sms + 3 + per_sm  # more rows than the SMs hold CTAs of either form at once; a launch line of its own
+    gen = torch.Generator().manual_seed(900 + per_sm + (dtype == torch.bfloat16))
+    x = make_rows("random", m, n_max, dtype, gen)
+    ke = torch.randint(n_max * 7 // 10, n_max + 1, (m,), generator=gen, dtype=torch.int32)
+    ke[1] = 100  # fewer keys than k
+    capfd.readouterr()
+    _check_once(x, 512, None, ke)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk resident rows={m} " in ln]
+    assert len(lines) == 1, lines
+    assert f"grid {m}, cluster 1," in lines[0] and f"{per_sm} per SM" in lines[0], lines[0]
 
 
 FULL_ROW_FORMS = [("4", 256, torch.bfloat16, 32), ("4", 256, torch.float32, 20), ("2", 512, torch.bfloat16, 32),
