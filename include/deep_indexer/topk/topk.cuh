@@ -644,11 +644,8 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
     const int lo = row.lo, n = row.n, mis = row.mis, num_vecs = row.num_vecs;
     const uint4* row_vec = row.vec;
     const bool slot_mode = a.index_mode == static_cast<int>(TopkIndexMode::kSlot);
-#ifndef DI_TOPK_TABLE_L1
-#define DI_TOPK_TABLE_L1 1
-#endif
     // NOTES: slot mode without varlen: the row's table lines asked of the emitting CTA's L1 by its last warp
-    if (DI_TOPK_TABLE_L1 && slot_mode && a.indices == nullptr && rank() == 0 && warp == kWarps - 1)
+    if (slot_mode && a.indices == nullptr && rank() == 0 && warp == kWarps - 1)
       prefetch_table_l1(a, table_row_of(a, r), 0, n, lane);
     const int per_cta = (num_vecs + num_ctas - 1) / num_ctas;
     const int v_begin = min(rank() * per_cta, num_vecs), v_end = min(v_begin + per_cta, num_vecs);

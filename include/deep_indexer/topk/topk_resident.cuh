@@ -125,15 +125,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
     const int v0 = rank * kThreads * kVecs + tid * kVecs;  // < 2^31: the API bounds the columns
-#ifndef DI_TOPK_TABLE_L1
-#define DI_TOPK_TABLE_L1 1
-#endif
     // NOTES: slot mode without varlen: the lines of the table entries of the CTA's columns (a superset: its
     // vectors' columns, whatever the row's range) are asked of L1 by the last warp before any register is
     // loaded, so that the emission's cursor reads wait on L1, not L2 or DRAM. Only with one CTA per SM: in the
-    // issue-bound forms of two and four the code moved the relative rows' schedule (K-D5 float32 +0.2 us,
-    // K-V4F-1K bfloat16 +0.2) for 0-0.3 us on slot rows.
-    constexpr bool kTableL1 = DI_TOPK_TABLE_L1 && kCtasPerSm == 1;
+    // issue-bound forms of two and four it slowed the relative rows more than it sped slot rows (design-notes).
+    constexpr bool kTableL1 = kCtasPerSm == 1;
     if (kTableL1 && a.index_mode == static_cast<int>(TopkIndexMode::kSlot) && a.indices == nullptr &&
         warp == kWarps - 1) {
       const int c_lo = rank * kThreads * kKeysPerThread;
