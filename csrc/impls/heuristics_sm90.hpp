@@ -201,9 +201,9 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
 // - Two 512-thread CTAs per SM, one row each (bfloat16 keys two per register, up to 16K keys a row; float32
 //   up to 12K): with more rows than SMs both rows' chains of dependent steps run at once instead of one
 //   after the other (DeepSeek-V4 decode rows: 256 x ~8K; float32 K-V4F 14.5 -> 13.0 us, K-D5 15.9 -> 15.1,
-//   H200; 1024 x ~8K bfloat16 k = 512 31.6 -> 26.7 us against the buffered kernel), and for bfloat16 with fewer rows than SMs half the warps of one 1024-thread CTA
-//   take each block-wide step (64 x ~8K: 9.7 -> 9.0 us, H200; float32 rows there stay on one CTA of 1024
-//   threads, which was faster: 9.5 vs 10.0 us).
+//   H200; 1024 x ~8K bfloat16 k = 512 31.6 -> 26.7 us against the buffered kernel), and for bfloat16 with
+//   fewer rows than SMs half the warps of one 1024-thread CTA take each block-wide step (64 x ~8K: 9.7 -> 9.0
+//   us, H200; float32 rows there stay on one CTA of 1024 threads, which was faster: 9.5 vs 10.0 us).
 // - Four 256-thread CTAs per SM, one row each (bfloat16 up to 8K keys, float32 up to 5K), past 2 x SMs rows at
 //   k <= 1024: four rows' chains at once (causal 4096 x 4K bfloat16, k = 512: 60.1 -> 38.5 us, H200).
 // - Both take one row per CTA, the grid as many CTAs as rows: past 2 (4) x SMs rows the hardware deals the rows
@@ -309,10 +309,10 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     t.threads = static_cast<unsigned>(threads);
     t.cluster = static_cast<unsigned>(c);
     t.smem = TopkResidentLayout{elem_bytes, kpt, threads, static_cast<int>(t.ctas_per_sm)}.launch_smem_bytes();
-    // NOTES: the forms of two and four CTAs per SM take one row per CTA (grid = rows): the hardware deals the
-    // rows as CTAs finish, so rows of unequal length balance themselves; one CTA per SM takes rows in turn
+    // NOTES: two or four CTAs per SM: a CTA per row (see above); one CTA per SM: rows in turn, next row in L2
     const bool row_per_cta = t.ctas_per_sm >= 2;
-    const int64_t clusters = row_per_cta ? rows : std::min<int64_t>(rows, std::max<int64_t>(1, t.ctas_per_sm * sms / c));
+    const int64_t clusters =
+        row_per_cta ? rows : std::min<int64_t>(rows, std::max<int64_t>(1, t.ctas_per_sm * sms / c));
     t.grid = static_cast<unsigned>(clusters * c);
   }
   print_choice([&] {
