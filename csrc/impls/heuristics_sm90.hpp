@@ -277,7 +277,8 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
   const bool four_default = per_sm == 0 && forced != 1 && rows > 2 * sms && k <= kFourCtaMostK;
   auto several_per_sm = [&](int n, int per) {  // `per` CTAs of n threads per SM: the fewest keys that hold a row
     for (int c = vec; c <= kMostKeys; c += vec)
-      if (kpt == 0 && fits(c, n, false, per) && ctas(c, n) == 1) kpt = c, threads = n, t.ctas_per_sm = static_cast<unsigned>(per);
+      if (kpt == 0 && fits(c, n, false, per) && ctas(c, n) == 1)
+        kpt = c, threads = n, t.ctas_per_sm = static_cast<unsigned>(per);
   };
   if (per_sm == 4 || four_default) several_per_sm(256, 4);
   if (per_sm == 2 || two_default) several_per_sm(512, 2);

@@ -804,7 +804,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       const uint32_t offset = a.row_offset == nullptr ? 0u : static_cast<uint32_t>(__ldg(a.row_offset + r));
       int* out_row = a.out + static_cast<int64_t>(r) * a.out_stride;
       // Writes column j (relative to lo) as output entry `pos` in the requested index convention.
-      auto store = [&](int pos, int j) { store_entry<kElemBytes>(a, out_row, r, lo, pos, j, entry_index(a, lo, seq, offset, j)); };
+      auto store = [&](int pos, int j) {
+        store_entry<kElemBytes>(a, out_row, r, lo, pos, j, entry_index(a, lo, seq, offset, j));
+      };
 
       // ---- 4. emission in column order (staged in `hist` for unsorted output)
       uint32_t* stage = hist;

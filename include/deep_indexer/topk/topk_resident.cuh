@@ -1,6 +1,7 @@
 // topk_resident: top-k indices of rows short enough for one cluster to hold in registers (docs/topk.md).
 //
-// A cluster of C CTAs (kThreads threads, one CTA per SM) per row, grid-stride over rows. CTA c holds the
+// A cluster of C CTAs (kThreads threads, kCtasPerSm CTAs per SM) per row, grid-stride over rows (with two or four
+// CTAs per SM the host launches a CTA per row). CTA c holds the
 // row's 16-byte vectors [c * P, (c + 1) * P) (P = vecs_per_cta()), thread t of it the vecs_per_thread()
 // consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
 // (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.

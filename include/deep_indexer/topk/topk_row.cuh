@@ -87,7 +87,8 @@ struct SlotCursor {
   int col = -1;          // the last column mapped (relative to lo); -1: none yet
   int blk = 0, off = 0;  // its block and its offset in it
   int id = 0;            // the block's table entry
-  __device__ __forceinline__ SlotCursor(const TopkArgs& a, int64_t seq) : table_row(a.block_table + seq * a.table_stride) {}
+  __device__ __forceinline__ SlotCursor(const TopkArgs& a, int64_t seq)
+      : table_row(a.block_table + seq * a.table_stride) {}
   // column j (>= 0, above the last one) in slot form, plus the row's offset (-1 past the table)
   __device__ __forceinline__ int map(const TopkArgs& a, int j, uint32_t offset) {
     if (col < 0) {
