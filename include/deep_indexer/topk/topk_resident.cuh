@@ -122,6 +122,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
 
   // NOTES: a special register (re-read where used; no division, no register held over a row)
   const int num_clusters = kCluster ? static_cast<int>(__clusterGridDimInClusters().x) : static_cast<int>(gridDim.x);
+  // NOTES: two or four CTAs per SM: the host launches a CTA per row (grid = rows), so the loop body runs once,
+  // with no next-row prefetch and no clears for a next row
+  constexpr bool kRowPerCta = kCtasPerSm >= 2;
+  static_assert(!kRowPerCta || !kCluster, "a CTA per row: no clusters");
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
@@ -196,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     // selected, a line per thread, the one of its first vector (a thread's <= 8 vectors start in every line
     // the CTA reads). Clusters take one row each unless forced (and their 1024-thread form would spill).
     static_assert(kVecs <= 8, "a thread's vectors start in every line of the CTA's share");
-    if (!kCluster && early && r + num_clusters < a.num_rows) {
+    if (!kCluster && !kRowPerCta && early && r + num_clusters < a.num_rows) {
       const RowSpan<kElemBytes> next(a, r + num_clusters);
       if (v0 < next.num_vecs) ptx::prefetch_l2(next.vec + v0);
     }
@@ -550,11 +554,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
     }
     if (rank == 0 && !staged && !staged_slots) pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     tr.mark<5>();
-    // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
-    // ended with a barrier.
-    clear_hist(0);
-    __syncthreads();  // the clears, warp sums and scalars before the next row
+    if constexpr (!kRowPerCta) {
+      // NOTES: every read of this row's histograms is done (only this CTA reads them): the selection
+      // ended with a barrier.
+      clear_hist(0);
+      __syncthreads();  // the clears, warp sums and scalars before the next row
+    }
     tr.mark<6>();
+    if constexpr (kRowPerCta) break;
   }
   // NOTES: no CTA reads another's shared memory, and every st.async into a CTA is waited for by it
   if (!cluster_ready) ptx::cluster_wait();
