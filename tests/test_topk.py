@@ -1138,8 +1138,9 @@ def _check_resident_rows(kind, m, n_max, dtype, gen):
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "low_contrast", "nan", "small_bins"])
 @pytest.mark.parametrize("m", [3, 300])
 def test_topk_resident_forced(monkeypatch, threads, keys, dtype, kind, m):
-    # the resident form on every cluster size it takes (rows up to 8 CTAs' keys), more rows than
-    # SMs (grid-stride, both row parities), misaligned starts, empty rows, rows of fewer than k keys;
+    # the resident form on every cluster size it takes (rows up to 8 CTAs' keys), more rows than SMs (one CTA
+    # per SM: rows in turn, both row parities; clusters: a cluster per row, more than fit at once), misaligned
+    # starts, empty rows, rows of fewer than k keys;
     # keys per thread the form cannot hold (bfloat16: 4, 12; float32: 32 at 1024 threads) leave it to the
     # buffered kernel
     monkeypatch.setenv("DI_TOPK_RESIDENT", "1")
@@ -1199,6 +1200,30 @@ def test_topk_resident_several_per_sm_launch_a_cta_per_row(monkeypatch, capfd, d
     lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk resident rows={m} " in ln]
     assert len(lines) == 1, lines
     assert f"grid {m}, cluster 1," in lines[0] and f"{per_sm} per SM" in lines[0], lines[0]
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_resident_clusters_launch_a_cluster_per_row(monkeypatch, capfd, dtype):
+    # clusters take one row each: the grid is rows x C CTAs, also (forced) past the clusters the GPU holds at
+    # once, and the results stay exact
+    monkeypatch.setenv("DI_JIT_DEBUG", "1")
+    monkeypatch.setenv("DI_TOPK_RESIDENT", "1")
+    monkeypatch.setenv("DI_TOPK_RESIDENT_THREADS", "256")
+    monkeypatch.setenv("DI_TOPK_RESIDENT_KEYS", "16")
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    m = sms + 5 + (dtype == torch.bfloat16)  # a launch line of its own
+    n_max = 3 * 256 * 16 - 8  # three CTAs a row
+    gen = torch.Generator().manual_seed(950 + (dtype == torch.bfloat16))
+    x = make_rows("random", m, n_max, dtype, gen)
+    ke = torch.randint(n_max * 7 // 10, n_max + 1, (m,), generator=gen, dtype=torch.int32)
+    ke[0], ke[2] = 100, 0  # fewer keys than k; an empty row
+    capfd.readouterr()
+    _check_once(x, 2048, None, ke)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk resident rows={m} " in ln]
+    assert len(lines) == 1, lines
+    assert f"grid {3 * m}, cluster 3," in lines[0], lines[0]
 
 
 FULL_ROW_FORMS = [("4", 256, torch.bfloat16, 32), ("4", 256, torch.float32, 20), ("2", 512, torch.bfloat16, 32),

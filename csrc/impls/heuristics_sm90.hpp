@@ -1,8 +1,10 @@
 // Every SM90 launch heuristic in one place. DI_JIT_DEBUG=1 prints each choice once per shape.
 #pragma once
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <string>
@@ -303,6 +305,9 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
       }
       kpt = c, threads = n;
     }
+  // NOTES: a grid of rows x C CTAs (below) must fit the launch's 2^31 - 1; past it (only when forced) the
+  // buffered kernel takes the rows
+  if (kpt != 0 && ctas(kpt, threads) * rows > std::numeric_limits<int32_t>::max()) kpt = 0;
   if (kpt != 0) {
     const int64_t c = ctas(kpt, threads);
     t.use = true;
@@ -310,8 +315,9 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     t.threads = static_cast<unsigned>(threads);
     t.cluster = static_cast<unsigned>(c);
     t.smem = TopkResidentLayout{elem_bytes, kpt, threads, static_cast<int>(t.ctas_per_sm)}.launch_smem_bytes();
-    // NOTES: two or four CTAs per SM: a CTA per row (see above); one CTA per SM: rows in turn, next row in L2
-    const bool row_per_cta = t.ctas_per_sm >= 2;
+    // NOTES: clusters, two or four CTAs per SM: a cluster (CTA) per row (the kernel runs one row); one CTA per
+    // SM: rows in turn, next row in L2
+    const bool row_per_cta = c > 1 || t.ctas_per_sm >= 2;
     const int64_t clusters =
         row_per_cta ? rows : std::min<int64_t>(rows, std::max<int64_t>(1, t.ctas_per_sm * sms / c));
     t.grid = static_cast<unsigned>(clusters * c);

@@ -1,7 +1,7 @@
 // topk_resident: top-k indices of rows short enough for one cluster to hold in registers (docs/topk.md).
 //
-// A cluster of C CTAs (kThreads threads, kCtasPerSm CTAs per SM) per row, grid-stride over rows (with two or four
-// CTAs per SM the host launches a CTA per row). CTA c holds the
+// A cluster of C CTAs (kThreads threads, kCtasPerSm CTAs per SM) per row: clusters and the two- and four-CTA forms
+// are launched a cluster (CTA) per row, the one-CTA-per-SM form grid-stride over rows. CTA c holds the
 // row's 16-byte vectors [c * P, (c + 1) * P) (P = vecs_per_cta()), thread t of it the vecs_per_thread()
 // consecutive ones from c * P + t * vecs_per_thread(), as order-preserving keys
 // (radix::float_key / bf16_key), so threads and CTAs hold the row in column order.
@@ -122,10 +122,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
 
   // NOTES: a special register (re-read where used; no division, no register held over a row)
   const int num_clusters = kCluster ? static_cast<int>(__clusterGridDimInClusters().x) : static_cast<int>(gridDim.x);
-  // NOTES: two or four CTAs per SM: the host launches a CTA per row (grid = rows), so the loop body runs once,
-  // with no next-row prefetch and no clears for a next row
-  constexpr bool kRowPerCta = kCtasPerSm >= 2;
-  static_assert(!kRowPerCta || !kCluster, "a CTA per row: no clusters");
+  // NOTES: clusters, and two or four CTAs per SM: the host launches a cluster (CTA) per row (grid = rows x C),
+  // so the loop body runs once, with no next-row prefetch and no clears for a next row
+  constexpr bool kRowPerCta = kCluster || kCtasPerSm >= 2;
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
@@ -196,11 +195,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
       else return kw[i];
     };
     tr.mark<0>(static_cast<int>(key(0)));
-    // NOTES: one CTA per row without ks: the CTA's next row (columns from 0) is asked of L2 while this one is
-    // selected, a line per thread, the one of its first vector (a thread's <= 8 vectors start in every line
-    // the CTA reads). Clusters take one row each unless forced (and their 1024-thread form would spill).
+    // NOTES: rows in turn (one CTA per SM) without ks: the CTA's next row (columns from 0) is asked of L2 while
+    // this one is selected, a line per thread, the one of its first vector (a thread's <= 8 vectors start in
+    // every line the CTA reads).
     static_assert(kVecs <= 8, "a thread's vectors start in every line of the CTA's share");
-    if (!kCluster && !kRowPerCta && early && r + num_clusters < a.num_rows) {
+    if (!kRowPerCta && early && r + num_clusters < a.num_rows) {
       const RowSpan<kElemBytes> next(a, r + num_clusters);
       if (v0 < next.num_vecs) ptx::prefetch_l2(next.vec + v0);
     }
