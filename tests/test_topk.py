@@ -1038,6 +1038,33 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
     _check(x.bfloat16(), 512, ks, ke, sorted=sorted_)
 
 
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster,wide,sorted_", [("1", "1", False), ("2", "1", False), ("2", "0", False),
+                                                  ("1", "1", True)])
+def test_topk_buffered_row_per_cta_launch(monkeypatch, capfd, cluster, wide, sorted_):
+    # unsorted wide CTAs and clusters run one row each: the grid is rows x C, also (forced) past the rows the GPU
+    # holds at once; sorted output keeps rows in turn (a grid of at most the SMs). Results exact either way.
+    monkeypatch.setenv("DI_JIT_DEBUG", "1")
+    monkeypatch.setenv("DI_TOPK_RESIDENT", "0")
+    monkeypatch.setenv("DI_TOPK_CLUSTER", cluster)
+    monkeypatch.setenv("DI_TOPK_WIDE", wide)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    c = int(cluster)
+    m = sms + 3 + c + 4 * (wide == "0") + 8 * sorted_  # more rows than clusters at once; a launch line of its own
+    n = 40000
+    gen = torch.Generator().manual_seed(970 + m)
+    x = make_rows("random", m, n, torch.float32, gen)
+    ke = torch.randint(n // 2, n + 1, (m,), generator=gen, dtype=torch.int32)
+    ke[1], ke[4] = 0, 1000  # an empty row; fewer keys than k
+    capfd.readouterr()
+    _check_once(x, 2048, None, ke, sorted=sorted_)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk rows={m} cols={n} " in ln]
+    assert len(lines) == 1, lines
+    grid = min(m, sms) if sorted_ else m * c
+    assert f"grid {grid}, cluster {c}," in lines[0], lines[0]
+
+
 PACKED_KINDS = ("random", "ties", "low_contrast", "small_bins", "neginf", "few")
 
 

@@ -177,7 +177,9 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
          (cols + cluster - 1) / cluster > step_keys && rows * cluster * 2 * 4 <= sms)
     cluster *= 2;
   const int forced = env::get_int(env::kTopkCluster);
-  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) cluster = forced;
+  // NOTES: a forced C whose grid of rows x C CTAs (below) would pass the launch's 2^31 - 1 is not taken
+  if ((forced == 1 || forced == 2 || forced == 4 || forced == 8) && rows * forced <= std::numeric_limits<int32_t>::max())
+    cluster = forced;
   if (l.sorted) cluster = 1;
   const int forced_wide = env::get_int(env::kTopkWide, -1);
   const bool wide = forced_wide == 0 || forced_wide == 1 ? forced_wide == 1 : rows * cluster <= sms;
@@ -186,7 +188,10 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
   t.threads = wide ? TopkLayout::kWideThreads : TopkLayout::kNumThreads;
   t.smem = l.smem_bytes();
   const int64_t slots = sms * TopkLayout::ctas_per_sm(static_cast<int>(t.threads));
-  const int64_t clusters = std::min<int64_t>(rows, std::max<int64_t>(1, slots / cluster));
+  // NOTES: a cluster (CTA) per row where the kernel runs one row (TopkLayout::row_per_cta: by default those forms
+  // have every row's cluster at once; forced, the hardware deals the rows); else rows in turn
+  const bool row_per_cta = TopkLayout::row_per_cta(l.sorted, cluster > 1, static_cast<int>(t.threads));
+  const int64_t clusters = row_per_cta ? rows : std::min<int64_t>(rows, std::max<int64_t>(1, slots / cluster));
   t.grid = static_cast<unsigned>(clusters * cluster);
   t.packed = cluster == 1 && TopkLayout::packed_fits(l.elem_bytes, cols, rows_aligned) &&
              env::get_int(env::kTopkPacked, 1) != 0;

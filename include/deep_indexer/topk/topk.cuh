@@ -633,13 +633,17 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
   // own mid-row barrier (every read of it done; the next write after this row's end barrier)
   uint32_t odd_row = 0;
   load_range(static_cast<int>(blockIdx.x) / num_ctas, ks_next, ke_next);
+  // NOTES: unsorted wide CTAs and clusters: the host launches a cluster (CTA) per row (grid = rows x C), so the
+  // loop body runs once, with nothing loaded or cleared for a next row (sorted output keeps the loop: its
+  // one-row body measured slower)
+  constexpr bool kRowPerCta = TopkLayout::row_per_cta(kSorted, kCluster, kThreads);
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {  // no overflow: rows < 2^31 - 2^20
 #ifdef DI_TRACE_ROW  // with DI_KERNEL_TRACE: the marks of the CTA's row DI_TRACE_ROW (0: its first), from its start
     if (r == static_cast<int>(blockIdx.x) / num_ctas + DI_TRACE_ROW * num_clusters) tr = Tracer{}, tr.start();
 #endif
     // ---- the row's valid columns [lo, lo + n) (rows < 2^31: checked by the API)
     const int ks_r = ks_next, ke_r = ke_next;
-    load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
+    if constexpr (!kRowPerCta) load_range(static_cast<int64_t>(r) + num_clusters, ks_next, ke_next);
     const RowSpan<kElemBytes> row(a, r, ks_r, ke_r);
     const int lo = row.lo, n = row.n, mis = row.mis, num_vecs = row.num_vecs;
     const uint4* row_vec = row.vec;
@@ -819,10 +823,10 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
         // every position is staged: each emit is followed by the window loop's closing barrier
         for (int p = tid; p < static_cast<int>(total); p += kThreads) {
           store(p, static_cast<int>(stage[p]));
-          stage[p] = 0u;
+          if constexpr (!kRowPerCta) stage[p] = 0u;
         }
       }
-      clear_words(plane_gt, 2 * TopkLayout::kWindowWords);  // for the next row
+      if constexpr (!kRowPerCta) clear_words(plane_gt, 2 * TopkLayout::kWindowWords);  // for the next row
       DI_TOPK_ASSERT(gt_base == (whole ? total : greater));
       tr.mark<5>();
 
@@ -834,8 +838,9 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     }
     odd_row ^= 1u;
-    row_sync();  // CTA 0's buffer and the next row's counter are reused by the next row
+    if constexpr (!kRowPerCta || kCluster) row_sync();  // CTA 0's buffer and the next row's counter are reused by the next row
     tr.mark<6>();
+    if constexpr (kRowPerCta) break;
   }
   if (tid == 0) tr.print("topk", rank(), first_ns);
 }

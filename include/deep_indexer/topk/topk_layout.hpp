@@ -14,6 +14,11 @@ struct TopkLayout {
   static constexpr int kMaxWarps = kWideThreads / 32;
   // 64 registers per thread either way; smem_bytes() <= half an SM
   DI_HOST_DEVICE static constexpr int ctas_per_sm(int threads) { return threads == kWideThreads ? 1 : 2; }
+  // A cluster (CTA) per row, the grid rows x C, the kernel's loop body run once: unsorted output on wide CTAs or
+  // clusters (which the heuristic takes only when every row gets one at once). Else rows in turn.
+  DI_HOST_DEVICE static constexpr bool row_per_cta(bool sorted, bool cluster, int threads) {
+    return !sorted && (cluster || threads == kWideThreads);
+  }
   static constexpr int kVecBytes = 16;      // one uint4 of logits per lane access
   static constexpr int kFilterVecs = 2;     // 16-byte vectors per thread per filter step (and one ahead)
   // Survivor buffer: (key, column) pairs of the keys at or above the row's threshold.
