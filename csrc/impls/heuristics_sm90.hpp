@@ -154,16 +154,15 @@ inline int64_t padded_row_stride(int64_t cols, int elem_bytes) {
   return (cols + align - 1) / align * align;
 }
 
-// Top-k launch: clusters of C CTAs per row, grid-stride over rows, TopkLayout::ctas_per_sm CTAs per
-// SM. For rows longer than a window (kWindow keys), C grows (1, 2, 4, 8) while a CTA's share of the
-// longest row needs more than one filter step (kNumThreads x kFilterVecs vectors) and rows x C x 8 <=
-// SMs: only a few long rows are split over SMs. CTA 0 of a cluster selects and writes alone, so
-// splitting pays only where the filter's read is the row's critical path (a single row of 32K keys
-// is faster on one wide CTA than on a cluster). Sorted output takes
-// C = 1 (its sort runs in one CTA anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output.
-// Blocks: kWideThreads (one CTA per SM) when every row's cluster fits at once with one CTA per SM
-// (rows x C <= SMs: the two-CTA form would leave SMs with one CTA anyway), else kNumThreads.
-// DI_TOPK_WIDE (0, 1) forces the choice.
+// Top-k launch: clusters of C CTAs per row, grid-stride over rows (a cluster per row where
+// TopkLayout::row_per_cta), TopkLayout::ctas_per_sm CTAs per SM. For rows longer than a window (kWindow keys),
+// C grows (1, 2, 4, 8) while a CTA's share of the longest row needs more than one filter step (kNumThreads x
+// kFilterVecs vectors) and rows x C x 8 <= SMs: only a few long rows are split over SMs. CTA 0 of a cluster
+// selects and writes alone, so splitting pays only where the filter's read is the row's critical path (a single
+// row of 32K keys is faster on one wide CTA than on a cluster). Sorted output takes C = 1 (its sort runs in one
+// CTA anyway). DI_TOPK_CLUSTER (1, 2, 4, 8) forces C for unsorted output. Blocks: kWideThreads (one CTA per SM)
+// when every row's cluster fits at once with one CTA per SM (rows x C <= SMs: the two-CTA form would leave SMs
+// with one CTA anyway), else kNumThreads. DI_TOPK_WIDE (0, 1) forces the choice.
 struct TopkLaunch {
   unsigned grid, cluster, smem, threads;
   bool packed;  // one word per survivor (TopkLayout::packed_fits, one CTA per row)

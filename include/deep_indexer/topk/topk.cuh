@@ -1,7 +1,8 @@
 // topk: exact, deterministic top-k indices of every row of a logits matrix (docs/topk.md).
 //
 // One cluster of C CTAs per row (C = 1 for many rows; up to 8 when few rows must fill the GPU),
-// grid-stride over rows; CTAs of 512 threads (two per SM), or 1024 when each gets an SM of its own.
+// grid-stride over rows (unsorted wide CTAs and clusters: a cluster per row, TopkLayout::row_per_cta);
+// CTAs of 512 threads (two per SM), or 1024 when each gets an SM of its own.
 // Keys: radix::float_key / bf16_key (order-preserving, NaN lowest).
 // 1. Threshold: a row of more than kSampleMinKeys keys takes a strided sample of 16-byte vectors
 //    and a two-digit radix select of the sample's j-th largest key (TopkLayout::sample_rank):
@@ -838,7 +839,8 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       pad_row<kElemBytes, kThreads>(a, r, static_cast<int>(total));
     }
     odd_row ^= 1u;
-    if constexpr (!kRowPerCta || kCluster) row_sync();  // CTA 0's buffer and the next row's counter are reused by the next row
+    // CTA 0's buffer and the next row's counter are reused by the next row (a cluster syncs before its CTAs exit)
+    if constexpr (!kRowPerCta || kCluster) row_sync();
     tr.mark<6>();
     if constexpr (kRowPerCta) break;
   }
