@@ -177,8 +177,8 @@ inline TopkLaunch topk_launch(const TopkLayout& l, int64_t rows, int64_t cols, b
     cluster *= 2;
   const int forced = env::get_int(env::kTopkCluster);
   // NOTES: a forced C whose grid of rows x C CTAs (below) would pass the launch's 2^31 - 1 is not taken
-  if ((forced == 1 || forced == 2 || forced == 4 || forced == 8) && rows * forced <= std::numeric_limits<int32_t>::max())
-    cluster = forced;
+  const bool forced_fits = rows * forced <= std::numeric_limits<int32_t>::max();
+  if ((forced == 1 || forced == 2 || forced == 4 || forced == 8) && forced_fits) cluster = forced;
   if (l.sorted) cluster = 1;
   const int forced_wide = env::get_int(env::kTopkWide, -1);
   const bool wide = forced_wide == 0 || forced_wide == 1 ? forced_wide == 1 : rows * cluster <= sms;
@@ -321,7 +321,7 @@ inline TopkResidentLaunch topk_resident_launch(int elem_bytes, bool sorted, int6
     t.smem = TopkResidentLayout{elem_bytes, kpt, threads, static_cast<int>(t.ctas_per_sm)}.launch_smem_bytes();
     // NOTES: clusters, two or four CTAs per SM: a cluster (CTA) per row (the kernel runs one row); one CTA per
     // SM: rows in turn, next row in L2
-    const bool row_per_cta = c > 1 || t.ctas_per_sm >= 2;
+    const bool row_per_cta = TopkResidentLayout::row_per_cta(c > 1, static_cast<int>(t.ctas_per_sm));
     const int64_t clusters =
         row_per_cta ? rows : std::min<int64_t>(rows, std::max<int64_t>(1, t.ctas_per_sm * sms / c));
     t.grid = static_cast<unsigned>(clusters * c);

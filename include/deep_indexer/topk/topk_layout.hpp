@@ -141,6 +141,11 @@ struct TopkResidentLayout {
   DI_HOST_DEVICE static constexpr bool ctas_per_sm_supported(int ctas_per_sm, int threads, bool cluster) {
     return ctas_per_sm == 1 || ((ctas_per_sm == 2 || (ctas_per_sm == 4 && threads == 256)) && !cluster);
   }
+  // A cluster (CTA) per row, the grid rows x C, the kernel's loop body run once: clusters and the two- and
+  // four-CTA forms. Else (one CTA per SM) rows in turn, the next row asked of L2.
+  DI_HOST_DEVICE static constexpr bool row_per_cta(bool cluster, int ctas_per_sm) {
+    return cluster || ctas_per_sm >= 2;
+  }
   DI_HOST_DEVICE static constexpr int max_keys_per_thread(int threads, bool cluster, int elem_bytes = 4,
                                                           int ctas_per_sm = 1) {
     const bool two_keys_a_word = TopkResidentLayout{elem_bytes, 0, threads, ctas_per_sm, cluster}.packed();

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
   const int num_clusters = kCluster ? static_cast<int>(__clusterGridDimInClusters().x) : static_cast<int>(gridDim.x);
   // NOTES: clusters, and two or four CTAs per SM: the host launches a cluster (CTA) per row (grid = rows x C),
   // so the loop body runs once, with no next-row prefetch and no clears for a next row
-  constexpr bool kRowPerCta = kCluster || kCtasPerSm >= 2;
+  constexpr bool kRowPerCta = TopkResidentLayout::row_per_cta(kCluster, kCtasPerSm);
   for (int r = static_cast<int>(blockIdx.x) / num_ctas; r < a.num_rows; r += num_clusters) {
     // ---- the thread's keys; bit i of `valid`: key i is a column of the row. Without ks every row
     // starts at column 0, so its vectors are loaded before its range arrives.
