@@ -1038,6 +1038,16 @@ def test_topk_forced_clusters(monkeypatch, cluster, wide, sorted_, kind):
     _check(x.bfloat16(), 512, ks, ke, sorted=sorted_)
 
 
+def _one_launch_line(capfd, needle, run):
+    """Runs `run()` and returns the one DI_JIT_DEBUG launch line holding `needle` that it printed (a line is
+    printed once per shape and process: each case needs a shape of its own)."""
+    capfd.readouterr()
+    run()
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if needle in ln]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("cluster,wide,sorted_", [("1", "1", False), ("2", "1", False), ("2", "0", False),
@@ -1057,12 +1067,9 @@ def test_topk_buffered_row_per_cta_launch(monkeypatch, capfd, cluster, wide, sor
     x = make_rows("random", m, n, torch.float32, gen)
     ke = torch.randint(n // 2, n + 1, (m,), generator=gen, dtype=torch.int32)
     ke[1], ke[4] = 0, 1000  # an empty row; fewer keys than k
-    capfd.readouterr()
-    _check_once(x, 2048, None, ke, sorted=sorted_)
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk rows={m} cols={n} " in ln]
-    assert len(lines) == 1, lines
+    line = _one_launch_line(capfd, f"topk rows={m} cols={n} ", lambda: _check_once(x, 2048, None, ke, sorted=sorted_))
     grid = min(m, sms) if sorted_ else m * c
-    assert f"grid {grid}, cluster {c}," in lines[0], lines[0]
+    assert f"grid {grid}, cluster {c}," in line, line
 
 
 PACKED_KINDS = ("random", "ties", "low_contrast", "small_bins", "neginf", "few")
@@ -1222,11 +1229,8 @@ def test_topk_resident_several_per_sm_launch_a_cta_per_row(monkeypatch, capfd, d
     x = make_rows("random", m, n_max, dtype, gen)
     ke = torch.randint(n_max * 7 // 10, n_max + 1, (m,), generator=gen, dtype=torch.int32)
     ke[1] = 100  # fewer keys than k
-    capfd.readouterr()
-    _check_once(x, 512, None, ke)
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk resident rows={m} " in ln]
-    assert len(lines) == 1, lines
-    assert f"grid {m}, cluster 1," in lines[0] and f"{per_sm} per SM" in lines[0], lines[0]
+    line = _one_launch_line(capfd, f"topk resident rows={m} ", lambda: _check_once(x, 512, None, ke))
+    assert f"grid {m}, cluster 1," in line and f"{per_sm} per SM" in line, line
 
 
 @requires_sm90
@@ -1246,11 +1250,8 @@ def test_topk_resident_clusters_launch_a_cluster_per_row(monkeypatch, capfd, dty
     x = make_rows("random", m, n_max, dtype, gen)
     ke = torch.randint(n_max * 7 // 10, n_max + 1, (m,), generator=gen, dtype=torch.int32)
     ke[0], ke[2] = 100, 0  # fewer keys than k; an empty row
-    capfd.readouterr()
-    _check_once(x, 2048, None, ke)
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"topk resident rows={m} " in ln]
-    assert len(lines) == 1, lines
-    assert f"grid {3 * m}, cluster 3," in lines[0], lines[0]
+    line = _one_launch_line(capfd, f"topk resident rows={m} ", lambda: _check_once(x, 2048, None, ke))
+    assert f"grid {3 * m}, cluster 3," in line, line
 
 
 FULL_ROW_FORMS = [("4", 256, torch.bfloat16, 32), ("4", 256, torch.float32, 20), ("2", 512, torch.bfloat16, 32),
