@@ -457,6 +457,25 @@ def test_paged_mqa_logits_batches(B, max_len, num_sms):
     assert_logits_match(got, reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx), True, torch.float32)
 
 
+@pytest.mark.parametrize("B,next_n,max_len,num_sms,two_d,block_kv", [
+    (1, 1, 40000, None, False, 64), (1, 2, 70000, 7, True, 32), (3, 1, 5000, 1, False, 64), (64, 1, 9000, None, False, 64),
+    (200, 2, 60, 300, False, 32), (256, 3, 3000, None, True, 64), (257, 1, 2000, None, False, 64)])
+def test_paged_work_split_forms(B, next_n, max_len, num_sms, two_d, block_kv, monkeypatch):
+    """The two ways the decode kernel deals its work (DI_PAGED_TILE_SPLIT: the schedule's 256-token segments, or
+    64-token tiles counted from context_lens, up to 256 sequences) give the reference's logits and the same
+    bits: ranges starting and ending mid-segment, more CTAs than tiles, one CTA for everything, empty and
+    short sequences, and a batch past the tile split's limit (the schedule then)."""
+    q, cache, w, ctx, table, max_ctx = make_paged(B, next_n, 64, 128, block_kv, max_len=max_len, seed=B + next_n,
+                                                  two_d=two_d)
+    ref = reference.paged_mqa_logits(q, cache, w, ctx, table, max_ctx)
+    got = {}
+    for split in ("0", "1"):
+        monkeypatch.setenv("DI_PAGED_TILE_SPLIT", split)
+        got[split] = run_paged(q, cache, w, ctx, table, max_ctx, True, torch.float32, num_sms=num_sms)
+        assert_logits_match(got[split], ref, True, torch.float32, f"tile_split={split}")
+    assert torch.equal(got["0"].view(torch.int32), got["1"].view(torch.int32))
+
+
 def test_paged_block_table_narrower_than_a_sequence():
     """A block table too narrow for its longest sequence (a caller error) reads no entry past its width
     (block 0 stands in): the call completes, and the sequences the table covers are exact."""

@@ -166,6 +166,26 @@ def paged_mqa_logits_varlen():
 
 
 @case
+def paged_mqa_logits_work_splits():
+    """Both ways the decode kernel deals its work (DI_PAGED_TILE_SPLIT: the schedule's segments, tiles counted by
+    the kernel), also one sequence of 40K keys (ranges starting and ending inside segments)."""
+    import deep_indexer as di
+    from deep_indexer.bench import decode_inputs
+
+    long = decode_inputs(1, 1, 40000, 64, 128, 64, "cuda")
+    for split in (0, 1):
+        old = _env(DI_PAGED_TILE_SPLIT=split)
+        try:
+            _decode(1)
+            _decode(2, two_d=True)
+            meta = di.get_paged_mqa_logits_metadata(long["context_lens"], 64)
+            di.fp8_paged_mqa_logits(long["q"], long["kv_cache"], long["weights"], long["context_lens"],
+                                    long["block_table"], meta, long["max_context_len"], True)
+        finally:
+            _restore(old)
+
+
+@case
 def paged_mqa_logits_fp4():
     """FP4 q and cache (next_n 1, 2 with 2-D lengths, 32-token blocks), FP8 q with the FP4 cache, FP4 q with
     the FP8 cache."""

@@ -144,6 +144,31 @@ inline PagedMqaLogitsLayout paged_mqa_logits_layout(int next_n, int num_heads, i
   return l;
 }
 
+// Decode work split: the schedule's 256-token segments, or (tile_split) every CTA q or q + 1 of all 64-token
+// tiles, counted by the kernel from context_lens (batches of up to PagedMqaLogitsLayout::kTileSplitMaxBatch).
+// Taken where the segments are more than one and at most two per CTA, judged by their bound from
+// max_context_len: there a CTA with a segment more holds up to twice the mean work (one sequence of 34K-67K
+// keys on 132 SMs). NOTES: tiles paid 1-8% on one sequence of 40-50K keys (FP8 and FP4, next_n 1 and 2); at
+// most one segment per CTA (D1, 32K) they cost ~0.05 us (the lengths' scan), at 70K and 100K keys they were
+// level, on 2-16 sequences of 8K-40K keys (2.4-3.9 segments per CTA) 1-5% slower, and at ~15 per CTA (64 x 8K)
+// no faster: there the busiest CTA's extra tiles are not what ends the kernel (design-notes).
+// DI_PAGED_TILE_SPLIT=0/1 forces either (1 only where the batch allows).
+constexpr int64_t kPagedTileSplitSegmentsPerCta = 2;
+inline bool paged_mqa_tile_split(int64_t batch, int64_t max_context_len, int64_t ctas) {
+  const int64_t segments_bound = batch * PagedMqaLogitsLayout::num_segments(static_cast<int>(
+                                             std::min<int64_t>(max_context_len, std::numeric_limits<int>::max())));
+  const bool fits = batch <= PagedMqaLogitsLayout::kTileSplitMaxBatch;
+  const int forced = env::get_int(env::kPagedTileSplit, -1);
+  const bool split =
+      fits && (forced == 0 || forced == 1 ? forced == 1
+                                          : segments_bound > ctas && segments_bound <= kPagedTileSplitSegmentsPerCta * ctas);
+  print_choice([&] {
+    return fmt::format("paged_mqa_logits batch={} max_context_len={} ctas={}: work dealt by {}", batch,
+                       max_context_len, ctas, split ? "tiles" : "the schedule's segments");
+  });
+  return split;
+}
+
 // Decode metadata: the compact single-chunk kernel for batches it can hold (its critical path is
 // mostly instruction fetch, so less code is faster).
 inline bool paged_mqa_metadata_small(int64_t batch) { return batch <= kPagedMqaMetadataSmallBatch; }

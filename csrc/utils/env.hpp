@@ -49,6 +49,7 @@ constexpr const char* kMqaFusedClean = "DI_MQA_FUSED_CLEAN";  // 0 / 1: -inf fil
 constexpr const char* kPagedMathWgs = "DI_PAGED_MATH_WGS";      // 2..4: math warpgroups
 constexpr const char* kPagedSplitRelu = "DI_PAGED_SPLIT_RELU";  // 0 / 1: split relu off / on (where the layout allows)
 constexpr const char* kPagedKvStages = "DI_PAGED_KV_STAGES";    // KV ring depth cap (default 12)
+constexpr const char* kPagedTileSplit = "DI_PAGED_TILE_SPLIT";  // 0 / 1: work dealt by the schedule's segments / by tiles (batch <= 256)
 
 // ---- tuning / test: top-k
 constexpr const char* kTopkCluster = "DI_TOPK_CLUSTER";    // 1, 2, 4, 8: CTAs per row of the buffered kernel (unsorted)

@@ -5,8 +5,9 @@
 //   L(b, i) = context_lens[b] - next_n + i + 1   (1-D context_lens)   or   context_lens[b, i]  (2-D)
 //
 // Structure (see paged_mqa_logits_layout.hpp for the numbers and the shared-memory map):
-//   * Persistent grid: CTA c walks the (sequence, 256-token segment) items [schedule[c], schedule[c+1])
-//     in row-major order; segments are walked as 64-token tiles, numbered k = 0, 1, ... per CTA.
+//   * Persistent grid: CTA c walks a range of (sequence, 64-token tile) items in row-major order, its
+//     tiles numbered k = 0, 1, ...: the 256-token segments [schedule[c], schedule[c+1]), or with
+//     tile_split (batch <= kTileSplitMaxBatch) q or q + 1 of all tiles, dealt from context_lens.
 //     Sequences met in the walk are numbered "generations" g = 0, 1, ...; generation g's q and
 //     weights live in q slot g % Q (Q = layout.num_q_slots(): 2, or 1 where two slots do not fit).
 //   * Varlen (kVarlen, `indices`): every q row is a sequence of its own (next_n = 1) whose block-table
@@ -18,7 +19,7 @@
 //               (2-D map, q_num_boxes boxes) and bulk-copies the weights rows into slot g % Q.
 //       producer warps 1..P ("KV producers", P = layout.num_kv_producers()): every one walks all
 //               tiles and issues tile k when k % P is its index: block-table entries are fetched 32 at
-//               a time (a "group" of segments, prefetched one group ahead), the 64/BLOCK_KV paged
+//               a time (a "group" of tiles, prefetched one group ahead), the 64/BLOCK_KV paged
 //               blocks of the tile are TMA-loaded (3-D map over the fused cache, 128B/64B swizzle;
 //               two 32-token blocks stack into one 64-row WGMMA A tile) and their fp32 scales
 //               bulk-copied into stage k % S; the stage info {generation, sequence, first key,
@@ -79,7 +80,7 @@
 // stride(0) (block_stride_bytes) a multiple of 16; weights_stride a multiple of 4 floats;
 // gridDim.x == schedule rows - 1; blockDim.x == layout.num_threads() (checked: traps otherwise);
 // dynamic smem == layout.smem_bytes(); schedule from paged_mqa_metadata_kernel on the same
-// context_lens.
+// context_lens (unread with tile_split, which needs batch_size <= kTileSplitMaxBatch: traps otherwise).
 #pragma once
 #include <cstdint>
 #include <cuda.h>
@@ -146,18 +147,21 @@ __device__ __forceinline__ void st_global_if(__nv_bfloat16* ptr, float v, bool p
 }
 __device__ __forceinline__ int warp_broadcast(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
-// Walks the (sequence, segment) items of one CTA's schedule range. Warp-collective: every lane
-// of the calling warp must call every member with the same arguments. Sequence lengths are
-// kept in a 128-sequence window (4 per lane) so zero-length sequences are skipped 128 at a time.
+// Walks the (sequence, 64-token tile) items of one CTA's range. Warp-collective: every lane of the
+// calling warp must call every member with the same arguments. Sequence lengths are kept in a
+// 128-sequence window (4 per lane) so zero-length sequences are skipped 128 at a time.
+// A range {b0, t0, b_end, t_end} runs from tile t0 of sequence b0 to tile t_end of sequence b_end
+// (exclusive), in row-major order; (batch, 0) ends with the last sequence.
 template <int kNextN, bool k2D>
 struct RangeWalker {
+  using L = PagedMqaLogitsLayout;
   struct Item {
-    int b, s, len;
+    int b, t, len;
   };
 
   const int* __restrict__ ctx;
   int batch;
-  int b_end, s_end;  // exclusive end item
+  int b_end, t_end;  // exclusive end item
   int limit;         // sequences >= limit have no item in range
   int win_base;
   int win[4];
@@ -207,59 +211,109 @@ struct RangeWalker {
     return limit;
   }
 
+  // The range of CTA `cta` of `ctas` from the schedule rows cta and cta + 1 ({b0, s0, b_end, s_end} in
+  // 256-token segments).
+  __device__ __forceinline__ static int4 schedule_range(const int* __restrict__ schedule, int cta) {
+    const int* row = schedule + 2 * cta;
+    const int4 s = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
+    return make_int4(s.x, s.y * L::kTilesPerSegment, s.z, s.w * L::kTilesPerSegment);
+  }
+
+  // tile_split: CTA `cta` of `ctas` takes tiles [x_cta, x_cta+1) of all T tiles in row-major order,
+  // x_i = i * (T / ctas) + min(i, T % ctas). batch <= L::kTileSplitMaxBatch: lane l holds the tile
+  // counts of sequences [l * P, (l + 1) * P), P = L::kTileSplitPerLane. Assumes T < 2^31 (as the
+  // metadata kernel assumes of the segments).
+  __device__ __forceinline__ int4 tile_range(const int* __restrict__ ctx_, int batch_, int cta, int ctas) {
+    ctx = ctx_;
+    batch = batch_;
+    constexpr int P = L::kTileSplitPerLane;
+    const int lane = static_cast<int>(ptx::lane_idx());
+    int tiles[P];
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      tiles[i] = L::num_tiles(load_len(lane * P + i));
+      sum += tiles[i];
+    }
+    int incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int total = __shfl_sync(0xffffffffu, incl, 31);
+    const int q = total / ctas, r = total % ctas;
+    const int x0 = cta * q + min(cta, r);
+    const int x1 = x0 + q + (cta < r ? 1 : 0);
+    // The (sequence, tile) of tile x < total, or (batch, 0) for x == total.
+    auto locate = [&](int x) -> int2 {
+      const uint32_t bal = __ballot_sync(0xffffffffu, incl > x);
+      if (bal == 0) return make_int2(batch, 0);
+      const int owner = __ffs(bal) - 1;
+      int run = incl - sum, b = 0, t = 0;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        if (x >= run && x < run + tiles[i]) b = lane * P + i, t = x - run;
+        run += tiles[i];
+      }
+      return make_int2(__shfl_sync(0xffffffffu, b, owner), __shfl_sync(0xffffffffu, t, owner));
+    };
+    const int2 s = locate(x0), e = locate(x1);
+    return make_int4(s.x, s.y, e.x, e.y);
+  }
+
   __device__ __forceinline__ bool valid(const Item& it) const {
-    return it.b < limit && (it.b < b_end || (it.b == b_end && it.s < s_end));
+    return it.b < limit && (it.b < b_end || (it.b == b_end && it.t < t_end));
   }
 
   __device__ __forceinline__ Item to_sequence(int b) const {
     return Item{b, 0, b < limit ? len_of(b) : 0};
   }
 
-  // sched: this CTA's schedule rows c and c + 1: {b0, s0, b_end, s_end}.
-  __device__ __forceinline__ Item first(const int4& sched, const int* __restrict__ ctx_, int batch_) {
+  __device__ __forceinline__ Item first(const int4& range, const int* __restrict__ ctx_, int batch_) {
     ctx = ctx_;
     batch = batch_;
-    const int b0 = sched.x, s0 = sched.y;
-    b_end = sched.z;
-    s_end = sched.w;
-    limit = min(s_end > 0 ? b_end + 1 : b_end, batch);
+    const int b0 = range.x, t0 = range.y;
+    b_end = range.z;
+    t_end = range.w;
+    limit = min(t_end > 0 ? b_end + 1 : b_end, batch);
     if (b0 >= limit) {
       win_base = 0;
       return Item{limit, 0, 0};
     }
     load_window(b0);
-    Item it{b0, s0, len_of(b0)};
-    if (s0 >= PagedMqaLogitsLayout::num_segments(it.len)) it = to_sequence(next_nonempty(b0));  // defensive
+    Item it{b0, t0, len_of(b0)};
+    if (t0 >= L::num_tiles(it.len)) it = to_sequence(next_nonempty(b0));  // defensive
     return it;
   }
 
   __device__ __forceinline__ Item next_sequence(const Item& it) { return to_sequence(next_nonempty(it.b)); }
 
-  // ---- groups: kSegsPerGroup consecutive segments of one sequence whose block-table entries
-  // (32 of them) one warp load fetches. s_begin/s_stop: the segments of the group inside the range.
+  // ---- groups: the tiles of one sequence whose block-table entries (32 of them) one warp load
+  // fetches: tiles [g * kTilesPerGroup, (g + 1) * kTilesPerGroup). t_begin/t_stop: its tiles in range.
   struct Group {
-    int b, g, len, s_begin, s_stop;
+    int b, g, len, t_begin, t_stop;
   };
-  template <int kSegsPerGroup>
-  __device__ __forceinline__ Group make_group(int b, int g, int len, int s_begin) const {
-    int s_stop = min((g + 1) * kSegsPerGroup, PagedMqaLogitsLayout::num_segments(len));
-    if (b == b_end) s_stop = min(s_stop, s_end);
-    if (b >= limit) s_stop = s_begin;  // invalid
-    return Group{b, g, len, s_begin, s_stop};
+  template <int kTilesPerGroup>
+  __device__ __forceinline__ Group make_group(int b, int g, int len, int t_begin) const {
+    int t_stop = min((g + 1) * kTilesPerGroup, L::num_tiles(len));
+    if (b == b_end) t_stop = min(t_stop, t_end);
+    if (b >= limit) t_stop = t_begin;  // invalid
+    return Group{b, g, len, t_begin, t_stop};
   }
-  __device__ __forceinline__ static bool valid(const Group& grp) { return grp.s_begin < grp.s_stop; }
-  template <int kSegsPerGroup>
-  __device__ __forceinline__ Group first_group(const int4& sched, const int* __restrict__ ctx_, int batch_) {
-    const Item it = first(sched, ctx_, batch_);
-    return make_group<kSegsPerGroup>(it.b, it.s / kSegsPerGroup, it.len, it.s);
+  __device__ __forceinline__ static bool valid(const Group& grp) { return grp.t_begin < grp.t_stop; }
+  template <int kTilesPerGroup>
+  __device__ __forceinline__ Group first_group(const int4& range, const int* __restrict__ ctx_, int batch_) {
+    const Item it = first(range, ctx_, batch_);
+    return make_group<kTilesPerGroup>(it.b, it.t / kTilesPerGroup, it.len, it.t);
   }
-  template <int kSegsPerGroup>
+  template <int kTilesPerGroup>
   __device__ __forceinline__ Group next_group(const Group& grp) {
     const int g = grp.g + 1;
-    if (g * kSegsPerGroup < PagedMqaLogitsLayout::num_segments(grp.len))
-      return make_group<kSegsPerGroup>(grp.b, g, grp.len, g * kSegsPerGroup);
+    if (g * kTilesPerGroup < L::num_tiles(grp.len))
+      return make_group<kTilesPerGroup>(grp.b, g, grp.len, g * kTilesPerGroup);
     const Item it = to_sequence(next_nonempty(grp.b));
-    return make_group<kSegsPerGroup>(it.b, 0, it.len, 0);
+    return make_group<kTilesPerGroup>(it.b, 0, it.len, 0);
   }
 };
 
@@ -285,7 +339,6 @@ struct PagedMqaKernel {
   static constexpr int kSplitPieces = split_relu::kPieces;
   static constexpr bool kWeightsInRegs = kL.weights_in_regs();
   static constexpr int kBlocksPerTile = kL.blocks_per_tile();
-  static constexpr int kBlocksPerSeg = kL.blocks_per_segment();
   static constexpr uint32_t kTileTx = static_cast<uint32_t>(kL.kv_tile_bytes() + kL.scales_bytes_per_stage());
   static constexpr uint32_t kBlockTx = static_cast<uint32_t>(BLOCK_KV * kL.kv_row_bytes() + BLOCK_KV * 4);
   static constexpr bool kQStaged = kL.q_staged();
@@ -309,7 +362,7 @@ struct PagedMqaKernel {
   using Item = typename Walker::Item;
   using Group = typename Walker::Group;
   static constexpr int kP = kNumKVProducers;
-  static constexpr int kSegsPerGroup = 32 / kBlocksPerSeg;  // one warp load of the block table per group
+  static constexpr int kTilesPerGroup = 32 / kBlocksPerTile;  // one warp load of the block table per group
 
   // ---------------------------------------------------------------- set-up
   // The shared-memory map (paged_mqa_logits_layout.hpp) from the 1024-byte aligned base.
@@ -952,7 +1005,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
                             int64_t block_table_stride, int block_table_cols, const int* __restrict__ schedule,
                             OutT* __restrict__ logits, int64_t logits_stride, int batch_size, int max_context_len,
                             const int* __restrict__ indices, const uint8_t* __restrict__ q_raw,
-                            const int* __restrict__ q_sf) {
+                            const int* __restrict__ q_sf, int tile_split) {
   static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
   using K = paged_mqa_detail::PagedMqaKernel<kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages, kNumMathWGs,
                                              kContextLens2D, OutT, kSplitRelu, kVarlen, kQFp4, kKVFp4>;
@@ -984,6 +1037,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
 
   // A launch with another block size would deadlock (missing warpgroups): fail loudly instead.
   if (blockDim.x != static_cast<uint32_t>(kL.num_threads())) __trap();
+  if (tile_split && batch_size > PagedMqaLogitsLayout::kTileSplitMaxBatch) __trap();
 
   Tracer tr;
   tr.start();
@@ -1008,7 +1062,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   using Walker = typename K::Walker;
   using Item = typename K::Item;
   using Group = typename K::Group;
-  constexpr int kSegsPerGroup = K::kSegsPerGroup;
+  constexpr int kTilesPerGroup = K::kTilesPerGroup;
   const int p = static_cast<int>(warp) - static_cast<int>(kProducerWarp0) - 1;  // KV producer index
   const bool is_q_producer = warp == kProducerWarp0;
   const bool is_kv_producer = p >= 0 && p < K::kP;
@@ -1044,21 +1098,29 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   Group kv_cur{0, 0, 0, 0, 0}, kv_nxt{0, 0, 0, 0, 0};  // KV producers: the first two block-table groups
   int kv_ids = 0, kv_ids_next = 0;
   if (is_q_producer || is_kv_producer) {
-    const int* row = schedule + 2 * blockIdx.x;
-    const int4 sched = make_int4(__ldg(row), __ldg(row + 1), __ldg(row + 2), __ldg(row + 3));
-    tr.mark<7>(sched.x);  // the schedule row has landed
+    // NOTES: tile_split reads context_lens where the schedule path reads its row first: the same number
+    // of dependent trips before the first block-table entries, one fewer before the first q rows.
+    int4 range;
+    if (tile_split) {
+      range = walker.tile_range(context_lens, batch_size, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+    } else {
+      range = Walker::schedule_range(schedule, static_cast<int>(blockIdx.x));
+    }
+    tr.mark<7>(range.x);  // the range is known
     if (is_q_producer) {
-      q_cur = walker.first(sched, context_lens, batch_size);
+      q_cur = walker.first(range, context_lens, batch_size);
       tr.mark<4>(q_cur.len);  // and its context length
     } else {
-      const int guess_b = sched.x, guess_g = sched.y / kSegsPerGroup;
+      // the schedule path guesses the first group from the row alone (exact unless b0 is empty)
+      const bool guess = kEarlyBlockTable && !tile_split;
+      const int guess_b = range.x, guess_g = range.y / kTilesPerGroup;
       const int guess_blk = guess_g * 32 + static_cast<int>(lane);
-      if (kEarlyBlockTable && guess_b < batch_size && guess_blk < block_table_cols)
+      if (guess && guess_b < batch_size && guess_blk < block_table_cols)
         kv_ids = __ldg(block_table + static_cast<int64_t>(guess_b) * block_table_stride + guess_blk);
-      kv_cur = walker.template first_group<kSegsPerGroup>(sched, context_lens, batch_size);
-      if (!kEarlyBlockTable || kv_cur.b != guess_b || kv_cur.g != guess_g) kv_ids = load_ids(kv_cur);
+      kv_cur = walker.template first_group<kTilesPerGroup>(range, context_lens, batch_size);
+      if (!guess || kv_cur.b != guess_b || kv_cur.g != guess_g) kv_ids = load_ids(kv_cur);
       kv_nxt = kv_cur;
-      if (Walker::valid(kv_cur)) kv_nxt = walker.template next_group<kSegsPerGroup>(kv_cur);
+      if (Walker::valid(kv_cur)) kv_nxt = walker.template next_group<kTilesPerGroup>(kv_cur);
       kv_ids_next = load_ids(kv_nxt);  // a whole group ahead
     }
   }
@@ -1090,40 +1152,35 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
       int gen = 0;                   // generation (sequence count) of `cur`
       const bool any = Walker::valid(cur);
       while (Walker::valid(cur)) {
-        const int seg0 = cur.g * kSegsPerGroup;
-        for (int s = cur.s_begin; s < cur.s_stop; ++s) {
-          const int tok0 = s * PagedMqaLogitsLayout::kSplitKV;
-          const int ntiles = (min(PagedMqaLogitsLayout::kSplitKV, cur.len - tok0) + 63) >> 6;
-          // first tile of this segment owned by this producer
-          int t = ((p - k) % K::kP + K::kP) % K::kP;
-          for (; t < ntiles; t += K::kP) {
-            const int kt = k + t;
-            const int j0 = tok0 + 64 * t;
-            const int lb = (s - seg0) * K::kBlocksPerSeg + t * K::kBlocksPerTile;  // < 32
-            const int id0 = __shfl_sync(0xffffffffu, ids, lb);
-            const int id1 = __shfl_sync(0xffffffffu, ids, (lb + 1) & 31);
-            const bool two = K::kBlocksPerTile == 2 && (j0 + BLOCK_KV < cur.len);
-            uint32_t st, ph;
-            stage_of(kt, st, ph);
-            K::issue_kv_tile(sm, tmap_kv, kv_cache, block_stride_bytes, st, ph, make_int4(gen, cur.b, j0, 0), id0,
-                             id1, two, lane, tr);
-            tr.mark<3>();
+        const int tile0 = cur.g * kTilesPerGroup;
+        // first tile of this group owned by this producer
+        for (int t = cur.t_begin + ((p - k) % K::kP + K::kP) % K::kP; t < cur.t_stop; t += K::kP) {
+          const int kt = k + (t - cur.t_begin);
+          const int j0 = 64 * t;
+          const int lb = (t - tile0) * K::kBlocksPerTile;  // < 32
+          const int id0 = __shfl_sync(0xffffffffu, ids, lb);
+          const int id1 = __shfl_sync(0xffffffffu, ids, (lb + 1) & 31);
+          const bool two = K::kBlocksPerTile == 2 && (j0 + BLOCK_KV < cur.len);
+          uint32_t st, ph;
+          stage_of(kt, st, ph);
+          K::issue_kv_tile(sm, tmap_kv, kv_cache, block_stride_bytes, st, ph, make_int4(gen, cur.b, j0, 0), id0, id1,
+                           two, lane, tr);
+          tr.mark<3>();
 #ifdef DI_KERNEL_TRACE
-            if (kt == p) {  // latency of a plain load from the tile just issued (same pages, L2-bypassing L1)
-              int probe;
-              asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(probe) : "l"(kv_cache + static_cast<int64_t>(id0) *
-                                                                                      block_stride_bytes + 4096));
-              tr.mark<5>(probe);
-            }
-#endif
+          if (kt == p) {  // latency of a plain load from the tile just issued (same pages, L2-bypassing L1)
+            int probe;
+            asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(probe) : "l"(kv_cache + static_cast<int64_t>(id0) *
+                                                                                    block_stride_bytes + 4096));
+            tr.mark<5>(probe);
           }
-          k += ntiles;
+#endif
         }
+        k += cur.t_stop - cur.t_begin;
         if (!Walker::valid(nxt)) break;
         if (nxt.b != cur.b) ++gen;
         cur = nxt;
         ids = ids_next;
-        nxt = walker.template next_group<kSegsPerGroup>(cur);
+        nxt = walker.template next_group<kTilesPerGroup>(cur);
         ids_next = load_ids(nxt);
       }
       tr.mark<4>();

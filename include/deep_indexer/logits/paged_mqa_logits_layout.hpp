@@ -24,10 +24,13 @@
 // are bulk-copied into a staging buffer and written into the q slot (folded and/or permuted along D
 // to match the register fragments, see paged_mqa_logits.cuh) by the q producer warp.
 //
-// Work split (also what get_paged_mqa_logits_metadata encodes): every sequence is cut into
-// segments of split_kv() = 256 tokens; each segment is walked as 64-token tiles. (Shorter segments
-// balance the CTAs' tile counts better but make the KV producers walk more segments, which costs
-// more.) Tile k of a CTA's walk goes to math warpgroup k % num_math_wgs() and KV stage k % num_kv_stages.
+// Work split: every sequence is walked as 64-token tiles. get_paged_mqa_logits_metadata deals
+// segments of split_kv() = 256 tokens (DeepGEMM's format). With tile_split (batches of up to
+// kTileSplitMaxBatch sequences; the host takes it where segments are one to two per CTA, see
+// heuristics_sm90.hpp) the kernel deals the tiles themselves instead: every CTA q or q + 1 of all tiles,
+// counted from context_lens, the schedule unread. (Shorter segments in the schedule balance the tile
+// counts too but make the KV producers walk more segments, which costs more.) Tile k of a CTA's walk goes
+// to math warpgroup k % num_math_wgs() and KV stage k % num_kv_stages.
 //
 // Shared memory (offsets from a 1024-byte aligned base; smem_bytes() includes 1024 bytes of slack
 // to align the dynamic shared-memory base):
@@ -79,6 +82,12 @@ struct PagedMqaLogitsLayout {
   static_assert(kSplitKV >= 64 && (kSplitKV & (kSplitKV - 1)) == 0, "split_kv: a power of two >= 64");
   // Segments of a sequence of `len` >= 0 tokens (metadata and logits kernels alike).
   static constexpr DI_HOST_DEVICE int num_segments(int len) { return len / kSplitKV + (len % kSplitKV != 0 ? 1 : 0); }
+  // 64-token tiles of a sequence of `len` >= 0 tokens, and per segment.
+  static constexpr DI_HOST_DEVICE int num_tiles(int len) { return len / kTileTokens + (len % kTileTokens != 0 ? 1 : 0); }
+  static constexpr int kTilesPerSegment = kSplitKV / kTileTokens;
+  // The in-kernel tile split reads every sequence's length in one warp, kTileSplitPerLane per lane.
+  static constexpr int kTileSplitPerLane = 8;
+  static constexpr int kTileSplitMaxBatch = 32 * kTileSplitPerLane;
   constexpr DI_HOST_DEVICE int tile_tokens() const { return kTileTokens; }
   // Math warpgroups (tile k -> WG k % num_math_wgs()): 3 up to N = 128, else 2 (register budget).
   // For N <= 64 the 3 WGs keep two tiles in flight each (pipeline_tiles()), which beats 4 WGs with one
@@ -110,7 +119,6 @@ struct PagedMqaLogitsLayout {
                : ((num_math_wgs() + 1) * launch_regs() - producer_regs()) / num_math_wgs() / 8 * 8;
   }
   constexpr DI_HOST_DEVICE int blocks_per_tile() const { return kTileTokens / block_kv; }
-  constexpr DI_HOST_DEVICE int blocks_per_segment() const { return kSplitKV / block_kv; }
 
   // ---------------------------------------------------------------- q / WGMMA N
   constexpr DI_HOST_DEVICE int n_total() const { return next_n * num_heads; }  // q rows per sequence
