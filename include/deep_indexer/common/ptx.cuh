@@ -404,6 +404,35 @@ struct PipelineState {
   }
 };
 
+// ---------------------------------------------------------------- warp scans
+// v plus the v of the lane `off` above (down) or below (up) this one where that lane exists: the
+// shuffle's own in-range predicate guards the add (no lane compare, no select).
+template <bool kDown>
+DI_DEVICE uint32_t add_shifted(uint32_t v, int off) {
+  uint32_t r;
+  if constexpr (kDown)
+    asm("{\n.reg .b32 o;\n.reg .pred p;\nshfl.sync.down.b32 o|p, %1, %2, 0x1f, 0xffffffff;\n"
+        "mov.b32 %0, %1;\n@p add.u32 %0, %1, o;\n}" : "=r"(r) : "r"(v), "r"(off));
+  else
+    asm("{\n.reg .b32 o;\n.reg .pred p;\nshfl.sync.up.b32 o|p, %1, %2, 0x0, 0xffffffff;\n"
+        "mov.b32 %0, %1;\n@p add.u32 %0, %1, o;\n}" : "=r"(r) : "r"(v), "r"(off));
+  return r;
+}
+
+// Inclusive warp scan of `v` from the top lane down: returns the sum over lanes >= this lane.
+DI_DEVICE uint32_t warp_suffix_sum(uint32_t v) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) v = add_shifted<true>(v, off);
+  return v;
+}
+
+// Inclusive warp scan from lane 0 up.
+DI_DEVICE uint32_t warp_prefix_sum(uint32_t v) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) v = add_shifted<false>(v, off);
+  return v;
+}
+
 // ---------------------------------------------------------------- global memory
 // The 128-byte line of `p` asked of L2 (no data returned, no register).
 DI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }

@@ -235,12 +235,7 @@ struct RangeWalker {
       tiles[i] = L::num_tiles(load_len(lane * P + i));
       sum += tiles[i];
     }
-    int incl = sum;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
+    const int incl = static_cast<int>(ptx::warp_prefix_sum(static_cast<uint32_t>(sum)));
     const int total = __shfl_sync(0xffffffffu, incl, 31);
     const int q = total / ctas, r = total % ctas;
     const int x0 = cta * q + min(cta, r);

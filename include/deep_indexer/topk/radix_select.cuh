@@ -1,7 +1,9 @@
-// Radix-select primitives shared by the top-k kernels: order-preserving keys, warp scans and the
-// block-wide search of the bin that holds the k-th largest key.
+// Radix-select primitives shared by the top-k kernels: order-preserving keys and the block-wide search
+// of the bin that holds the k-th largest key (the warp scans they use are in common/ptx.cuh).
 #pragma once
 #include <cstdint>
+
+#include <deep_indexer/common/ptx.cuh>
 
 namespace deep_indexer::radix {
 
@@ -68,34 +70,6 @@ __device__ __forceinline__ uint32_t raw_at(const uint4& v, int c) {
   else return (c & 1) ? (w >> 16) : (w & 0xFFFFu);
 }
 
-// v plus the v of the lane `off` above (down) or below (up) this one where that lane exists: the
-// shuffle's own in-range predicate guards the add (no lane compare, no select).
-template <bool kDown>
-__device__ __forceinline__ uint32_t add_shifted(uint32_t v, int off) {
-  uint32_t r;
-  if constexpr (kDown)
-    asm("{\n.reg .b32 o;\n.reg .pred p;\nshfl.sync.down.b32 o|p, %1, %2, 0x1f, 0xffffffff;\n"
-        "mov.b32 %0, %1;\n@p add.u32 %0, %1, o;\n}" : "=r"(r) : "r"(v), "r"(off));
-  else
-    asm("{\n.reg .b32 o;\n.reg .pred p;\nshfl.sync.up.b32 o|p, %1, %2, 0x0, 0xffffffff;\n"
-        "mov.b32 %0, %1;\n@p add.u32 %0, %1, o;\n}" : "=r"(r) : "r"(v), "r"(off));
-  return r;
-}
-
-// Inclusive warp scan of `v` from the top lane down: returns the sum over lanes >= this lane.
-__device__ __forceinline__ uint32_t warp_suffix_sum(uint32_t v) {
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) v = add_shifted<true>(v, off);
-  return v;
-}
-
-// Inclusive warp scan from lane 0 up.
-__device__ __forceinline__ uint32_t warp_prefix_sum(uint32_t v) {
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) v = add_shifted<false>(v, off);
-  return v;
-}
-
 // Sum of `v` over the warps below this one (w < warp), once every warp's lane 0 (or any one lane) has
 // written its total to warp_sums[w] and the block has synchronised; `total` gets every warp's sum. One
 // load and a shuffle scan, no loop.
@@ -104,7 +78,7 @@ __device__ __forceinline__ uint32_t sum_of_warps_below(const uint32_t* warp_sums
   static_assert(kWarps <= 32, "one warp sum per lane");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t s = lane < kWarps ? warp_sums[lane] : 0u;
-  const uint32_t incl = warp_prefix_sum(s);  // lanes <= l
+  const uint32_t incl = ptx::warp_prefix_sum(s);  // lanes <= l
   total = __shfl_sync(kFullMask, incl, 31);
   return __shfl_sync(kFullMask, incl - s, warp);
 }
@@ -143,12 +117,12 @@ __device__ __forceinline__ KthBin find_kth_bin(BinCount bin_count, uint32_t k, u
   uint32_t from_warp = lane < kWarps ? warp_sums[lane] : 0u;
   const uint32_t warp_total_l = from_warp;
 #pragma unroll
-  for (int off = 1; off < kWarps; off <<= 1) from_warp = add_shifted<true>(from_warp, off);
+  for (int off = 1; off < kWarps; off <<= 1) from_warp = ptx::add_shifted<true>(from_warp, off);
   // those sums fall with the lane: the warp holding the k-th key is the last lane whose sum reaches k
   const int holder = 31 - __clz(__ballot_sync(kFullMask, from_warp >= k));
   if (warp == holder) {
     uint32_t above = __shfl_sync(kFullMask, from_warp - warp_total_l, holder);  // keys in warps above
-    const uint32_t incl = warp_suffix_sum(own);
+    const uint32_t incl = ptx::warp_suffix_sum(own);
     above += incl - own;
     if (above < k && k <= above + own) {  // one thread: the k-th key's bin is one of its own
       // NOTES: bins in rising order: `below` falls to the keys above bin i, and the first bin it leaves under
@@ -179,7 +153,7 @@ __device__ __forceinline__ KthBin find_kth_bin_warp0(BinCount bin_count, uint32_
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
     const uint32_t c = bin_count(lane);
-    const uint32_t incl = warp_suffix_sum(c);  // keys in bins >= lane
+    const uint32_t incl = ptx::warp_suffix_sum(c);  // keys in bins >= lane
     if (incl - c < k && k <= incl) {  // one lane: bins are counted in order
       result[0] = static_cast<uint32_t>(lane);
       result[1] = incl - c;

@@ -452,7 +452,7 @@ struct TopkKernel {
         cnt[q] = __popc(gw[q]) | (__popc(ew[q]) << 16);
         mine += cnt[q];
       }
-      const uint32_t incl = radix::warp_prefix_sum(mine);
+      const uint32_t incl = ptx::warp_prefix_sum(mine);
       if (lane == 31) warp_sums[warp] = incl;
       __syncthreads();
       uint32_t all;
@@ -697,7 +697,7 @@ __global__ void __launch_bounds__(kThreads, TopkLayout::ctas_per_sm(kThreads)) t
       const uint32_t my = __popc(bits);
       // NOTES: lane 0 reserves the warp's slots with the suffix sum it holds (the warp's total); a
       // lane's first slot is the end of the reservation less its suffix sum (lanes in order).
-      const uint32_t suffix = radix::warp_suffix_sum(my);  // survivors of the lanes >= this one
+      const uint32_t suffix = ptx::warp_suffix_sum(my);  // survivors of the lanes >= this one
       uint32_t end = 0;
       if (lane == 0) {
         if constexpr (kCluster) end = atomicAdd(dst_count, suffix) + suffix;

@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
               t += q < num_ctas ? v[q] : 0u;
               t_low += q < rank ? v[q] : 0u;
             }
-            const uint32_t incl = radix::warp_suffix_sum(t);  // keys in groups >= lane
+            const uint32_t incl = ptx::warp_suffix_sum(t);  // keys in groups >= lane
             const uint32_t g_hit = __ballot_sync(radix::kFullMask, incl - t < k_rem && k_rem <= incl);
             const int g = __ffs(g_hit) - 1;
             const uint32_t g_above = __shfl_sync(radix::kFullMask, incl - t, g);
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
               b_low.y += low ? o[q].y : 0u;
             }
             const uint32_t pair = b.x + b.y;
-            const uint32_t incl2 = radix::warp_suffix_sum(pair) + g_above;  // keys in bins >= 64 g + 2 lane
+            const uint32_t incl2 = ptx::warp_suffix_sum(pair) + g_above;  // keys in bins >= 64 g + 2 lane
             const uint32_t above2 = incl2 - pair;
             const bool upper = k_rem <= above2 + b.y;  // at the hit lane: bin 2 lane + 1 holds the k_rem-th key
             const int f = __ffs(__ballot_sync(radix::kFullMask, above2 < k_rem && k_rem <= incl2)) - 1;
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) topk_resident_kernel(con
       if (lane == 0) scalars[TopkResidentLayout::kScalarTableRow] = static_cast<uint32_t>(first);
     }
     const uint32_t mine = __popc(gt) | (__popc(eq) << 16);
-    const uint32_t incl = radix::warp_prefix_sum(mine);
+    const uint32_t incl = ptx::warp_prefix_sum(mine);
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     uint32_t all;
