@@ -1042,6 +1042,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   // A launch with programmatic stream serialization (PDL) may start before the previous kernel has
   // finished: every read of the inputs comes after this (a no-op otherwise).
   ptx::grid_dependency_wait();
+  // NOTES: the next kernel (the fused call's top-k) may launch at once: its CTAs take the SMs whose CTAs end
+  // first and start up there, and its own griddepcontrol.wait still waits for this whole grid and its stores.
+  // After the wait above, so a dependent's launch also follows the kernels before this one.
+  ptx::launch_dependents();
 
   // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes is slower)
   // while the producers resolve their first work items (schedule rows -> context lengths -> block

@@ -12,9 +12,9 @@
 // Launch: grid 1, block kNumThreads, no dynamic shared memory. Any batch size with kMultiChunk (chunks
 // of kNumThreads * 4 sequences with a block-wide scan), else at most kNumThreads * 4. No host synchronization; graph-capturable.
 // Assumes T < 2^31 (i.e. the total number of 256-token segments fits in int32).
-// Ends with griddepcontrol.launch_dependents (a no-op unless the next kernel is launched with
-// programmatic stream serialization; that kernel's griddepcontrol.wait still waits for this grid
-// to complete and flush).
+// Triggers its dependents right after its own griddepcontrol.wait (a no-op unless the next kernel is
+// launched with programmatic stream serialization; that kernel's griddepcontrol.wait still waits for
+// this grid to complete and flush).
 #pragma once
 #include <cstdint>
 
@@ -71,6 +71,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   Tracer tr;
   tr.start();
   ptx::grid_dependency_wait();
+  // NOTES: the logits kernel may launch at once and start up beside this one; it reads the schedule only after
+  // its own griddepcontrol.wait, which waits for this grid to complete and flush.
+  ptx::launch_dependents();
 
   // Exclusive block scan of one value per thread; returns the prefix, *total = block sum.
   // Ends with the shared scratch free for reuse (trailing barrier).
@@ -203,7 +206,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   }
 
-  ptx::launch_dependents();
   tr.mark<6>();
   if (tid == 0) tr.print("meta", 0, batch_size);
 }
