@@ -1000,7 +1000,7 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
                             int64_t block_table_stride, int block_table_cols, const int* __restrict__ schedule,
                             OutT* __restrict__ logits, int64_t logits_stride, int batch_size, int max_context_len,
                             const int* __restrict__ indices, const uint8_t* __restrict__ q_raw,
-                            const int* __restrict__ q_sf, int tile_split) {
+                            const int* __restrict__ q_sf, int tile_split, int early_trigger) {
   static_assert(std::is_same<OutT, float>::value || std::is_same<OutT, __nv_bfloat16>::value, "OutT");
   using K = paged_mqa_detail::PagedMqaKernel<kNextN, kNumHeads, kHeadDim, BLOCK_KV, kNumKVStages, kNumMathWGs,
                                              kContextLens2D, OutT, kSplitRelu, kVarlen, kQFp4, kKVFp4>;
@@ -1044,8 +1044,10 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   ptx::grid_dependency_wait();
   // NOTES: the next kernel (the fused call's top-k) may launch at once: its CTAs take the SMs whose CTAs end
   // first and start up there, and its own griddepcontrol.wait still waits for this whole grid and its stores.
-  // After the wait above, so a dependent's launch also follows the kernels before this one.
-  ptx::launch_dependents();
+  // After the wait above, so a dependent's launch also follows the kernels before this one. The host passes
+  // early_trigger = 0 where the grid leaves SMs idle: a dependent's CTAs would wait there through the whole
+  // grid, in the way of other streams' work.
+  if (early_trigger) ptx::launch_dependents();
 
   // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes is slower)
   // while the producers resolve their first work items (schedule rows -> context lengths -> block
