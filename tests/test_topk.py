@@ -826,6 +826,34 @@ def test_fused_decode_matches_standalone(next_n, two_d, mode):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("sm_share", ["third", "all_but_one", "all", "twice"])
+def test_fused_decode_schedule_sm_counts(sm_share):
+    # a schedule for fewer SMs than the GPU's (the logits kernel then lets the top-k launch only at its end),
+    # for all of them and for more (both let it launch at once): the same indices as the composition
+    from deep_indexer.bench import decode_inputs
+
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    num_sms = {"third": sms // 3, "all_but_one": sms - 1, "all": sms, "twice": 2 * sms}[sm_share]
+    B, next_n, avg, H, D, block_kv, k = 40, 2, 6000, 64, 128, 64, 1024
+    x = decode_inputs(B, next_n, avg, H, D, block_kv, DEV, seed=num_sms)
+    ctx = x["context_lens"]
+    meta = di.get_paged_mqa_logits_metadata(ctx, block_kv, num_sms)
+    assert meta.shape[0] == num_sms + 1
+    logits = di.fp8_paged_mqa_logits(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                     x["max_context_len"], False)
+    want = di.topk_indices(logits, k, context_lens=ctx, next_n=next_n)
+    out = torch.full((B * next_n, k), -7, dtype=torch.int32, device=DEV)
+    for _ in range(3):
+        out.fill_(-7)
+        got = di.fp8_paged_mqa_topk_indices(x["q"], x["kv_cache"], x["weights"], ctx, x["block_table"], meta,
+                                            x["max_context_len"], k, out=out)
+        assert torch.equal(got, want)
+    ref = reference.topk_indices(logits.cpu(), k, context_lens=ctx.cpu(), next_n=next_n)
+    assert torch.equal(want.cpu(), ref)
+
+
+@requires_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("next_n,H,D,block_kv", [(3, 32, 64, 32), (8, 16, 128, 64), (5, 128, 64, 32), (1, 32, 128, 32)])
 def test_fused_decode_heads_dims_blocks(next_n, H, D, block_kv):
     from deep_indexer.bench import decode_inputs
