@@ -169,6 +169,18 @@ inline bool paged_mqa_tile_split(int64_t batch, int64_t max_context_len, int64_t
   return split;
 }
 
+// Decode logits: the kernel lets its next kernel (the fused call's top-k) launch as soon as it starts only where
+// its grid gives every SM of the GPU a CTA. A schedule for fewer SMs leaves SMs to other streams, where the next
+// kernel's CTAs would otherwise wait through the whole logits kernel.
+inline bool paged_mqa_early_trigger(int64_t ctas, int64_t gpu_sms) {
+  const bool early = ctas >= gpu_sms;
+  print_choice([&] {
+    return fmt::format("paged_mqa_logits ctas={} of {} SMs: next kernel launched {}", ctas, gpu_sms,
+                       early ? "at once" : "at the end");
+  });
+  return early;
+}
+
 // Decode metadata: the compact single-chunk kernel for batches it can hold (its critical path is
 // mostly instruction fetch, so less code is faster).
 inline bool paged_mqa_metadata_small(int64_t batch) { return batch <= kPagedMqaMetadataSmallBatch; }

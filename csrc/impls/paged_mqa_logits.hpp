@@ -119,7 +119,7 @@ struct PagedMqaLogitsRuntime : jit::KernelRuntime<PagedMqaLogitsRuntime> {
                 a.context_lens, a.block_table, a.block_table_stride, a.block_table_cols, a.schedule, a.logits, a.logits_stride,
                 a.batch_size, a.max_context_len, a.indices, static_cast<const uint8_t*>(a.q), a.q_sf,
                 static_cast<int>(sm90::paged_mqa_tile_split(a.batch_size, a.max_context_len, a.num_sms)),
-                static_cast<int>(a.num_sms >= jit::device_info(device).num_sms));  // early_trigger: every SM holds a CTA
+                static_cast<int>(sm90::paged_mqa_early_trigger(a.num_sms, jit::device_info(device).num_sms)));
   }
 };
 

@@ -1044,9 +1044,8 @@ __global__ void __launch_bounds__(PagedMqaLogitsLayout{kNextN, kNumHeads, kHeadD
   ptx::grid_dependency_wait();
   // NOTES: the next kernel (the fused call's top-k) may launch at once: its CTAs take the SMs whose CTAs end
   // first and start up there, and its own griddepcontrol.wait still waits for this whole grid and its stores.
-  // After the wait above, so a dependent's launch also follows the kernels before this one. The host passes
-  // early_trigger = 0 where the grid leaves SMs idle: a dependent's CTAs would wait there through the whole
-  // grid, in the way of other streams' work.
+  // After the wait above, so a dependent's launch also follows the kernels before this one. early_trigger:
+  // sm90::paged_mqa_early_trigger (not where the grid leaves SMs to other streams).
   if (early_trigger) ptx::launch_dependents();
 
   // NOTES: thread 0 sets the barriers up (spreading this over warp 0's lanes is slower)
